@@ -1,0 +1,20 @@
+"""jaxllm: long-context Llama-2 inference in JAX over ragged, distributed rBlock attention.
+
+Public names load lazily, so `import jaxllm.config` (or `--help` of a command) stays cheap.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "jaxllm.llm", "Completion": "jaxllm.llm", "EngineOptions": "jaxllm.llm",
+    "LlamaConfig": "jaxllm.config", "RopeScaling": "jaxllm.config", "preset": "jaxllm.config",
+    "SamplingParams": "jaxllm.sampling",
+}
+__all__ = sorted(_EXPORTS)
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")

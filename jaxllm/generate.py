@@ -1,0 +1,57 @@
+"""`python -m jaxllm.generate [--model M] "prompt"`: print a completion.
+
+With no --model it runs the embedded `tiny` default (deterministic random weights, byte-level
+tokenizer), offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxllm.generate", description=__doc__.splitlines()[0])
+    p.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    p.add_argument("--model", default="tiny", help="preset name, HuggingFace directory or Orbax directory (default: tiny)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--no-stream", action="store_true", help="print each completion when done instead of streaming")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxllm import LLM  # after argument parsing, so --help is instant
+
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context)
+        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed, stop=args.stop)
+        start = time.perf_counter()
+        if len(args.prompt) == 1 and not args.no_stream:
+            sys.stdout.write(args.prompt[0])
+            for piece in llm.stream(args.prompt[0], **sampling):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            for prompt, completion in zip(args.prompt, llm.generate(args.prompt, **sampling)):
+                print(f"{prompt}{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]")
+        print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles]",
+              file=sys.stderr)
+    except (ValueError, FileNotFoundError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

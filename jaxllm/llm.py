@@ -1,0 +1,249 @@
+"""The Python generate API: `LLM(model).generate(...)`, `.stream(...)`, `.logits(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.allocator import BlockAllocator
+from jaxllm.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
+from jaxllm.runner import Runner
+from jaxllm.sampling import SamplingParams
+from jaxllm.scheduler import Scheduler, Sequence, Status
+from jaxllm.tokenizer import StreamDecoder, load_tokenizer
+from jaxllm.weights import load_model
+
+_CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or context limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """KV pool and batching limits; defaults suit the device found at start-up."""
+
+    kv_dtype: str | None = None  # default: the model's dtype
+    block_size: int | None = None  # tokens per rBlock
+    num_blocks: int | None = None  # rBlocks per layer; default from kv_memory_fraction
+    kv_memory_fraction: float = 0.85  # of the device memory left after weights (GPU)
+    max_tokens_per_step: int | None = None
+    max_seqs: int = 256
+    attention_backend: str = "auto"
+
+    def __post_init__(self):
+        if not (0.0 < self.kv_memory_fraction <= 1.0):
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        for name in ("block_size", "num_blocks", "max_tokens_per_step"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_seqs <= 0:
+            raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
+
+
+class _TextTracker:
+    """Incremental text of one sequence, and stop-string matching on it."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop = stop
+        self.text = ""
+        self.emitted = 0  # characters already handed to a streaming caller
+        self.stopped = False
+
+    def push(self, token_id: int) -> None:
+        before = len(self.text)
+        self.text += self.decoder.push(token_id)
+        if self.stop:
+            longest = max(len(s) for s in self.stop)
+            window_start = max(0, before - longest + 1)
+            hits = [i for i in (self.text.find(s, window_start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+
+    def finish(self) -> None:
+        if not self.stopped:
+            self.text += self.decoder.flush()
+
+    def take(self, final: bool) -> str:
+        """Text not yet emitted; holds back a tail that might still grow into a stop string."""
+        end = len(self.text)
+        if not final and self.stop:
+            end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
+        piece = self.text[self.emitted:end]
+        self.emitted = end
+        return piece
+
+
+class LLM:
+    """A Llama-2 family model ready to generate.
+
+    Args:
+      model: a preset name ("tiny", "llama2-7b", ...), a HuggingFace directory or an Orbax directory.
+      dtype: parameter/activation dtype ("float32", "bfloat16", "float16"); default the checkpoint's.
+      max_context: longest sequence (prompt + generated) accepted; default the model's window.
+      options: KV pool and batching limits (EngineOptions).
+    """
+
+    def __init__(self, model: str, *, dtype=None, max_context: int | None = None,
+                 options: EngineOptions | None = None, progress: bool = True):
+        self.model, tokenizer_dir = load_model(model, dtype=dtype, progress=progress)
+        self.config = self.model.config
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        if max_context is None:
+            max_context = self.config.max_context
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
+            raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
+        self.max_context = max_context
+        self.options = options or EngineOptions()
+        on_gpu = jax.default_backend() == "gpu"
+        block_size = self.options.block_size or (256 if on_gpu else 16)
+        pool_dtype = self.options.kv_dtype or jnp.dtype(self.model.embedding[...].dtype).name
+        num_blocks = self.options.num_blocks or self._default_num_blocks(block_size, pool_dtype, on_gpu)
+        max_step = self.options.max_tokens_per_step or (4096 if on_gpu else 512)
+        kv_cache = init_kv_cache(self.config, num_blocks, block_size, kv_dtype(pool_dtype))
+        self.runner = Runner(self.model, kv_cache, backend=self.options.attention_backend)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
+                                   max_seqs=self.options.max_seqs)
+
+    def _default_num_blocks(self, block_size: int, pool_dtype: str, on_gpu: bool) -> int:
+        per_block = kv_bytes_per_block(self.config, block_size, pool_dtype)
+        if on_gpu:
+            stats = jax.devices()[0].memory_stats() or {}
+            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            budget = int(free * self.options.kv_memory_fraction)
+        else:
+            # Enough for a few full-length sequences, within a modest share of host memory.
+            budget = min(_CPU_KV_BYTES, 4 * self.max_context * per_block // block_size)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise MemoryError(f"no room for a KV pool: one rBlock needs {per_block} bytes, {budget} are free")
+        return num_blocks
+
+    # ----- limits -----
+
+    @property
+    def compile_count(self) -> int:
+        """Step functions compiled so far (the metric that must stay flat after warm-up)."""
+        return self.runner.compile_count
+
+    def _pool_tokens(self) -> int:
+        return self.allocator.num_blocks * self.runner.block_size
+
+    def _encode(self, prompt, index: int) -> list[int]:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt {index} must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty")
+        ids = self.tokenizer.encode(prompt)
+        self._check_length(len(ids), f"prompt {index}")
+        return ids
+
+    def _check_length(self, num_tokens: int, what: str) -> None:
+        if num_tokens > self.max_context:
+            raise ValueError(f"{what} has {num_tokens} tokens, more than max_context {self.max_context}")
+        if num_tokens > self._pool_tokens():
+            raise ValueError(f"{what} has {num_tokens} tokens, more than the KV pool holds ({self._pool_tokens()})")
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> Sequence:
+        max_len = min(self.max_context, self._pool_tokens())
+        return self.scheduler.add(ids, params, max_len=max_len)
+
+    # ----- the loop -----
+
+    def _step(self, trackers: dict[int, _TextTracker]) -> list[Sequence]:
+        plan = self.scheduler.plan()
+        if plan is None:
+            raise RuntimeError("scheduler has waiting work but could plan no step (pool too small?)")
+        sampled = self.runner.step(plan)
+        advanced = self.scheduler.update(plan, sampled, self.tokenizer.eos_id)
+        for seq in advanced:
+            tracker = trackers.get(seq.seq_id)
+            if tracker is None:
+                continue
+            tracker.push(seq.output_ids[-1])
+            if tracker.stopped and seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "stop")
+        return advanced
+
+    def generate(self, prompts: str | Seq[str], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None) -> list[Completion]:
+        """Complete each prompt; all prompts run together, continuously batched."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, stop=stop or ())
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        seqs = [self._submit(ids, params) for ids in encoded]
+        trackers = {s.seq_id: _TextTracker(self.tokenizer, params.stop) for s in seqs}
+        try:
+            while any(s.status is not Status.FINISHED for s in seqs):
+                self._step(trackers)
+        except BaseException:
+            for s in seqs:
+                self.scheduler.cancel(s)
+            raise
+        out = []
+        for s in seqs:
+            tracker = trackers[s.seq_id]
+            tracker.finish()
+            out.append(Completion(tracker.text, list(s.output_ids), s.finish_reason))
+        return out
+
+    def stream(self, prompt: str, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None) -> Iterator[str]:
+        """Yield text pieces of one completion as its tokens are produced."""
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, stop=stop or ())
+        seq = self._submit(self._encode(prompt, 0), params)
+        tracker = _TextTracker(self.tokenizer, params.stop)
+        trackers = {seq.seq_id: tracker}
+        try:
+            while seq.status is not Status.FINISHED:
+                self._step(trackers)
+                piece = tracker.take(final=False)
+                if piece:
+                    yield piece
+            tracker.finish()
+            piece = tracker.take(final=True)
+            if piece:
+                yield piece
+        finally:
+            # A caller that stops iterating early frees the sequence's rBlocks.
+            self.scheduler.cancel(seq)
+
+    def logits(self, token_ids: Seq[int]) -> np.ndarray:
+        """Teacher-forced logits [len(token_ids), vocab] (float32), prefilled in chunks."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("token_ids is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        self._check_length(len(ids), "token_ids")
+        if self.scheduler.has_work():
+            raise RuntimeError("logits() cannot run while generation is in progress")
+        # One sequence, prefilled chunk by chunk; max_new_tokens=1 so the scheduler never samples past it.
+        seq = self.scheduler.add(ids, SamplingParams(max_new_tokens=1), max_len=len(ids) + 1)
+        chunks = []
+        try:
+            while seq.num_computed < len(ids):
+                plan = self.scheduler.plan()
+                chunks.append(self.runner.logits(plan))
+                seq.num_computed = int(plan.kv_lens[0])
+        finally:
+            self.scheduler.cancel(seq)
+        return np.concatenate(chunks, axis=0)

@@ -1,0 +1,135 @@
+"""Llama-2 in Flax NNX: RMSNorm, RoPE, GQA attention over the rBlock pool, SwiGLU MLP.
+
+The model runs on packed tokens of many sequences at once ([tokens, ...], no batch axis);
+where each token's K/V goes and what it attends to comes from `AttentionBatch`. The KV pool
+is an argument and a result, never module state.
+
+Parameter layout (einsum-friendly; weights.py maps HuggingFace names onto it):
+  embedding                 [vocab, hidden]
+  layers[i].attention.q     [hidden, num_heads, head_dim]
+  layers[i].attention.k/v   [hidden, num_kv_heads, head_dim]
+  layers[i].attention.o     [num_heads, head_dim, hidden]
+  layers[i].mlp.gate/up     [hidden, intermediate]
+  layers[i].mlp.down        [intermediate, hidden]
+  layers[i].input_norm, layers[i].post_attention_norm, final_norm   [hidden]
+  lm_head                   [hidden, vocab]   (absent when tie_word_embeddings)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import LlamaConfig
+from jaxllm.kv_cache import AttentionBatch, KVCache, LayerKV
+from jaxllm.rope import apply_rope, inverse_frequencies, rope_tables
+from pallas_kernels.dispatch import ragged_attention
+from pallas_kernels.kv_write import write_kv
+
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int | None = None) -> nnx.Param:
+    # Scaled normal init keeps random-weight models (tests, benchmarks) numerically tame.
+    std = _INIT_STD if fan_in is None else fan_in ** -0.5
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # As HF Llama: normalise in float32, cast back, then scale.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, rngs: nnx.Rngs):
+        self.q = _param(rngs, (hidden, num_heads, head_dim), dtype, fan_in=hidden)
+        self.k = _param(rngs, (hidden, num_kv_heads, head_dim), dtype, fan_in=hidden)
+        self.v = _param(rngs, (hidden, num_kv_heads, head_dim), dtype, fan_in=hidden)
+        self.o = _param(rngs, (num_heads, head_dim, hidden), dtype, fan_in=num_heads * head_dim)
+
+    def __call__(self, x, cos, sin, layer_kv: LayerKV, batch: AttentionBatch, backend: str):
+        q = jnp.einsum("TD,DNH->TNH", x, self.q[...])  # [T, Hq, hd]
+        k = jnp.einsum("TD,DKH->TKH", x, self.k[...])  # [T, Hkv, hd]
+        v = jnp.einsum("TD,DKH->TKH", x, self.v[...])  # [T, Hkv, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pool, v_pool, k_scale, v_scale = write_kv(layer_kv.k, layer_kv.v, k, v, batch.slot_mapping,
+                                                    layer_kv.k_scale, layer_kv.v_scale)
+        out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
+                               decode=batch.decode, k_scale=k_scale, v_scale=v_scale, backend=backend)
+        out = jnp.einsum("TNH,NHD->TD", out.astype(x.dtype), self.o[...])
+        return out, LayerKV(k_pool, v_pool, k_scale, v_scale)
+
+
+class MLP(nnx.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+        self.gate = _param(rngs, (hidden, intermediate), dtype, fan_in=hidden)
+        self.up = _param(rngs, (hidden, intermediate), dtype, fan_in=hidden)
+        self.down = _param(rngs, (intermediate, hidden), dtype, fan_in=intermediate)
+
+    def __call__(self, x):
+        gate = jnp.einsum("TD,DF->TF", x, self.gate[...])
+        up = jnp.einsum("TD,DF->TF", x, self.up[...])
+        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, self.down[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attention = Attention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                   dtype, rngs)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, cos, sin, layer_kv, batch, backend):
+        attn_out, layer_kv = self.attention(self.input_norm(x), cos, sin, layer_kv, batch, backend)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_norm(x))
+        return x, layer_kv
+
+
+class Llama(nnx.Module):
+    """Llama-2 over packed tokens. `dtype` is both the parameter and the activation dtype."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embedding = _param(rngs, (config.vocab_size, config.hidden_size), dtype)
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype, fan_in=config.hidden_size)
+        # Not a Param: fixed by the config, kept out of checkpoints.
+        self.inv_freq = nnx.Variable(jnp.asarray(inverse_frequencies(config), jnp.float32))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, batch: AttentionBatch,
+                 *, backend: str = "auto") -> tuple[jax.Array, KVCache]:
+        """tokens, positions [T] int32 -> (final hidden states [T, hidden], updated KV pool)."""
+        x = self.embedding[...][tokens]  # [T, D]
+        cos, sin = rope_tables(self.inv_freq[...], positions)
+        new_layers = []
+        for layer, layer_kv in zip(self.layers, kv_cache.layers):
+            x, layer_kv = layer(x, cos, sin, layer_kv, batch, backend)
+            new_layers.append(layer_kv)
+        return self.final_norm(x), KVCache(new_layers)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [N, D] -> logits [N, vocab] in float32."""
+        head = self.embedding[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return jnp.einsum("ND,DV->NV", hidden, head, preferred_element_type=jnp.float32)
+
+
+def init_model(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0) -> Llama:
+    """A model with deterministic random weights (the `tiny` default, tests, benchmarks)."""
+    return Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(config: LlamaConfig, *, dtype=jnp.float32) -> Llama:
+    """The model's structure with ShapeDtypeStructs in place of arrays (for loading without allocating twice)."""
+    return nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(params=0)))

@@ -1,0 +1,85 @@
+"""Token sampling on device: greedy, temperature, top-k, top-p, with a per-request seed.
+
+Each row's randomness comes from (its request's seed, the position of the token it samples),
+never from the batch, so a request samples the same tokens alone or in a crowded batch, and
+again after preemption and recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**31):
+            raise ValueError(f"seed must be an integer in [0, 2**31), got {self.seed!r}")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        object.__setattr__(self, "stop", stop)
+
+
+def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """Sample one token per row.
+
+    Args:
+      logits: [rows, vocab] float32.
+      temperature, top_p: [rows] float32; temperature 0 means greedy.
+      top_k: [rows] int32; 0 disables it.
+      seeds, positions: [rows] int32; the position of the token being sampled.
+    Returns:
+      [rows] int32 token ids.
+    """
+    vocab = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)  # [rows, vocab], most likely first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # Always keep the most likely token, so top_p never empties a row.
+    keep = keep & ((mass_before < top_p[:, None]) | (rank == 0))
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    def draw(row_logits, seed, position):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
+        return jax.random.categorical(key, row_logits)
+
+    choice = jax.vmap(draw)(masked, seeds, positions)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

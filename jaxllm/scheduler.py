@@ -1,0 +1,222 @@
+"""Continuous batching: which tokens of which sequences run in the next step. Pure Python.
+
+Every step has one token budget shared by decodes (one token per running sequence) and prefill
+chunks of sequences still reading their prompt. When the pool runs out, the youngest running
+sequence is preempted: its rBlocks are freed and it is re-queued at the front to recompute its
+prompt and the tokens it had produced, so no accepted request is ever lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+
+import numpy as np
+
+from jaxllm.allocator import BlockAllocator, OutOfBlocks
+from jaxllm.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int  # prompt + new tokens may not exceed this (the context limit)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step's work as numpy arrays (unpadded; the runner pads them to a bucket).
+
+    token_ids, positions, slot_mapping: [T]; cu_q_lens [S+1]; kv_lens [S]; block_tables [S, W];
+    sample [S] bool: the chunk ends at the sequence's last token, so its logits sample a new one.
+    """
+
+    seqs: list[Sequence]
+    token_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    cu_q_lens: np.ndarray
+    kv_lens: np.ndarray
+    block_tables: np.ndarray
+    sample: np.ndarray
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_tokens_per_step: int, max_seqs: int):
+        if max_tokens_per_step <= 0 or max_seqs <= 0:
+            raise ValueError("max_tokens_per_step and max_seqs must be positive")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_tokens_per_step = max_tokens_per_step
+        self.max_seqs = max_seqs
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # oldest first
+        self._ids = itertools.count()
+
+    # ----- requests -----
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, max_len: int) -> Sequence:
+        seq = Sequence(next(self._ids), list(prompt_ids), params, max_len)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        self._finish(seq, "cancelled")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- planning -----
+
+    def plan(self) -> StepPlan | None:
+        """The next step, or None when nothing can run."""
+        budget = self.max_tokens_per_step
+        chunks: list[tuple[Sequence, int]] = []
+        # Running sequences first (oldest first): decodes cost one token each.
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted while making room for an older one
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self._reserve(seq, seq.num_computed + n, protect=[s for s, _ in chunks]):
+                chunks.append((seq, n))
+                budget -= n
+        # Then admit waiting sequences while budget, slots and rBlocks allow (no preemption for them).
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            try:
+                self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + n))
+            except OutOfBlocks:
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunks.append((seq, n))
+            budget -= n
+        if not chunks:
+            return None
+        return self._build(chunks)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, protect: list[Sequence]) -> bool:
+        """Grow seq's rBlocks to hold num_tokens, preempting the youngest other sequences if needed."""
+        while True:
+            try:
+                self.allocator.grow(seq.seq_id, self._blocks_for(num_tokens))
+                return True
+            except OutOfBlocks:
+                victims = [s for s in reversed(self.running) if s is not seq and s not in protect]
+                if not victims:
+                    # Nothing left to evict: this sequence itself goes back to wait.
+                    self._preempt(seq)
+                    return False
+                self._preempt(victims[0])
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    def _build(self, chunks: list[tuple[Sequence, int]]) -> StepPlan:
+        bs = self.block_size
+        token_ids, positions, slots, kv_lens, tables, sample = [], [], [], [], [], []
+        cu = [0]
+        for seq, n in chunks:
+            start = seq.num_computed
+            ids = seq.token_ids[start:start + n]
+            blocks = self.allocator.blocks(seq.seq_id)
+            pos = np.arange(start, start + n)
+            token_ids.append(np.asarray(ids, np.int32))
+            positions.append(pos.astype(np.int32))
+            slots.append((np.asarray(blocks, np.int64)[pos // bs] * bs + pos % bs).astype(np.int32))
+            kv_lens.append(start + n)
+            tables.append(blocks)
+            sample.append(start + n == seq.num_tokens)
+            cu.append(cu[-1] + n)
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(chunks), width), np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        return StepPlan(
+            seqs=[s for s, _ in chunks],
+            token_ids=np.concatenate(token_ids),
+            positions=np.concatenate(positions),
+            slot_mapping=np.concatenate(slots),
+            cu_q_lens=np.asarray(cu, np.int32),
+            kv_lens=np.asarray(kv_lens, np.int32),
+            block_tables=block_tables,
+            sample=np.asarray(sample, bool),
+        )
+
+    # ----- results -----
+
+    def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int) -> list[Sequence]:
+        """Record a step's results; returns the sequences that received a new token."""
+        advanced = []
+        for i, seq in enumerate(plan.seqs):
+            if seq.status is not Status.RUNNING:
+                continue  # cancelled while the step ran
+            seq.num_computed = int(plan.kv_lens[i])
+            if not plan.sample[i]:
+                continue
+            token = int(sampled[i])
+            if token == eos_id and not seq.params.ignore_eos:
+                self._finish(seq, "stop")
+                continue
+            seq.output_ids.append(token)
+            advanced.append(seq)
+            if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_len:
+                self._finish(seq, "length")
+        return advanced
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence early (stop string matched, client gone)."""
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.seq_id)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,113 @@
+"""The Flax model against the independent float64 NumPy Llama-2 (tests/jaxllm/numpy_llama.py)."""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxllm.config import LlamaConfig, RopeScaling
+from jaxllm.kv_cache import AttentionBatch, init_kv_cache
+from jaxllm.model import init_model
+from tests.jaxllm.numpy_llama import numpy_llama_logits, random_hf_tensors
+
+
+def load_hf_tensors_into(model, tensors, config):
+    """Our parameter layout from HF tensors, written out here independently of jaxllm/weights.py."""
+    D, H, K, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    put = lambda param, value: param.set_value(jnp.asarray(value, param[...].dtype)) if hasattr(param, "set_value") \
+        else setattr(param, "value", jnp.asarray(value, param[...].dtype))
+    put(model.embedding, tensors["model.embed_tokens.weight"])
+    put(model.final_norm.weight, tensors["model.norm.weight"])
+    if not config.tie_word_embeddings:
+        put(model.lm_head, tensors["lm_head.weight"].T)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        put(layer.attention.q, tensors[p + "self_attn.q_proj.weight"].T.reshape(D, H, hd))
+        put(layer.attention.k, tensors[p + "self_attn.k_proj.weight"].T.reshape(D, K, hd))
+        put(layer.attention.v, tensors[p + "self_attn.v_proj.weight"].T.reshape(D, K, hd))
+        put(layer.attention.o, tensors[p + "self_attn.o_proj.weight"].T.reshape(H, hd, D))
+        put(layer.mlp.gate, tensors[p + "mlp.gate_proj.weight"].T)
+        put(layer.mlp.up, tensors[p + "mlp.up_proj.weight"].T)
+        put(layer.mlp.down, tensors[p + "mlp.down_proj.weight"].T)
+        put(layer.input_norm.weight, tensors[p + "input_layernorm.weight"])
+        put(layer.post_attention_norm.weight, tensors[p + "post_attention_layernorm.weight"])
+
+
+def run_full(model, config, ids, block_size=8, shuffle_seed=None):
+    """Logits of one sequence in one prefill step, through the rBlock pool (optionally fragmented)."""
+    T = len(ids)
+    nb = -(-T // block_size)
+    blocks = np.arange(nb * 3)
+    if shuffle_seed is not None:
+        np.random.default_rng(shuffle_seed).shuffle(blocks)
+    blocks = blocks[:nb].astype(np.int32)
+    kv = init_kv_cache(config, nb * 3, block_size, "float32")
+    pos = np.arange(T)
+    batch = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
+                           jnp.asarray(blocks[pos // block_size] * block_size + pos % block_size, jnp.int32))
+    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), kv, batch)
+    return np.asarray(model.logits(hidden), np.float64)
+
+
+SMALL = dict(vocab_size=97, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=160,
+             max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("scaling", [None, RopeScaling("linear", 4.0), RopeScaling("dynamic", 2.0)],
+                         ids=["rope", "linear", "dynamic"])
+def test_logits_match_numpy_oracle(num_kv_heads, scaling):
+    config = LlamaConfig(**SMALL, num_kv_heads=num_kv_heads, rope_scaling=scaling, rope_theta=500.0)
+    seed = np.random.SeedSequence().entropy % 2**31
+    tensors = random_hf_tensors(config.to_hf(), seed)
+    model = init_model(config)
+    load_hf_tensors_into(model, tensors, config)
+    ids = np.random.default_rng(seed).integers(0, config.vocab_size, size=37)
+    ours = run_full(model, config, ids, shuffle_seed=seed)
+    ref = numpy_llama_logits(tensors, config.to_hf(), ids)
+    rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5, f"seed {seed}: relative error {rel}"
+
+
+def test_tied_embeddings_match_oracle():
+    config = LlamaConfig(**SMALL, num_kv_heads=2, tie_word_embeddings=True)
+    tensors = random_hf_tensors(config.to_hf(), 3)
+    model = init_model(config)
+    assert not hasattr(model, "lm_head")
+    load_hf_tensors_into(model, tensors, config)
+    ids = np.arange(20) % config.vocab_size
+    ref = numpy_llama_logits(tensors, config.to_hf(), ids)
+    ours = run_full(model, config, ids)
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_close_to_oracle(dtype):
+    config = LlamaConfig(**SMALL, num_kv_heads=2)
+    tensors = random_hf_tensors(config.to_hf(), 5)
+    model = init_model(config, dtype=dtype)
+    load_hf_tensors_into(model, tensors, config)
+    ids = np.arange(30) * 7 % config.vocab_size
+    T = len(ids)
+    kv = init_kv_cache(config, 4, 8, jnp.dtype(dtype).name)
+    batch = AttentionBatch(jnp.arange(4, dtype=jnp.int32)[None], jnp.asarray([T], jnp.int32),
+                           jnp.asarray([0, T], jnp.int32), jnp.arange(T, dtype=jnp.int32))
+    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv, batch)
+    ours = np.asarray(model.logits(hidden), np.float64)
+    ref = numpy_llama_logits(tensors, config.to_hf(), ids)
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 5e-2
+
+
+def test_rope_scaling_changes_logits():
+    """Guards the oracle comparison: scaling must actually reach the model."""
+    base = LlamaConfig(**SMALL, num_kv_heads=2)
+    tensors = random_hf_tensors(base.to_hf(), 11)
+    ids = np.arange(40) % base.vocab_size
+    outs = []
+    for scaling in (None, RopeScaling("linear", 4.0), RopeScaling("dynamic", 4.0)):
+        config = base.replace(rope_scaling=scaling)
+        model = init_model(config)
+        load_hf_tensors_into(model, tensors, config)
+        outs.append(run_full(model, config, ids))
+    assert not np.allclose(outs[0], outs[1], atol=1e-3)
+    assert not np.allclose(outs[0], outs[2], atol=1e-3)

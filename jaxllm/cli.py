@@ -1,0 +1,61 @@
+"""`python -m jaxllm.cli <command> ...`: command-line tools over the library.
+
+Each subcommand is a pair: `_add_<name>(subparsers)` declares its arguments and sets `run`
+to a function of the parsed args that returns an exit code. Adding a command is one more
+pair and one line in `_COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from jaxllm import weights
+
+
+def _convert(args: argparse.Namespace) -> int:
+    model = weights.load_hf(args.src, dtype=args.dtype, progress=not args.quiet)
+    weights.save_orbax(model, args.dst, tokenizer_dir=args.src)
+    print(f"wrote Orbax checkpoint of {model.config.name} ({model.config.num_layers} layers) to "
+          f"{os.path.abspath(args.dst)}")
+    return 0
+
+
+def _add_convert(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="convert a HuggingFace checkpoint directory to an Orbax one",
+                              description="Read config.json + safetensors from SRC, write an Orbax checkpoint "
+                                          "(plus jaxllm_config.json and tokenizer files) to DST.")
+    p.add_argument("src", metavar="SRC", help="HuggingFace model directory (config.json + *.safetensors)")
+    p.add_argument("dst", metavar="DST", help="output directory (new, empty, or an earlier conversion)")
+    p.add_argument("--dtype", choices=sorted(weights.MODEL_DTYPES), default=None,
+                   help="parameter dtype to store (default: the checkpoint's)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(run=_convert)
+
+
+_COMMANDS: tuple[Callable, ...] = (_add_convert,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.cli", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv (default sys.argv[1:]), run the command; user errors print one line and return 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:  # CheckpointError, ConfigError and bad arguments: the user's to fix
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""End-to-end generation on the tiny default: cached decode vs full recompute, sampling, errors."""
+
+import pytest
+
+from jaxllm import LLM, EngineOptions
+
+PROMPTS = ["a", "The quick brown fox", "Ragged batches mix very different lengths: " + "x" * 70, "日本語 and émoji 🙂"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # Small rBlocks and a small token budget force chunked prefill and mixed prefill/decode steps.
+    return LLM("tiny", max_context=256, options=EngineOptions(block_size=4, max_tokens_per_step=24), progress=False)
+
+
+def test_greedy_cached_generation_equals_full_recompute(llm):
+    outs = llm.generate(PROMPTS, max_new_tokens=10)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.finish_reason in ("length", "stop")
+        prompt_ids = llm.tokenizer.encode(prompt)
+        full = prompt_ids + out.token_ids
+        logits = llm.logits(full)  # teacher-forced: row i predicts token i + 1
+        predicted = logits[len(prompt_ids) - 1:len(full) - 1].argmax(-1)
+        assert predicted.tolist() == out.token_ids
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == 10
+    assert llm.allocator.num_free == llm.allocator.num_blocks  # every rBlock returned
+
+
+def test_output_independent_of_batch_composition(llm):
+    kwargs = dict(max_new_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=1234)
+    alone = llm.generate([PROMPTS[1]], **kwargs)[0]
+    crowded = llm.generate([PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[3]], **kwargs)[1]
+    assert alone.token_ids == crowded.token_ids
+    other_seed = llm.generate([PROMPTS[1]], **{**kwargs, "seed": 99})[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_preemption_gives_the_same_tokens():
+    roomy = LLM("tiny", max_context=128, options=EngineOptions(block_size=4, max_tokens_per_step=32), progress=False)
+    # 24 rBlocks of 4 tokens cannot hold all four sequences at once: the youngest get preempted.
+    tight = LLM("tiny", max_context=96,
+                options=EngineOptions(block_size=4, num_blocks=24, max_tokens_per_step=32), progress=False)
+    prompts = ["first prompt here", "second one", "third prompt, longer than the rest", "fourth"]
+    kwargs = dict(max_new_tokens=30, temperature=0.7, seed=7)
+    expected = roomy.generate(prompts, **kwargs)
+    got = tight.generate(prompts, **kwargs)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.text for c in got] == [c.text for c in expected]
+    assert tight.allocator.num_free == 24
+
+
+def test_stream_matches_generate(llm):
+    pieces = list(llm.stream(PROMPTS[3], max_new_tokens=12, temperature=0.5, seed=3))
+    whole = llm.generate([PROMPTS[3]], max_new_tokens=12, temperature=0.5, seed=3)[0]
+    assert "".join(pieces) == whole.text
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_stop_string_truncates(llm):
+    base = llm.generate(["stop test"], max_new_tokens=16)[0]
+    assert len(base.text) > 4
+    stop = base.text[2:4]
+    out = llm.generate(["stop test"], max_new_tokens=16, stop=[stop])[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[:base.text.find(stop)]
+    streamed = "".join(llm.stream("stop test", max_new_tokens=16, stop=[stop]))
+    assert streamed == out.text
+
+
+def test_abandoned_stream_frees_blocks(llm):
+    it = llm.stream("abandon me", max_new_tokens=50)
+    next(it)
+    it.close()
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+    assert not llm.scheduler.has_work()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[""], max_new_tokens=4), "prompt 0 is empty"),
+    (dict(prompts=["ok", ""], max_new_tokens=4), "prompt 1 is empty"),
+    (dict(prompts=[], max_new_tokens=4), "prompts is empty"),
+    (dict(prompts=["x" * 300], max_new_tokens=4), "more than max_context 256"),
+    (dict(prompts=["ok"], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=["ok"], max_new_tokens=-3), "max_new_tokens"),
+    (dict(prompts=["ok"], max_new_tokens=4, top_p=0.0), "top_p"),
+    (dict(prompts=["ok"], max_new_tokens=4, top_p=1.5), "top_p"),
+    (dict(prompts=["ok"], max_new_tokens=4, temperature=-1.0), "temperature"),
+    (dict(prompts=["ok"], max_new_tokens=4, top_k=-1), "top_k"),
+    (dict(prompts=["ok"], max_new_tokens=4, stop=[""]), "stop"),
+])
+def test_bad_generate_arguments(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(**kwargs)
+    assert not llm.scheduler.has_work()
+
+
+def test_bad_logits_arguments(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.logits([])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.logits([1, 5000])
+    with pytest.raises(ValueError, match="max_context 256"):
+        llm.logits([5] * 257)
+
+
+def test_unknown_model_names_the_presets():
+    with pytest.raises(ValueError, match="tiny"):
+        LLM("no-such-model", progress=False)
+
+
+def test_bad_max_context():
+    with pytest.raises(ValueError, match="max_context"):
+        LLM("tiny", max_context=0, progress=False)
+
+
+def test_generate_cli(capsys):
+    from jaxllm.generate import main
+
+    assert main(["--max-new-tokens", "5", "hello"]) == 0
+    assert capsys.readouterr().out.startswith("hello")
+    assert main(["--model", "nope", "hi"]) == 2
+    assert "nope" in capsys.readouterr().err

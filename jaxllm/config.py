@@ -92,7 +92,7 @@ class LlamaConfig:
     @classmethod
     def tiny(cls, **overrides: Any) -> "LlamaConfig":
         """A few million parameters over the byte-level vocabulary: tests and the offline demo."""
-        base = dict(vocab_size=259, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+        base = dict(vocab_size=259, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                     intermediate_size=688, max_position_embeddings=2048, name="tiny")
         return cls(**{**base, **overrides})
 

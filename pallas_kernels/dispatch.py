@@ -10,24 +10,31 @@ from typing import Literal
 
 import jax
 
-from pallas_kernels import compat
+from pallas_kernels import compat, validation
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 
 Backend = Literal["auto", "reference", "triton"]
 BACKENDS = ("auto", "reference", "triton")
 
 
-def resolve_backend(backend: Backend | None = "auto") -> str:
+def kernels_support(head_dim: int) -> bool:
+    return head_dim in validation.SUPPORTED_HEAD_DIMS
+
+
+def resolve_backend(backend: Backend | None = "auto", head_dim: int | None = None) -> str:
     """'auto' is the Triton-lowered kernels on a GPU and the pure-jnp reference elsewhere.
 
     On the CPU the Pallas kernels run only in interpret mode, far slower than the reference,
-    so the CPU uses them in kernel tests, not in the model.
+    so the CPU uses them in kernel tests, not in the model. Shapes the kernels do not support
+    (head_dim outside SUPPORTED_HEAD_DIMS) also take the reference under 'auto'; naming
+    'triton' for them raises.
     """
     backend = backend or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        return "triton" if compat.on_gpu() else "reference"
+        supported = head_dim is None or kernels_support(head_dim)
+        return "triton" if compat.on_gpu() and supported else "reference"
     return backend
 
 
@@ -50,7 +57,7 @@ def ragged_attention(
     cu_q_lens == arange), which lets the decode kernel split long KV across programs.
     Semantics are ragged_prefill_reference's.
     """
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, q.shape[-1])
     if backend == "triton":
         if decode:
             from pallas_kernels.ragged_decode import ragged_decode

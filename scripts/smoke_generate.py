@@ -77,7 +77,12 @@ def main(argv=None) -> int:
         print(f"[{backend}] model ready in {time.perf_counter() - t:.1f} s; pool {llm.allocator.num_blocks} rBlocks "
               f"x {llm.runner.block_size} tokens", file=sys.stderr, flush=True)
         for context in args.context:
-            row = {"backend": backend, **run_one(llm, context, args.new_tokens)}
+            try:
+                row = {"backend": backend, **run_one(llm, context, args.new_tokens)}
+            except Exception as e:  # record and go on: one failing backend must not hide the others
+                row = {"backend": backend, "context": context, "error": f"{type(e).__name__}: {e}"[:2000]}
+                for seq in list(llm.scheduler.running) + list(llm.scheduler.waiting):
+                    llm.scheduler.cancel(seq)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         del llm
@@ -94,6 +99,9 @@ def main(argv=None) -> int:
     }
     print(f"{'backend':10} {'context':>8} {'ms/token':>9} {'p90':>7} {'prefill s':>10} {'compiles':>8}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['backend']:10} {r['context']:>8} ERROR {r['error'][:200]}")
+            continue
         med = r["decode_ms_per_token_median"]
         p90 = r["decode_ms_per_token_p90"]
         print(f"{r['backend']:10} {r['context']:>8} {med if med is None else round(med, 2):>9} "

@@ -112,7 +112,10 @@ class LLM:
         num_blocks = self.options.num_blocks or self._default_num_blocks(block_size, pool_dtype, on_gpu)
         max_step = self.options.max_tokens_per_step or (4096 if on_gpu else 512)
         kv_cache = init_kv_cache(self.config, num_blocks, block_size, kv_dtype(pool_dtype))
-        self.runner = Runner(self.model, kv_cache, backend=self.options.attention_backend)
+        # The table is as wide as the longest sequence the pool and context limit allow.
+        longest = min(self.max_context + 1, num_blocks * block_size)
+        self.runner = Runner(self.model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
+                             table_width=-(-longest // block_size), backend=self.options.attention_backend)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
                                    max_seqs=self.options.max_seqs)
@@ -132,6 +135,10 @@ class LLM:
         return num_blocks
 
     # ----- limits -----
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every step shape up front (servers do this before reporting ready)."""
+        self.runner.warm_up(progress=progress)
 
     @property
     def compile_count(self) -> int:

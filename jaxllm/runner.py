@@ -1,13 +1,14 @@
 """The one engine module that touches jax: pads step plans to shape buckets and runs jitted steps.
 
-Shapes come from a small set of buckets (powers of two in tokens, sequences and rBlock-table
-width), so a long-running server compiles a bounded number of step functions. Every trace of a
-step function (a cache miss, hence a compile) is counted in `compile_count`.
+Shapes come from a small set of buckets, so a long-running server compiles a bounded number of
+step functions, all of them at warm-up: a decode step is shaped by its sequence count alone (a
+power of two), a prefill/mixed step by its token count alone (a power of two; its sequence axis
+padded to the same size, capped at max_seqs), and the rBlock-table width is fixed by the context
+limit. Every trace of a step function (a cache miss, hence a compile) is counted in
+`compile_count`.
 """
 
 from __future__ import annotations
-
-from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -29,14 +30,17 @@ def bucket(n: int, minimum: int) -> int:
 class Runner:
     """Holds the model's state and the KV pool; runs one step at a time."""
 
-    def __init__(self, model: Llama, kv_cache: KVCache, *, backend: str = "auto", min_tokens: int = 8,
-                 min_table_width: int = 4):
+    def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int,
+                 table_width: int, backend: str = "auto", min_tokens: int = 8):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.kv_cache = kv_cache
         self.backend = backend
         self.min_tokens = min_tokens
-        self.min_table_width = min_table_width
+        self.max_seqs = max_seqs
+        self.max_tokens_per_step = max_tokens_per_step
+        self.seq_cap = bucket(max_seqs, 1)
+        self.table_width = table_width
         self.compile_count = 0
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("decode",))
         self._logits = jax.jit(self._logits_impl, donate_argnums=(1,))
@@ -74,9 +78,15 @@ class Runner:
     def _pad(self, plan: StepPlan):
         num_seqs, num_tokens = len(plan.seqs), plan.num_tokens
         decode = plan.is_decode
-        s_pad = bucket(num_seqs, 1)
-        t_pad = s_pad if decode else bucket(num_tokens, self.min_tokens)
-        w_pad = bucket(plan.block_tables.shape[1], self.min_table_width)
+        if decode:
+            s_pad = t_pad = bucket(num_seqs, 1)
+        else:
+            t_pad = bucket(num_tokens, self.min_tokens)
+            s_pad = min(t_pad, self.seq_cap)
+        w_pad = self.table_width
+        if plan.block_tables.shape[1] > w_pad or num_seqs > s_pad:
+            raise ValueError(f"step plan of {num_seqs} sequences x {plan.block_tables.shape[1]} rBlocks exceeds the "
+                             f"runner's limits ({s_pad} x {w_pad})")
         tokens = np.zeros(t_pad, np.int32)
         tokens[:num_tokens] = plan.token_ids
         positions = np.zeros(t_pad, np.int32)
@@ -118,6 +128,37 @@ class Runner:
         out, self.kv_cache = self._logits(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu, slots)
         return np.asarray(out)[:plan.num_tokens]
 
-    def warm_up(self, plans: Iterable[StepPlan]) -> None:
-        for plan in plans:
-            self.step(plan)
+    def bucket_shapes(self) -> list[tuple[bool, int]]:
+        """Every (decode, size) a step can take: sequences for decode, tokens for prefill."""
+        shapes = [(True, 1 << i) for i in range(self.seq_cap.bit_length())]
+        t = bucket(self.min_tokens, 1)
+        while True:
+            shapes.append((False, t))
+            if t >= self.max_tokens_per_step:
+                break
+            t *= 2
+        return shapes
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every step shape now, so serving compiles nothing new."""
+        from jaxllm.progress import Progress
+
+        shapes = self.bucket_shapes()
+        with Progress(len(shapes), "warm-up compiles", enabled=progress) as bar:
+            for decode, size in shapes:
+                tokens, self.kv_cache = self._step(self.state, self.kv_cache, *self._warm_up_args(decode, size),
+                                                   decode=decode)
+                tokens.block_until_ready()
+                bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}")
+
+    def _warm_up_args(self, decode: bool, size: int):
+        # Real shapes, inert values: every token's slot is -1 (nothing written) and every kv_len 0.
+        s_pad = size if decode else min(size, self.seq_cap)
+        tokens = np.zeros(size, np.int32)
+        slots = np.full(size, -1, np.int32)
+        tables = np.zeros((s_pad, self.table_width), np.int32)
+        kv_lens = np.zeros(s_pad, np.int32)
+        cu = np.arange(s_pad + 1, dtype=np.int32) if decode else np.zeros(s_pad + 1, np.int32)
+        sampling = (np.zeros(s_pad, np.float32), np.zeros(s_pad, np.int32), np.ones(s_pad, np.float32),
+                    np.zeros(s_pad, np.int32))
+        return tokens, tokens.copy(), tables, kv_lens, cu, slots, sampling

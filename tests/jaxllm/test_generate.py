@@ -121,3 +121,19 @@ def test_generate_cli(capsys):
     assert capsys.readouterr().out.startswith("hello")
     assert main(["--model", "nope", "hi"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_no_new_compiles_after_warm_up():
+    import numpy as np
+
+    llm = LLM("tiny", max_context=128, options=EngineOptions(block_size=8, max_seqs=8, max_tokens_per_step=32),
+              progress=False)
+    llm.warm_up(progress=False)
+    warm = llm.compile_count
+    assert warm == len(llm.runner.bucket_shapes())
+    rng = np.random.default_rng()
+    for _ in range(20):  # 200 requests of random lengths and sampling settings, 10 at a time
+        prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=n)) for n in rng.integers(1, 100, size=10)]
+        llm.generate(prompts, max_new_tokens=int(rng.integers(1, 20)), temperature=float(rng.uniform(0, 1)),
+                     top_k=int(rng.integers(0, 5)), seed=int(rng.integers(0, 1000)))
+    assert llm.compile_count == warm

@@ -1,0 +1,216 @@
+"""Ragged decode kernel (interpret mode on the CPU) against ragged_decode_reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import compat
+from pallas_kernels.kv_write import quantize_int8
+from pallas_kernels.ragged_decode import (DecodeBlockSizes, _work_list, ragged_decode,
+                                          ragged_decode_reference)
+from pallas_kernels.residuals import merge_partials
+
+# Output tolerance by query/output dtype; int8 KV is compared at its query dtype's tolerance.
+TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 4e-3}
+
+
+def make_case(rng, lens, num_q_heads, num_kv_heads, head_dim, block_size, kv_dtype, q_dtype=None, spare=3):
+    """Random pools with shuffled, non-consecutive tables; rows no sequence uses hold NaN (or NaN scales).
+
+    Returns (q, poisoned pools dict, clean pools dict, tables, kv_lens): the kernel gets the
+    poisoned pools, the reference the clean ones (the same values where used, 0 elsewhere).
+    """
+    lens = np.asarray(lens)
+    num_seqs = len(lens)
+    width = max(1, -(-int(lens.max()) // block_size))
+    num_blocks = num_seqs * width + spare
+    tables = rng.permutation(num_blocks)[: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
+    used = np.zeros((num_blocks, block_size), bool)
+    for s, n in enumerate(lens):
+        for p in range(int(n)):
+            used[tables[s, p // block_size], p % block_size] = True
+    used = used[:, None, :]  # [blocks, 1, block_size]
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    clean, poisoned = {}, {}
+    for name in ("k", "v"):
+        x = rng.standard_normal(shape).astype(np.float32)
+        x = np.where(used[..., None], x, 0.0)
+        if kv_dtype == "int8":
+            values, scale = quantize_int8(jnp.asarray(x))
+            clean[name], clean[name + "_scale"] = values, scale
+            poisoned[name] = values
+            poisoned[name + "_scale"] = jnp.where(jnp.asarray(used), scale, jnp.nan)
+        else:
+            clean[name] = jnp.asarray(x, kv_dtype)
+            poisoned[name] = jnp.where(jnp.asarray(used[..., None]), clean[name], jnp.nan).astype(kv_dtype)
+            clean[name + "_scale"] = poisoned[name + "_scale"] = None
+    if q_dtype is None:
+        q_dtype = jnp.bfloat16 if kv_dtype == "int8" else kv_dtype
+    q = jnp.asarray(rng.standard_normal((num_seqs, num_q_heads, head_dim)), q_dtype)
+    return q, poisoned, clean, jnp.asarray(tables), jnp.asarray(lens, jnp.int32)
+
+
+def run_both(q, poisoned, clean, tables, kv_lens, block_sizes=None):
+    out, (m, l) = ragged_decode(q, poisoned["k"], poisoned["v"], tables, kv_lens, k_scale=poisoned["k_scale"],
+                                v_scale=poisoned["v_scale"], return_residuals=True, block_sizes=block_sizes)
+    ref, (rm, rl) = ragged_decode_reference(q, clean["k"], clean["v"], tables, kv_lens, k_scale=clean["k_scale"],
+                                            v_scale=clean["v_scale"], return_residuals=True)
+    return (out, m, l), (ref, rm, rl)
+
+
+def assert_matches(got, want, dtype):
+    out, m, l = got
+    ref, rm, rl = want
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert m.shape == rm.shape == l.shape and m.dtype == jnp.float32
+    tol = TOL[jnp.dtype(dtype)]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+    # -inf where kv_len is 0 must match exactly; assert_allclose treats equal infinities as equal.
+    np.testing.assert_allclose(np.asarray(m), np.asarray(rm), atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(l), np.asarray(rl), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])
+def test_awkward_lengths_and_head_ratios(num_q_heads, num_kv_heads):
+    rng = np.random.default_rng(num_q_heads * 10 + num_kv_heads)
+    block_size = 32
+    # tile 16: lengths around the tile, around the rBlock, a zero, and non-multiples.
+    lens = [1, 15, 16, 17, 31, 32, 33, 0, 95, 70]
+    case = make_case(rng, lens, num_q_heads, num_kv_heads, 64, block_size, jnp.bfloat16)
+    got, want = run_both(*case, block_sizes=DecodeBlockSizes(block_k=16, tokens_per_split=32))
+    assert_matches(got, want, jnp.bfloat16)
+    out, m, l = got
+    assert np.all(np.asarray(out[7], np.float32) == 0) and np.all(np.asarray(m[7]) == -np.inf)
+    assert np.all(np.asarray(l[7]) == 0)
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 128), (jnp.float16, 64),
+                                                ("int8", 128), ("int8", 64)])
+def test_dtypes_and_head_dims(kv_dtype, head_dim):
+    rng = np.random.default_rng(head_dim)
+    lens = [5, 64, 129, 200]
+    case = make_case(rng, lens, 8, 2, head_dim, 64, kv_dtype)
+    got, want = run_both(*case, block_sizes=DecodeBlockSizes(block_k=64, tokens_per_split=64))
+    assert_matches(got, want, case[0].dtype)
+
+
+def test_float32_query_with_bf16_kv():
+    rng = np.random.default_rng(5)
+    case = make_case(rng, [40, 7], 4, 4, 64, 16, jnp.bfloat16, q_dtype=jnp.float32)
+    got, want = run_both(*case)
+    assert_matches(got, want, jnp.float32)
+
+
+def test_batch_mixing_1_and_5000_splits_the_long_sequence():
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [1, 5000], 2, 1, 64, 128, jnp.bfloat16, spare=1)
+    bsz = DecodeBlockSizes(block_k=128)
+    assert bsz.split(128, 5120, 1) == 1024  # min_tokens_per_split: 5 work items for the long sequence
+    got, want = run_both(*case, block_sizes=bsz)
+    assert_matches(got, want, jnp.bfloat16)
+
+
+def test_split_size_does_not_change_the_result():
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [300, 17, 64], 4, 2, 64, 32, jnp.float32)
+    results = [run_both(*case, block_sizes=DecodeBlockSizes(block_k=bk, tokens_per_split=split))[0]
+               for bk, split in ((16, 16), (32, 128), (128, 512))]
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_residuals_merge_over_a_split_of_the_tables():
+    """Attention over the first k rBlocks and over the rest, merged, equals attention over all."""
+    rng = np.random.default_rng(9)
+    block_size, cut = 16, 3
+    q, pools, _, tables, kv_lens = make_case(rng, [100, 20, 48, 49], 4, 2, 64, block_size, jnp.bfloat16)
+    args = dict(k_scale=None, v_scale=None, return_residuals=True)
+    full, (fm, fl) = ragged_decode(q, pools["k"], pools["v"], tables, kv_lens, **args)
+    head_len = jnp.minimum(kv_lens, cut * block_size)
+    a, (am, al) = ragged_decode(q, pools["k"], pools["v"], tables[:, :cut], head_len, **args)
+    b, (bm, bl) = ragged_decode(q, pools["k"], pools["v"], tables[:, cut:], kv_lens - head_len, **args)
+    out, m, l = merge_partials(jnp.stack([a, b]), jnp.stack([am, bm]), jnp.stack([al, bl]))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(full, np.float32), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(m, fm, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(l, fl, rtol=1e-4)
+
+
+def test_default_split_fills_the_gpu_for_one_long_sequence():
+    bsz = DecodeBlockSizes()
+    # 128K context: MHA (32 KV heads) -> 8 items x 32 heads, GQA (8 KV heads) -> 32 x 8: 256 programs each.
+    assert bsz.split(1024, 131072, 32) == 16384
+    assert bsz.split(1024, 131072, 8) == 4096
+    assert bsz.split(16, 1024, 8) == 1024  # short tables: one item a sequence
+
+
+def test_work_list_covers_each_sequence_once_and_pads_with_empty_items():
+    kv_lens = jnp.asarray([0, 5, 64, 65, 0, 200], jnp.int32)
+    split, num_items = 64, 6 * 4
+    seq, start, count, segment = (np.asarray(x) for x in _work_list(kv_lens, num_items, split))
+    real = count > 0
+    assert real.sum() == sum(-(-n // split) for n in [0, 5, 64, 65, 0, 200])
+    assert np.all(~real[real.sum():])  # real items first, then padding
+    assert np.all(segment[~real] == 6) and np.all(start[~real] == 0)
+    for s, n in enumerate(np.asarray(kv_lens)):
+        covered = np.concatenate([np.arange(st, st + c) for st, c in zip(start[real & (seq == s)],
+                                                                         count[real & (seq == s)])] + [[]])
+        np.testing.assert_array_equal(np.sort(covered), np.arange(n))
+
+
+def test_under_jit():
+    rng = np.random.default_rng(10)
+    q, pools, clean, tables, kv_lens = make_case(rng, [33, 2], 4, 1, 64, 16, jnp.float16)
+    fn = jax.jit(lambda q, k, v, t, n: ragged_decode(q, k, v, t, n))
+    out = fn(q, pools["k"], pools["v"], tables, kv_lens)
+    ref = ragged_decode_reference(q, clean["k"], clean["v"], tables, kv_lens)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=4e-3, rtol=4e-3)
+
+
+def _bad_inputs():
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((6, 2, 16, 64), jnp.bfloat16)
+    tables = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    lens = jnp.asarray([20, 3], jnp.int32)
+    return q, k, tables, lens
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda q, k, t, n: (q, k, t.at[0, 1].set(6), n), "block_tables entry 6"),
+    (lambda q, k, t, n: (q, k, t.at[1, 0].set(-1), n), "block_tables entry -1"),
+    (lambda q, k, t, n: (q, k, t, n.at[0].set(33)), "kv_len 33"),
+    (lambda q, k, t, n: (q[:, :3], k, t, n), "num_q_heads 3"),
+    (lambda q, k, t, n: (q, k.astype(jnp.int16), t, n), "not supported"),
+    (lambda q, k, t, n: (q[..., :32], k[..., :32], t, n), "head_dim 32"),
+    (lambda q, k, t, n: (q[:1], k, t, n), "sequences"),
+    (lambda q, k, t, n: (q, k[:, :, :8], t, n), "multiple of 16"),
+    (lambda q, k, t, n: (q[0], k, t, n), "num_seqs"),
+])
+def test_bad_inputs_raise_value_error(change, match):
+    q, k, tables, lens = change(*_bad_inputs())
+    with pytest.raises(ValueError, match=match):
+        ragged_decode(q, k, k, tables, lens)
+
+
+def test_int8_without_scales_and_bad_block_sizes_raise():
+    q, k, tables, lens = _bad_inputs()
+    with pytest.raises(ValueError, match="k_scale"):
+        ragged_decode(q, k.astype(jnp.int8), k.astype(jnp.int8), tables, lens)
+    with pytest.raises(ValueError, match="block_k 48"):
+        DecodeBlockSizes(block_k=48)
+    with pytest.raises(ValueError, match="tokens_per_split 64"):
+        DecodeBlockSizes(block_k=128, tokens_per_split=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not compat.on_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, "int8"])
+def test_compiled_kernel_on_gpu(kv_dtype):
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [1, 127, 128, 129, 0, 3000], 32, 8, 128, 256, kv_dtype)
+    with jax.default_matmul_precision("highest"):  # the reference's f32 einsums in full f32, not TF32
+        got, want = run_both(*case)
+    assert_matches(got, want, case[0].dtype)

@@ -1,0 +1,219 @@
+"""End-to-end generation benchmark on one GPU: Llama-2-7B shape, random bf16 weights.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 PYTHONPATH=$PWD python3 scripts/bench_generate.py \
+      --contexts 1024 32768 131072 --mixed 128 --hf 1024 32768
+
+(a) batch-1 decode ms/token at each context, beside the floor (weights + KV bytes over HBM
+bandwidth); (b) with --longest, the longest context that prefills and decodes with bf16 and/or
+int8 KV; (c) with --mixed N, N requests with prompt lengths log-uniform in 128..32K and 256 new
+tokens each, continuously batched, in tokens/s; (d) with --hf, HuggingFace transformers
+(fp16, sdpa) at the given contexts on the same device, in a subprocess run first so the two
+frameworks never hold GPU memory at once. Prints a table, writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the floor column uses it
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----- HuggingFace (runs in a child process) -----
+
+def hf_decode(contexts: list[int], steps: int = 12) -> list[dict]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=1 << 20, rms_norm_eps=1e-5)
+    cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.float16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.eval()
+    rows = []
+    with torch.inference_mode():
+        for context in contexts:
+            try:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                ids = torch.randint(0, 32000, (1, context), device="cuda")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = model(ids, use_cache=True, logits_to_keep=1)
+                torch.cuda.synchronize()
+                prefill_s = time.perf_counter() - t0
+                pkv, tok, times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+                for _ in range(steps):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    out = model(tok, past_key_values=pkv, use_cache=True)
+                    tok = out.logits[:, -1:].argmax(-1)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                    pkv = out.past_key_values
+                rows.append(dict(context=context, prefill_s=prefill_s, ms_per_token=1e3 * float(np.median(times[2:])),
+                                 peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+            except torch.OutOfMemoryError:
+                rows.append(dict(context=context, error="OOM", peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+            out = pkv = None
+            _log(f"[hf] {json.dumps(rows[-1])}")
+    return rows
+
+
+# ----- jaxllm -----
+
+def _drive(llm, seqs) -> dict:
+    """Run steps until every sequence finishes; per-step wall times by kind."""
+    times = {"decode": [], "prefill": []}
+    while any(s.finish_reason is None for s in seqs):
+        plan = llm.scheduler.plan()
+        start = time.perf_counter()
+        sampled = llm.runner.step(plan)  # returns host values: waits for the device
+        times["decode" if plan.is_decode else "prefill"].append(time.perf_counter() - start)
+        llm.scheduler.update(plan, sampled, eos_id=-1)
+    return times
+
+
+def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float, weight_bytes: int) -> dict:
+    from jaxllm.sampling import SamplingParams
+
+    prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
+    t0 = time.perf_counter()
+    seq = llm._submit(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    times = _drive(llm, [seq])
+    decode = np.asarray(times["decode"][2:])  # the first decode steps may compile
+    ms = float(np.median(decode) * 1e3)
+    floor = (weight_bytes + context * kv_bytes_per_token) / HBM_BYTES_PER_S * 1e3
+    return dict(context=context, ms_per_token=ms, floor_ms=floor, ratio_to_floor=ms / floor,
+                prefill_s=float(sum(times["prefill"])), wall_s=time.perf_counter() - t0, decode_steps=int(decode.size))
+
+
+def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int) -> dict:
+    from jaxllm.sampling import SamplingParams
+
+    rng = np.random.default_rng(1)
+    lengths = np.exp(rng.uniform(np.log(128), np.log(max_prompt), size=num_requests)).astype(int)
+    seqs = [llm._submit(rng.integers(3, 259, size=n).tolist(), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+            for n in lengths]
+    t0 = time.perf_counter()
+    times = _drive(llm, seqs)
+    wall = time.perf_counter() - t0
+    generated = sum(len(s.output_ids) for s in seqs)
+    return dict(requests=num_requests, prompt_tokens=int(lengths.sum()), generated_tokens=generated, wall_s=wall,
+                generated_tokens_per_s=generated / wall, total_tokens_per_s=(generated + int(lengths.sum())) / wall,
+                steps=len(times["decode"]) + len(times["prefill"]), preemptions=sum(s.num_preemptions for s in seqs))
+
+
+def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256):
+    from jaxllm import LLM, EngineOptions
+
+    options = EngineOptions(kv_dtype=kv_dtype, kv_memory_fraction=fraction, max_seqs=max_seqs)
+    return LLM(model, dtype="bfloat16", max_context=max_context, options=options)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama2-7b", help="preset or checkpoint (tiny for a CPU dry run)")
+    p.add_argument("--contexts", type=int, nargs="*", default=[1024, 32768, 131072])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--longest", nargs="*", default=[], choices=["bfloat16", "int8"])
+    p.add_argument("--mixed", type=int, default=0, help="requests in the mixed workload (0: skip)")
+    p.add_argument("--mixed-max-prompt", type=int, default=32768)
+    p.add_argument("--mixed-new-tokens", type=int, default=256)
+    p.add_argument("--hf", type=int, nargs="*", default=[], help="contexts for HuggingFace transformers")
+    p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+
+    if args.hf_child:
+        print(json.dumps(hf_decode(args.hf)))
+        return 0
+    result = {"script": "scripts/bench_generate.py", "argv": sys.argv[1:], "date": datetime.date.today().isoformat(),
+              "hbm_bytes_per_s_for_floor": HBM_BYTES_PER_S}
+    if args.hf:
+        _log(f"[hf] transformers at {args.hf} in a child process")
+        child = subprocess.run([sys.executable, __file__, "--hf-child", "--hf", *map(str, args.hf)],
+                               capture_output=True, text=True)
+        sys.stderr.write(child.stderr[-4000:])
+        try:
+            result["hf"] = json.loads(child.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            result["hf"] = {"error": child.stderr[-2000:]}
+
+    import jax
+
+    from jaxllm.kv_cache import kv_bytes_per_block
+
+    result["device"] = jax.devices()[0].device_kind
+    result["jax"] = jax.__version__
+    max_context = max(args.contexts + [args.mixed_max_prompt if args.mixed else 0]) + args.mixed_new_tokens + 64
+    if args.contexts or args.mixed:
+        llm = build_llm(args.model, "bfloat16", max_context, 0.9)
+        config = llm.config
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.runner.state))
+        kv_per_token = kv_bytes_per_block(config, 1, "bfloat16")
+        result["pool_tokens"] = llm.allocator.num_blocks * llm.runner.block_size
+        result["weight_bytes"] = weight_bytes
+        _log(f"[jaxllm] pool {result['pool_tokens']} tokens; weights {weight_bytes / 1e9:.2f} GB")
+        result["decode"] = []
+        for context in args.contexts:
+            row = decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes)
+            result["decode"].append(row)
+            _log(f"[jaxllm] {json.dumps(row)}")
+        if args.mixed:
+            result["mixed"] = mixed_workload(llm, args.mixed, args.mixed_new_tokens, args.mixed_max_prompt)
+            _log(f"[jaxllm] mixed {json.dumps(result['mixed'])}")
+        result["compiles"] = llm.compile_count
+        del llm
+    result["longest"] = []
+    for kv_dtype in args.longest:
+        llm = build_llm(args.model, kv_dtype, 1 << 22, 0.97, max_seqs=8)
+        pool = llm.allocator.num_blocks * llm.runner.block_size
+        context = pool - args.new_tokens - 1
+        kv_per_token = kv_bytes_per_block(llm.config, 1, kv_dtype)
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.runner.state))
+        _log(f"[jaxllm] longest with {kv_dtype} KV: pool {pool} tokens, prompt {context}")
+        try:
+            row = {"kv_dtype": kv_dtype, **decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes)}
+        except Exception as e:  # record, keep the rest of the run
+            row = {"kv_dtype": kv_dtype, "context": context, "error": f"{type(e).__name__}: {e}"[:1000]}
+        result["longest"].append(row)
+        _log(f"[jaxllm] {json.dumps(row)}")
+        del llm
+
+    hf = {r["context"]: r for r in result.get("hf", []) if isinstance(r, dict)} if isinstance(result.get("hf"), list) else {}
+    print(f"{'context':>8} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'HF ms/token':>12} {'vs HF':>7}")
+    for r in result.get("decode", []):
+        h = hf.get(r["context"], {}).get("ms_per_token")
+        h = "" if h is None else round(h, 1)
+        print(f"{r['context']:>8} {r['ms_per_token']:>9.2f} {r['floor_ms']:>7.2f} {r['ratio_to_floor']:>8.2f} "
+              f"{h:>12} {'' if h == '' else round(h / r['ms_per_token'], 1):>7}")
+    for r in result["longest"]:
+        print(f"longest {r['kv_dtype']}: {r.get('context')} tokens, {r.get('ms_per_token', r.get('error'))}")
+    if "mixed" in result:
+        m = result["mixed"]
+        print(f"mixed: {m['requests']} requests, {m['generated_tokens_per_s']:.0f} generated tok/s, "
+              f"{m['total_tokens_per_s']:.0f} total tok/s, {m['wall_s']:.1f} s")
+    os.makedirs(args.out, exist_ok=True)
+    name = f"{result.get('device', 'gpu').replace(' ', '-').lower()}-{result['date']}-generate.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(result, f, indent=1)
+    _log(f"wrote {os.path.join(args.out, name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

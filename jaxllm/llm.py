@@ -185,14 +185,15 @@ class LLM:
         return advanced
 
     def generate(self, prompts: str | Seq[str], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None) -> list[Completion]:
+                 top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
+                 stop_token_ids: Seq[int] | None = None) -> list[Completion]:
         """Complete each prompt; all prompts run together, continuously batched."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop=stop or ())
+                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids)
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         seqs = [self._submit(ids, params) for ids in encoded]
         trackers = {s.seq_id: _TextTracker(self.tokenizer, params.stop) for s in seqs}
@@ -211,10 +212,11 @@ class LLM:
         return out
 
     def stream(self, prompt: str, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None) -> Iterator[str]:
+               top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
+               stop_token_ids: Seq[int] | None = None) -> Iterator[str]:
         """Yield text pieces of one completion as its tokens are produced."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop=stop or ())
+                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids)
         seq = self._submit(self._encode(prompt, 0), params)
         tracker = _TextTracker(self.tokenizer, params.stop)
         trackers = {seq.seq_id: tracker}

@@ -8,6 +8,7 @@ again after preemption and recompute.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # EOS only: stop_token_ids still stop
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the request like EOS (not appended)
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -49,6 +51,16 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         object.__setattr__(self, "stop", stop)
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        try:
+            ids = tuple(ids)
+        except TypeError:
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}") from None
+        for t in ids:
+            # numpy integers are fine; bools and floats are almost certainly a caller's mistake.
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

@@ -197,7 +197,7 @@ class Scheduler:
             if not plan.sample[i]:
                 continue
             token = int(sampled[i])
-            if token == eos_id and not seq.params.ignore_eos:
+            if (token == eos_id and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
                 self._finish(seq, "stop")
                 continue
             seq.output_ids.append(token)

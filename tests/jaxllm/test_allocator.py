@@ -1,0 +1,212 @@
+"""Property tests of BlockAllocator: thousands of random grow/free/preempt operations per run.
+
+Each run draws a fresh seed and prints it, so a failure can be replayed with JAXLLM_TEST_SEED=<seed>.
+"""
+
+import os
+import random
+
+import pytest
+
+from jaxllm.allocator import BlockAllocator, OutOfBlocks
+
+
+def _seed() -> int:
+    seed = int(os.environ.get("JAXLLM_TEST_SEED", random.SystemRandom().randrange(2**32)))
+    print(f"seed={seed} (replay with JAXLLM_TEST_SEED={seed})")
+    return seed
+
+
+def _runs(blocks: list[int]) -> int:
+    """Number of maximal consecutive runs in a table (1 for a contiguous one)."""
+    return sum(1 for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1] + 1)
+
+
+def _longest_free_run(free: list[int]) -> int:
+    best = run = 0
+    for i, b in enumerate(free):
+        run = run + 1 if i and b == free[i - 1] + 1 else 1
+        best = max(best, run)
+    return best
+
+
+def _nonempty(owners: dict) -> dict:
+    return {k: v for k, v in owners.items() if v}
+
+
+def _check_invariants(alloc: BlockAllocator, model: dict[int, list[int]], ctx: str) -> None:
+    owners = alloc.owners()
+    assert _nonempty(owners) == _nonempty(model), ctx
+    owned = [b for blocks in owners.values() for b in blocks]
+    assert len(owned) == len(set(owned)), f"{ctx}: an rBlock is owned twice"
+    free = alloc._free
+    assert free == sorted(set(free)), f"{ctx}: free list not sorted/unique"
+    assert alloc.num_free == len(free)
+    assert set(owned).isdisjoint(free), f"{ctx}: an rBlock is both owned and free"
+    assert sorted(owned + free) == list(range(alloc.num_blocks)), f"{ctx}: rBlocks leaked"
+    frag = alloc.fragmentation()
+    assert 0.0 <= frag <= 1.0, ctx
+    links = sum(max(len(v) - 1, 0) for v in owners.values())
+    breaks = sum(_runs(v) - 1 for v in owners.values() if v)
+    assert frag == pytest.approx(breaks / links if links else 0.0), ctx
+    for seq_id, blocks in owners.items():
+        assert alloc.blocks(seq_id) == blocks
+
+
+@pytest.mark.parametrize("num_blocks", [1, 7, 64, 257])
+def test_random_grow_free_preempt(num_blocks):
+    seed = _seed()
+    rng = random.Random(seed)
+    alloc = BlockAllocator(num_blocks)
+    model: dict[int, list[int]] = {}  # what each live sequence should own
+    preempted: dict[int, int] = {}  # seq id -> rBlocks it held, to be regrown from scratch
+    next_id = 0
+    counts = dict(grow=0, oom=0, free=0, preempt=0, resume=0, contiguous=0, fallback=0)
+    for step in range(4000):
+        ctx = f"seed={seed} step={step}"
+        op = rng.random()
+        if op < 0.55 or not model:
+            # Grow an existing sequence (decode / next prefill chunk) or start a new one.
+            if model and rng.random() < 0.7:
+                seq_id = rng.choice(list(model))
+            elif preempted and rng.random() < 0.5:
+                seq_id = rng.choice(list(preempted))
+                counts["resume"] += 1
+            else:
+                seq_id, next_id = next_id, next_id + 1
+            before = list(model.get(seq_id, []))
+            if seq_id in preempted:
+                total = preempted.pop(seq_id)
+            elif rng.random() < 0.2 and _longest_free_run(alloc._free) < alloc.num_free:
+                # More than the longest free run but within the free count: the scattered fallback.
+                total = len(before) + rng.randint(_longest_free_run(alloc._free) + 1, alloc.num_free)
+            else:
+                total = len(before) + rng.choice([0, 1, 1, 1, 2, 3, rng.randint(1, num_blocks)])
+            need = total - len(before)
+            free_before = list(alloc._free)
+            owners_before = alloc.owners()
+            if need > len(free_before):
+                with pytest.raises(OutOfBlocks):
+                    alloc.grow(seq_id, total)
+                counts["oom"] += 1
+                # Nothing changed: same owners, same free list.
+                assert _nonempty(alloc.owners()) == _nonempty(owners_before), ctx
+                assert alloc._free == free_before, ctx
+                if not before:
+                    preempted[seq_id] = total  # try again later, as a waiting sequence would
+            else:
+                got = list(alloc.grow(seq_id, total))
+                counts["grow"] += 1
+                assert len(got) == max(total, len(before)), ctx
+                assert got[:len(before)] == before, f"{ctx}: grow moved earlier rBlocks"
+                new = got[len(before):]
+                assert set(new) <= set(free_before), f"{ctx}: took an rBlock that was not free"
+                if need > 0:
+                    if before and all(b in set(free_before) for b in range(before[-1] + 1, before[-1] + 1 + need)):
+                        # The blocks right after the table were free: the table must simply continue.
+                        assert new == list(range(before[-1] + 1, before[-1] + 1 + need)), ctx
+                        counts["contiguous"] += 1
+                    elif _longest_free_run(free_before) >= need:
+                        assert _runs(new) == 1, f"{ctx}: a long enough free run existed, got {new}"
+                        counts["contiguous"] += 1
+                    else:
+                        # No run long enough: the lowest free rBlocks, scattered, never a failure.
+                        assert new == free_before[:need], ctx
+                        counts["fallback"] += 1
+                model[seq_id] = got
+        elif op < 0.8:
+            seq_id = rng.choice(list(model))
+            alloc.free(seq_id)
+            del model[seq_id]
+            counts["free"] += 1
+        else:
+            # Preemption: the allocator sees a free; the sequence later regrows all it had, from scratch.
+            seq_id = rng.choice(list(model))
+            preempted[seq_id] = max(len(model[seq_id]), 1)
+            alloc.free(seq_id)
+            del model[seq_id]
+            counts["preempt"] += 1
+        _check_invariants(alloc, model, ctx)
+    print(counts)
+    assert counts["grow"] > 100 and counts["free"] > 100 and counts["preempt"] > 100, counts
+    if num_blocks > 1:
+        assert counts["oom"] > 0 and counts["contiguous"] > 0, counts
+    if num_blocks >= 64:
+        assert counts["fallback"] > 0, counts
+    for seq_id in list(model):
+        alloc.free(seq_id)
+    assert alloc.num_free == num_blocks and alloc._free == list(range(num_blocks))
+    assert alloc.fragmentation() == 0.0
+
+
+def test_lone_sequence_is_one_run():
+    seed = _seed()
+    rng = random.Random(seed)
+    num_blocks = rng.randint(20, 300)
+    alloc = BlockAllocator(num_blocks)
+    total = 0
+    while total < num_blocks:
+        total = min(num_blocks, total + rng.choice([1, 1, 1, 2, rng.randint(1, 17)]))
+        assert alloc.grow(0, total) == list(range(total)), f"seed={seed}"
+        assert alloc.fragmentation() == 0.0
+    with pytest.raises(OutOfBlocks):
+        alloc.grow(0, total + 1)
+    assert alloc.blocks(0) == list(range(num_blocks))
+    alloc.free(0)
+    assert alloc.num_free == num_blocks and alloc.owners() == {}
+
+
+def test_unfragmented_pool_gives_consecutive_tables():
+    seed = _seed()
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 9) for _ in range(rng.randint(3, 12))]
+    alloc = BlockAllocator(sum(sizes) + rng.randint(0, 5))
+    for seq_id, size in enumerate(sizes):
+        assert _runs(alloc.grow(seq_id, size)) == 1, f"seed={seed}"
+    assert alloc.fragmentation() == 0.0
+    # Growing a sequence whose next rBlock is taken must move elsewhere, not fail.
+    if alloc.num_free:
+        alloc.grow(0, sizes[0] + 1)
+        assert alloc.blocks(0)[:sizes[0]] == list(range(sizes[0]))
+        if len(sizes) > 1:
+            assert 0.0 < alloc.fragmentation() <= 1.0
+
+
+def test_fragmented_pool_falls_back_then_runs_out():
+    seed = _seed()
+    rng = random.Random(seed)
+    num_blocks = 2 * rng.randint(4, 40)
+    alloc = BlockAllocator(num_blocks)
+    for seq_id in range(num_blocks):
+        alloc.grow(seq_id, 1)
+    for seq_id in range(0, num_blocks, 2):  # free every other rBlock: no two free rBlocks are adjacent
+        alloc.free(seq_id)
+    assert alloc.num_free == num_blocks // 2
+    got = alloc.grow("big", num_blocks // 2)  # needs every free rBlock: scattered, but it must succeed
+    assert sorted(got) == list(range(0, num_blocks, 2))
+    assert alloc.fragmentation() == 1.0  # every link of the big table is a break
+    assert alloc.num_free == 0
+    owners_before = alloc.owners()
+    with pytest.raises(OutOfBlocks):
+        alloc.grow("big", num_blocks // 2 + 1)
+    with pytest.raises(OutOfBlocks):
+        alloc.grow("new", 1)
+    assert alloc.owners() == owners_before and alloc.num_free == 0
+    assert "new" not in alloc.owners()
+
+
+def test_grow_never_shrinks_and_free_is_idempotent():
+    alloc = BlockAllocator(8)
+    assert alloc.grow(1, 5) == [0, 1, 2, 3, 4]
+    assert alloc.grow(1, 2) == [0, 1, 2, 3, 4]
+    assert alloc.num_free == 3
+    alloc.free(1)
+    alloc.free(1)
+    alloc.free(12345)
+    assert alloc.num_free == 8 and alloc.blocks(1) == []
+
+
+@pytest.mark.parametrize("num_blocks", [0, -3])
+def test_bad_num_blocks(num_blocks):
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAllocator(num_blocks)

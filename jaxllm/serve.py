@@ -1,0 +1,122 @@
+"""`python -m jaxllm.serve [--model M] [--host H] [--port P] ...`: serve a model over gRPC.
+
+With no arguments it serves the embedded `tiny` model on 127.0.0.1:50051 (metrics on :50052).
+The port is bound first and answers health checks with NOT_SERVING while the model loads and
+warms up; it turns SERVING, and "jaxllm serving <model> on <host>:<port>" is printed, only when
+the first requests will not wait for compiles. SIGTERM or SIGINT stops accepting, lets in-flight
+streams finish for --grace-period seconds, cancels what is left, and exits 0 (while the model is
+still loading, it simply exits 0).
+
+This entry point is the one place `jaxllm` reaches up into `serve` (the gRPC layer), and only
+inside `main`, so importing jaxllm never imports grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+from jaxllm.engine import Engine
+from jaxllm.kv_cache import KV_DTYPES
+from jaxllm.llm import LLM, EngineOptions
+from jaxllm.weights import MODEL_DTYPES
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny", help="preset name (tiny, llama2-7b, ...; random weights) "
+                   "or a HuggingFace / Orbax checkpoint directory")
+    p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default=None, help="parameter dtype (default: the "
+                   "checkpoint's; float32 for presets)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for every interface)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (printed)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics HTTP port (default: --port + 1, or a free one when --port is 0)")
+    p.add_argument("--no-metrics", action="store_true", help="no metrics endpoint")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-running", type=int, default=256, help="sequences batched together")
+    p.add_argument("--max-tokens-per-step", type=int, default=None, help="token budget of one step")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV rBlocks per layer (default: from memory)")
+    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None, help="KV pool dtype (default: the model's)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
+    p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted")
+    p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
+    p.add_argument("--no-warm-up", action="store_true", help="skip compiling every step shape before SERVING "
+                   "(shapes then compile on first use)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from serve.server import Server, ServerConfig  # the one upward import; see the module docstring
+
+    metrics_port = None
+    if not args.no_metrics:
+        metrics_port = args.metrics_port if args.metrics_port is not None else (args.port + 1 if args.port else 0)
+    try:
+        config = ServerConfig(host=args.host, port=args.port, metrics_port=metrics_port,
+                              max_running=args.max_running, max_queue=args.max_queue,
+                              max_message_bytes=args.max_message_bytes, default_max_tokens=args.default_max_tokens,
+                              grace_period_s=args.grace_period)
+        options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                                max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running)
+        server = Server(config)
+    except (ValueError, OSError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    loading = True
+
+    def on_signal(signum, frame):
+        if loading:
+            # Nothing is in flight yet, and an exception raised here could land in any callback
+            # (even a GC hook) and be swallowed: leave at once instead.
+            print(f"jaxllm: {signal.Signals(signum).name} while loading; exiting", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    where = f"{args.host}:{server.port}"
+    metrics_at = f"; metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(f"jaxllm listening on {where} (NOT_SERVING until {args.model} is loaded and warm){metrics_at}", flush=True)
+    try:
+        started = time.monotonic()
+        if not args.quiet:
+            print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
+                  progress=not args.quiet)
+        if not args.quiet:
+            print(f"loaded {llm.config.name} ({llm.config.num_layers} layers, max_context {llm.max_context}, "
+                  f"{llm.allocator.num_blocks} rBlocks of {llm.runner.block_size} tokens) in "
+                  f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        if not args.no_warm_up:
+            # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
+            llm.warm_up(progress=not args.quiet)
+        engine = Engine(llm, max_waiting=args.max_queue)
+        server.attach(engine, args.model)
+        loading = False
+    except ValueError as e:  # unknown model, bad checkpoint, bad option: the user's to fix
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        server.shutdown(0.0)
+        return 2
+    print(f"jaxllm serving {args.model} on {where}", flush=True)
+    stop.wait()
+    print(f"jaxllm: shutting down (grace period {config.grace_period_s:g} s)", file=sys.stderr, flush=True)
+    server.shutdown()
+    print("jaxllm: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""`python -m serve.client "prompt"` (or `jaxllm-client`): stream a completion to the terminal.
+
+Text goes to stdout as it arrives; `--usage` adds the finish reason, token counts and timing on
+stderr. Imports only grpc and the generated stubs, so it starts fast and needs no jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import grpc
+
+from serve import jaxllm_pb2 as pb
+from serve import jaxllm_pb2_grpc as pb_grpc
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(prompt=args.prompt, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                                 stop=args.stop or [], ignore_eos=args.ignore_eos)
+    if args.max_tokens is not None:
+        request.max_tokens = args.max_tokens
+    if args.top_p is not None:
+        request.top_p = args.top_p
+    return request
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serve.client", description=__doc__.splitlines()[0])
+    p.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens (default: the server's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--usage", action="store_true", help="print finish reason, token counts and timing to stderr")
+    p.add_argument("--info", action="store_true", help="print the server's ModelInfo and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+    target = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.LLMServiceStub(channel)
+        try:
+            if args.info:
+                print(stub.ModelInfo(pb.ModelInfoRequest(), timeout=args.timeout or 10.0), end="")
+                return 0
+            start = time.monotonic()
+            first = None
+            last = None
+            for message in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False):
+                if first is None and message.token_ids:
+                    first = time.monotonic()
+                sys.stdout.write(message.text)
+                sys.stdout.flush()
+                last = message
+        except grpc.RpcError as e:
+            sys.stdout.write("\n")
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # leaving the iteration cancels the call, which frees the server's rBlocks
+            sys.stdout.write("\n")
+            return 130
+    sys.stdout.write("\n")
+    if args.usage and last is not None:
+        elapsed = time.monotonic() - start
+        ttft = f"{(first - start) * 1e3:.0f} ms" if first is not None else "n/a"
+        print(f"[{pb.FinishReason.Name(last.finish_reason)}] prompt_tokens={last.usage.prompt_tokens} "
+              f"completion_tokens={last.usage.completion_tokens} ttft={ttft} total={elapsed:.2f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The gRPC service over an `Engine`: servicer, health, reflection, metrics, graceful shutdown.
+
+    server = Server(ServerConfig(port=0))   # binds and starts at once; health says NOT_SERVING
+    llm = LLM(...); engine = Engine(llm, max_waiting=...)   # load and warm up meanwhile
+    server.attach(llm, engine)              # health flips to SERVING
+    ...
+    server.shutdown()                       # stop accepting, drain within the grace period, stop
+
+Each Generate call holds one thread of the server's pool for as long as it streams; the pool and
+gRPC's concurrent-RPC limit are sized to the engine's running + waiting capacity, so a request
+over it gets RESOURCE_EXHAUSTED at once rather than waiting unseen for a thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import jaxllm
+from jaxllm.engine import Engine, EngineStopped, QueueFull
+from serve import jaxllm_pb2 as pb
+from serve import jaxllm_pb2_grpc as pb_grpc
+from serve.metrics import Registry, serve_metrics
+from serve.validation import RequestLimits, to_engine_request
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LLMService"].full_name  # "jaxllm.v1.LLMService"
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED}
+_SPARE_THREADS = 16  # health checks, ModelInfo, Tokenize, streams writing their last message
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: pick a free port (Server.port says which)
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: pick a free port
+    max_running: int = 256  # the engine's max_seqs (for sizing the thread pool)
+    max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
+    max_message_bytes: int = 4 << 20
+    default_max_tokens: int = 256
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    grace_period_s: float = 10.0
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        for name in ("max_running", "max_queue", "max_message_bytes", "default_max_tokens", "max_stop_strings",
+                     "max_stop_length"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+
+
+class _Metrics:
+    """What /metrics shows; engine-side values are read at scrape time."""
+
+    def __init__(self, registry: Registry, servicer: "LLMServicer"):
+        def engine_value(read):
+            return lambda: read(servicer.engine) if servicer.engine is not None else 0
+
+        r = registry
+        self.requests = r.counter("jaxllm_requests_total", "Generate calls, by final gRPC status code", ["code"])
+        r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted",
+                  fn=engine_value(lambda e: e.stats.prompt_tokens_total))
+        r.counter("jaxllm_generation_tokens_total", "tokens generated",
+                  fn=engine_value(lambda e: e.stats.generated_tokens_total))
+        r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
+                  fn=engine_value(lambda e: e.stats.requests_cancelled))
+        r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
+                  fn=engine_value(lambda e: e.stats.requests_rejected))
+        r.counter("jaxllm_engine_steps_total", "engine steps run", fn=engine_value(lambda e: e.stats.steps_total))
+        r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
+                  fn=engine_value(lambda e: e.llm.compile_count))
+        self.ttft = r.histogram("jaxllm_time_to_first_token_seconds", "request arrival to its first token")
+        self.tpot = r.histogram("jaxllm_time_per_output_token_seconds", "time between streamed tokens")
+        self.duration = r.histogram("jaxllm_request_duration_seconds", "Generate call, arrival to last message")
+        r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=engine_value(lambda e: e.queue_depth()))
+        r.gauge("jaxllm_running_requests", "requests in the running batch",
+                fn=engine_value(lambda e: e.num_running()))
+        self.streams = r.gauge("jaxllm_active_streams", "Generate calls in progress")
+        r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use",
+                fn=engine_value(lambda e: e.pool_usage()))
+        r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool",
+                fn=engine_value(lambda e: e.llm.allocator.num_blocks))
+        r.gauge("jaxllm_ready", "1 once the model is loaded and warm",
+                fn=lambda: float(servicer.engine is not None))
+
+
+class LLMServicer(pb_grpc.LLMServiceServicer):
+    def __init__(self, config: ServerConfig, registry: Registry):
+        self.config = config
+        self.engine: Engine | None = None
+        self.model_name = ""
+        self.limits: RequestLimits | None = None
+        self.metrics = _Metrics(registry, self)
+
+    def attach(self, engine: Engine, model_name: str) -> None:
+        llm = engine.llm
+        self.limits = RequestLimits(context_limit=min(llm.max_context, llm._pool_tokens()),
+                                    vocab_size=llm.config.vocab_size,
+                                    default_max_tokens=self.config.default_max_tokens,
+                                    max_stop_strings=self.config.max_stop_strings,
+                                    max_stop_length=self.config.max_stop_length)
+        self.model_name = model_name
+        self.engine = engine
+
+    def _ready_engine(self, context) -> Engine:
+        engine = self.engine
+        if engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; watch grpc.health.v1 for SERVING")
+        return engine
+
+    def Generate(self, request, context):  # noqa: N802 (gRPC's naming)
+        start = time.monotonic()
+        code = grpc.StatusCode.OK
+        self.metrics.streams.inc()
+        try:
+            yield from self._generate(request, context, start)
+        except Exception:
+            code = context.code() or grpc.StatusCode.UNKNOWN  # abort() set it; anything else is a bug
+            raise
+        finally:
+            if code is grpc.StatusCode.OK and not context.is_active():
+                remaining = context.time_remaining()  # None: the call had no deadline
+                expired = remaining is not None and remaining <= 0
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            self.metrics.requests.inc(code=code.name)
+            self.metrics.duration.observe(time.monotonic() - start)
+            self.metrics.streams.inc(-1)
+
+    def _generate(self, request, context, start: float):
+        engine = self._ready_engine(context)
+        try:
+            ids, params = to_engine_request(request, engine.llm.tokenizer, self.limits)
+            stream = engine.submit(ids, params)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e}; retry later")
+        except EngineStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        # Client cancel, a passed deadline or a dropped connection runs this at once: the engine frees
+        # the request's rBlocks before its next step.
+        if not context.add_callback(stream.cancel):
+            stream.cancel()
+            return
+        last = None
+        for event in stream:
+            if event.error is not None:
+                context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event.error}")
+            if event.token_ids:
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.ttft.observe(now - start)
+                else:
+                    self.metrics.tpot.observe((now - last) / len(event.token_ids))
+                last = now
+            response = pb.GenerateResponse(
+                text=event.text, token_ids=event.token_ids,
+                usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens))
+            if event.finish_reason is not None:
+                response.finish_reason = _FINISH.get(event.finish_reason, pb.FINISH_REASON_CANCELLED)
+            yield response
+
+    def Tokenize(self, request, context):  # noqa: N802
+        engine = self._ready_engine(context)
+        return pb.TokenizeResponse(token_ids=engine.llm.tokenizer.encode(request.text))
+
+    def ModelInfo(self, request, context):  # noqa: N802
+        import jax  # already loaded by the engine; imported here so this module stays light to import
+
+        engine = self._ready_engine(context)
+        llm, cfg = engine.llm, engine.llm.config
+        kv = llm.runner.kv_cache
+        return pb.ModelInfoResponse(
+            model=self.model_name, architecture=cfg.name, dtype=str(llm.model.embedding[...].dtype),
+            vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_context=self.limits.context_limit,
+            kv_block_size=llm.runner.block_size, kv_num_blocks=llm.allocator.num_blocks,
+            kv_dtype=str(kv.layers[0].k.dtype),
+            max_running=llm.scheduler.max_seqs, max_queue=engine.max_waiting,
+            default_max_tokens=self.limits.default_max_tokens, max_stop_strings=self.limits.max_stop_strings,
+            max_stop_length=self.limits.max_stop_length, backend=jax.default_backend(), version=jaxllm.__version__)
+
+
+class Server:
+    """A started gRPC server (plus the metrics endpoint); NOT_SERVING until `attach`."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.registry = Registry()
+        self.servicer = LLMServicer(config, self.registry)
+        self.health = health.HealthServicer()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        capacity = config.max_running + config.max_queue + _SPARE_THREADS
+        self._grpc = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(max_workers=capacity, thread_name_prefix="jaxllm-grpc"),
+            maximum_concurrent_rpcs=capacity,
+            options=[("grpc.max_receive_message_length", config.max_message_bytes),
+                     ("grpc.max_send_message_length", config.max_message_bytes),
+                     ("grpc.so_reuseport", 0)])  # a second server on the same port must fail, not share it
+        pb_grpc.add_LLMServiceServicer_to_server(self.servicer, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc)
+        address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+        try:
+            self.port = self._grpc.add_insecure_port(address)
+        except RuntimeError as e:  # grpcio >= 1.60 raises instead of returning 0
+            raise OSError(f"cannot listen on {address}: {e}") from None
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address} (in use, or not an address of this host?)")
+        self._metrics_http = None
+        self.metrics_port = None
+        if config.metrics_port is not None:
+            self._metrics_http = serve_metrics(self.registry, config.host, config.metrics_port)
+            self.metrics_port = self._metrics_http.server_address[1]
+        self._grpc.start()
+        self._stopped = threading.Event()
+
+    def attach(self, engine: Engine, model_name: str) -> None:
+        """Start answering Generate with `engine` (loaded and warm); health turns SERVING."""
+        self.servicer.attach(engine, model_name)
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop accepting; let in-flight streams finish for up to grace_s, cancel the rest; stop serving.
+
+        Health turns NOT_SERVING first (load balancers move away), new Generate calls get
+        UNAVAILABLE, and every stream still open ends with a final message (finish reason
+        CANCELLED if the grace period ran out) before the server stops.
+        """
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace_s = self.config.grace_period_s if grace_s is None else grace_s
+        self.health.enter_graceful_shutdown()
+        engine = self.servicer.engine
+        if engine is not None:
+            engine.shutdown(grace_s)
+        # Streams have their final events by now; give their threads a moment to send them.
+        self._grpc.stop(grace=1.0).wait()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()

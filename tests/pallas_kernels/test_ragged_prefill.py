@@ -20,8 +20,8 @@ _RESIDUAL_TOL = 1e-4
 
 
 def _make_batch(rng, *, q_lens, cached, block_size, head_dim, num_kv_heads, group, kv_dtype, q_dtype,
-                num_padding=3, spare_blocks=3):
-    """A random ragged batch on a shuffled pool.
+                num_padding=3, spare_blocks=3, run_length=1):
+    """A random ragged batch on a shuffled pool: runs of `run_length` consecutive rBlocks in random order.
 
     Returns (kernel_args, reference_args): identical except that every pool slot no sequence owns
     (and every scale of one) is NaN for the kernel and finite for the reference, so the kernel is
@@ -31,7 +31,9 @@ def _make_batch(rng, *, q_lens, cached, block_size, head_dim, num_kv_heads, grou
     num_seqs = len(q_lens)
     width = max(1, int(max(-(-kv_lens // block_size))))
     num_blocks = num_seqs * width + spare_blocks
-    tables = rng.permutation(num_blocks)[: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
+    num_runs = -(-num_blocks // run_length)
+    blocks = (rng.permutation(num_runs)[:, None] * run_length + np.arange(run_length)).ravel()
+    tables = blocks[blocks < num_blocks][: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     owned = np.zeros(shape[:3], bool)  # [blocks, heads, rows]
     for s in range(num_seqs):
@@ -138,9 +140,15 @@ def test_without_residuals_returns_array():
     rng = np.random.default_rng(3)
     (args, scales), _ = _make_batch(rng, q_lens=[5, 20], cached=[3, 0], block_size=16, head_dim=64, num_kv_heads=1,
                                     group=1, kv_dtype=jnp.float32, q_dtype=jnp.float32)
-    out = rp.ragged_prefill(*args, **scales, block_sizes=rp.PrefillBlockSizes(block_q=16, block_k=16))
+    out = rp.ragged_prefill(*args, **scales)  # default block sizes
     assert isinstance(out, jax.Array) and out.shape == args[0].shape
     assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_default_block_sizes_per_dtype_and_length():
+    short, long = rp._default_block_sizes(jnp.bfloat16, 4096), rp._default_block_sizes(jnp.bfloat16, 4097)
+    assert (short.block_k, short.num_warps) == (128, 8) and long == rp.PrefillBlockSizes()
+    assert rp._default_block_sizes(jnp.float32, 100).block_q == 64
 
 
 @pytest.mark.parametrize("block_q", [16, 32])
@@ -151,6 +159,7 @@ def test_work_list_covers_every_token_once(block_q):
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     kv_lens = (q_lens + rng.integers(0, 50, 9)).astype(np.int32)
     work = np.asarray(rp._work_list(jnp.asarray(cu), jnp.asarray(kv_lens), num_tokens, block_q, 16))
+    assert work.shape[0] == rp._WORK_FIELDS
     hits = np.zeros(num_tokens, int)
     for seq, q_start, rows, pos0, full, total in work.T:
         assert 0 <= rows <= block_q
@@ -162,7 +171,16 @@ def test_work_list_covers_every_token_once(block_q):
         else:
             assert total == 0
     assert np.all(hits == 1)
-    assert np.all(np.diff(work[rp._KV_BLOCKS]) <= 0), "heaviest tiles first"
+    starts = work[rp._Q_START][work[rp._ROWS] > 0]
+    assert np.all(np.diff(starts) > 0), "tiles in packed order"
+
+
+def test_consecutive_rblock_runs():
+    """Runs of consecutive rBlocks broken at random (the allocator's preferred layout, fragmented)."""
+    rng = np.random.default_rng(4)
+    _assert_matches(rng, q_lens=[40, 3, 33], cached=[20, 50, 0], block_size=16, head_dim=64, num_kv_heads=1,
+                    group=2, kv_dtype=jnp.bfloat16, q_dtype=jnp.bfloat16, run_length=3,
+                    block_sizes=rp.PrefillBlockSizes(block_q=16, block_k=16))
 
 
 def _valid_args():

@@ -39,19 +39,21 @@ class DecodeBlockSizes:
     """Schedule of the decode kernel.
 
     block_k: KV tokens per kernel iteration (clipped to the rBlock size's largest power-of-two factor).
-    tokens_per_split: KV tokens per work item (a power of two); None picks the largest power of two that
-      gives a sequence filling its whole table at least `target_programs` programs (work items x KV
-      heads), but no fewer than `min_tokens_per_split`: then a batch of one long sequence fills the
-      GPU (132 SMs: ~2 waves), and short sequences do not drown in partial results to merge. Measured
-      on an H200 (scripts/check_ragged_decode_gpu.py --sweep), 256 programs beat 512 at 128K for MHA
-      and GQA, and 1024-token splits lost 5% to 4096-token ones at batch 8 x 16K.
+    tokens_per_split: KV tokens per work item (a power of two, fixed); None (the default) picks it on the
+      device from the real lengths of each call: the smallest power of two (>= min_tokens_per_split)
+      that cuts the batch's real KV into at most about `target_programs` programs (work items x KV
+      heads). The grid is then bounded by target_programs / kv_heads + num_seqs items whatever the
+      table width, a lone 32K sequence still gets ~target_programs programs (a split fixed by the
+      table's capacity gave it 2 per head when the table was sized for 128K), and a ragged batch is
+      cut into equal chunks. Measured on an H200 (scripts/check_ragged_decode_gpu.py --sweep), ~256
+      programs beat 512 at 128K for MHA and GQA.
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
     """
 
     block_k: int = 128
     tokens_per_split: int | None = None
     target_programs: int = 256
-    min_tokens_per_split: int = 1024
+    min_tokens_per_split: int = 512
     num_warps: int = 4
     num_stages: int = 2
 
@@ -75,12 +77,27 @@ class DecodeBlockSizes:
         """Tokens per kernel iteration: a power of two dividing both block_k and the rBlock size."""
         return math.gcd(self.block_k, block_size)
 
-    def split(self, block_size: int, capacity: int, num_kv_heads: int) -> int:
-        """Tokens per work item for tables of `capacity` tokens: a power of two, a multiple of the tile."""
+    def num_items(self, block_size: int, num_seqs: int, capacity: int, num_kv_heads: int) -> int:
+        """Static bound on work items: every chunk of every sequence fits."""
         if self.tokens_per_split is not None:
-            return self.tokens_per_split
-        want = max(1, capacity * num_kv_heads // self.target_programs)
-        return max(self.tile(block_size), self.min_tokens_per_split, 1 << (want.bit_length() - 1))
+            return num_seqs * pl.cdiv(capacity, self.tokens_per_split)
+        # sum_i ceil(len_i / split) <= total / split + num_seqs, and split >= total * heads / target.
+        return min(num_seqs * pl.cdiv(capacity, self._min_split(block_size)),
+                   pl.cdiv(self.target_programs, num_kv_heads) + num_seqs)
+
+    def _min_split(self, block_size: int) -> int:
+        return max(self.tile(block_size), self.min_tokens_per_split)
+
+    def split(self, block_size: int, kv_lens: jax.Array, num_kv_heads: int) -> jax.Array:
+        """Tokens per work item (int32 scalar, a power of two and a multiple of the tile)."""
+        if self.tokens_per_split is not None:
+            return jnp.int32(self.tokens_per_split)
+        total = jnp.sum(kv_lens.astype(jnp.float32))
+        want = jnp.maximum(total * num_kv_heads / self.target_programs, 1.0)
+        pow2 = jnp.exp2(jnp.ceil(jnp.log2(want)))
+        # Float rounding of log2 may land a hair low: nudge up until the bound holds.
+        pow2 = jnp.where(pow2 * self.target_programs < total * num_kv_heads, pow2 * 2, pow2)
+        return jnp.maximum(pow2, self._min_split(block_size)).astype(jnp.int32)
 
 
 def _decode_kernel(
@@ -148,7 +165,7 @@ def _decode_kernel(
         l_ref[...] = l
 
 
-def _work_list(kv_lens: jax.Array, num_items: int, split: int):
+def _work_list(kv_lens: jax.Array, num_items: int, split: jax.Array):
     """Chunks of `split` tokens over each sequence's real KV, in sequence order, padded to num_items.
 
     Returns (sequence [N], first token [N], token count [N] (0 past the real items), segment id [N]
@@ -179,8 +196,8 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
     quantized = k_pool.dtype == jnp.int8
     compute_dtype = q.dtype if quantized else jnp.promote_types(q.dtype, k_pool.dtype)
     tile = block_sizes.tile(block_size)
-    split = block_sizes.split(block_size, block_tables.shape[1] * block_size, num_kv_heads)
-    num_items = num_seqs * pl.cdiv(block_tables.shape[1] * block_size, split)
+    num_items = block_sizes.num_items(block_size, num_seqs, block_tables.shape[1] * block_size, num_kv_heads)
+    split = block_sizes.split(block_size, kv_lens, num_kv_heads)
 
     kv_lens = kv_lens.astype(jnp.int32)
     seq, start, count, segment = _work_list(kv_lens, num_items, split)

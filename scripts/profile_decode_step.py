@@ -1,0 +1,135 @@
+"""Where a batch-1 decode step's time goes: scheduler, host padding/dispatch, device work, attention.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/profile_decode_step.py --contexts 1024 32768
+
+For each context it prefills one sequence of the Llama-2-7B shape (random bf16 weights), then
+times the same decode step five ways (median ms):
+  full          Runner.step with the scheduler's plan (what generation pays per token)
+  scheduler     Scheduler.plan + update alone (pure Python)
+  pipelined     the jitted step called back to back without waiting (device time per step)
+  synced        the jitted step, waiting for each result (device + dispatch + sync latency)
+  attention     32 ragged_decode calls on this context inside one jit (the step's attention share)
+Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def profile(llm, context: int, reps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.sampling import SamplingParams
+    from pallas_kernels.ragged_decode import ragged_decode
+
+    runner, scheduler = llm.runner, llm.scheduler
+    prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
+    seq = llm._submit(prompt, SamplingParams(max_new_tokens=10 * reps + 50, ignore_eos=True))
+    while not (seq.output_ids and seq.num_computed == seq.num_tokens - 1):  # prefill, then one decode
+        plan = scheduler.plan()
+        scheduler.update(plan, runner.step(plan), eos_id=-1)
+
+    def full():
+        plan = scheduler.plan()
+        scheduler.update(plan, runner.step(plan), eos_id=-1)
+
+    full()
+    row = {"context": context, "full_ms": _median_ms(full, reps)}
+
+    plan = scheduler.plan()
+    sampled = runner.step(plan)
+    row["scheduler_ms"] = _median_ms(lambda: (scheduler.update(plan, sampled, eos_id=-1), scheduler.plan()), 1)
+    # Re-run one fixed decode step (it rewrites the same KV slot each time: fine for timing).
+    decode, tokens, positions, tables, kv_lens, cu, slots = runner._pad(plan)
+    s_pad = len(kv_lens)
+    sampling = (np.zeros(s_pad, np.float32), np.zeros(s_pad, np.int32), np.ones(s_pad, np.float32),
+                np.zeros(s_pad, np.int32))
+    args = [jax.device_put(a) for a in (tokens, positions, tables, kv_lens, cu, slots)]
+    sampling = tuple(jax.device_put(a) for a in sampling)
+
+    def call():
+        out, runner.kv_cache = runner._step(runner.state, runner.kv_cache, *args, sampling, decode=decode)
+        return out
+
+    call().block_until_ready()
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = call()
+    out.block_until_ready()
+    row["pipelined_ms"] = (time.perf_counter() - t) / reps * 1e3
+    row["synced_ms"] = _median_ms(lambda: np.asarray(call()), reps)
+
+    layer = runner.kv_cache.layers[0]
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((s_pad, llm.config.num_heads, llm.config.head_dim)),
+                    jnp.bfloat16)
+
+    @jax.jit
+    def attention_32(q, k, v, tables, kv_lens):
+        acc = jnp.zeros(q.shape, jnp.float32)
+        for _ in range(llm.config.num_layers):  # one layer's pool 32 times: the step's attention work
+            acc = acc + ragged_decode(q, k, v, tables, kv_lens).astype(jnp.float32)
+            q = q + jnp.bfloat16(1e-3)
+        return acc
+
+    attention_32(q, layer.k, layer.v, args[2], args[3]).block_until_ready()
+    row["attention_ms"] = _median_ms(lambda: attention_32(q, layer.k, layer.v, args[2], args[3]).block_until_ready(),
+                                     reps)
+    scheduler.cancel(seq)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--model", default="llama2-7b")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+
+    import jax
+
+    from jaxllm import LLM, EngineOptions
+
+    pool_tokens = max(args.contexts) + 20 * args.reps + 512
+    block_size = 256 if jax.default_backend() == "gpu" else 16
+    options = EngineOptions(num_blocks=-(-pool_tokens // block_size) + 1, block_size=block_size)
+    llm = LLM(args.model, dtype="bfloat16", max_context=pool_tokens, options=options)
+    rows = []
+    for context in args.contexts:
+        rows.append(profile(llm, context, args.reps))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    device = jax.devices()[0].device_kind
+    result = {"script": "scripts/profile_decode_step.py", "argv": sys.argv[1:], "device": device,
+              "date": datetime.date.today().isoformat(), "jax": jax.__version__, "rows": rows}
+    print(f"{'context':>8} {'full':>7} {'sched':>7} {'pipelined':>10} {'synced':>7} {'attention':>10}  (ms)")
+    for r in rows:
+        print(f"{r['context']:>8} {r['full_ms']:>7.2f} {r['scheduler_ms']:>7.2f} {r['pipelined_ms']:>10.2f} "
+              f"{r['synced_ms']:>7.2f} {r['attention_ms']:>10.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{device.replace(' ', '-').lower()}-{result['date']}-decode-step-profile.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

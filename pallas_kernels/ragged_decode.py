@@ -45,14 +45,14 @@ class DecodeBlockSizes:
       heads). The grid is then bounded by target_programs / kv_heads + num_seqs items whatever the
       table width, a lone 32K sequence still gets ~target_programs programs (a split fixed by the
       table's capacity gave it 2 per head when the table was sized for 128K), and a ragged batch is
-      cut into equal chunks. Measured on an H200 (scripts/check_ragged_decode_gpu.py --sweep), ~256
-      programs beat 512 at 128K for MHA and GQA.
+      cut into equal chunks. On an H200 a ragged batch of 16 (1K..256K) read 4.05 TB/s with ~1000
+      programs and 2.90 with ~256 (benchmarks/results/nvidia-h200-2026-11-22-attention*.json).
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
     """
 
     block_k: int = 128
     tokens_per_split: int | None = None
-    target_programs: int = 256
+    target_programs: int = 1024
     min_tokens_per_split: int = 512
     num_warps: int = 4
     num_stages: int = 2
@@ -89,15 +89,15 @@ class DecodeBlockSizes:
         return max(self.tile(block_size), self.min_tokens_per_split)
 
     def split(self, block_size: int, kv_lens: jax.Array, num_kv_heads: int) -> jax.Array:
-        """Tokens per work item (int32 scalar, a power of two and a multiple of the tile)."""
+        """Tokens per work item (int32 scalar, a multiple of the tile)."""
         if self.tokens_per_split is not None:
             return jnp.int32(self.tokens_per_split)
-        total = jnp.sum(kv_lens.astype(jnp.float32))
-        want = jnp.maximum(total * num_kv_heads / self.target_programs, 1.0)
-        pow2 = jnp.exp2(jnp.ceil(jnp.log2(want)))
-        # Float rounding of log2 may land a hair low: nudge up until the bound holds.
-        pow2 = jnp.where(pow2 * self.target_programs < total * num_kv_heads, pow2 * 2, pow2)
-        return jnp.maximum(pow2, self._min_split(block_size)).astype(jnp.int32)
+        tile = self.tile(block_size)
+        total = jnp.sum(kv_lens.astype(jnp.int32))
+        # Not rounded to a power of two: just past one (128K + a few tokens) that would halve the programs.
+        want = pl.cdiv(total * num_kv_heads, self.target_programs)
+        split = pl.cdiv(want, tile) * tile
+        return jnp.maximum(split, self._min_split(block_size)).astype(jnp.int32)
 
 
 def _decode_kernel(

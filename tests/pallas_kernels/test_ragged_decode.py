@@ -107,9 +107,9 @@ def test_float32_query_with_bf16_kv():
 def test_batch_mixing_1_and_5000_splits_the_long_sequence():
     rng = np.random.default_rng(7)
     case = make_case(rng, [1, 5000], 2, 1, 64, 128, jnp.bfloat16, spare=1)
-    bsz = DecodeBlockSizes(block_k=128, target_programs=16)
-    # 5001 real tokens x 1 KV head over ~16 programs -> 512-token chunks: 10 items for the long sequence.
-    assert int(bsz.split(128, jnp.asarray([1, 5000]), 1)) == 512
+    bsz = DecodeBlockSizes(block_k=128, target_programs=8)
+    # 5001 real tokens x 1 KV head over ~8 programs -> 640-token chunks: 8 items for the long sequence.
+    assert int(bsz.split(128, jnp.asarray([1, 5000]), 1)) == 640
     got, want = run_both(*case, block_sizes=bsz)
     assert_matches(got, want, jnp.bfloat16)
 
@@ -142,11 +142,13 @@ def test_kernel_residuals_merge_over_a_split_of_the_tables():
 
 def test_default_split_follows_the_real_lengths_not_the_table():
     bsz = DecodeBlockSizes()
-    # 128K of real KV: MHA (32 KV heads) -> 8 items x 32 heads, GQA (8 KV heads) -> 32 x 8: 256 programs each.
-    assert int(bsz.split(1024, jnp.asarray([131072]), 32)) == 16384
-    assert int(bsz.split(1024, jnp.asarray([131072]), 8)) == 4096
-    # A 32K sequence in a table sized for 512K still gets ~256 programs.
-    assert int(bsz.split(1024, jnp.asarray([32768]), 32)) == 4096
+    # 128K of real KV: MHA (32 KV heads) -> 32 items x 32 heads, GQA (8 KV heads) -> 128 x 8: 1024 programs.
+    assert int(bsz.split(1024, jnp.asarray([131072]), 32)) == 4096
+    assert int(bsz.split(1024, jnp.asarray([131072]), 8)) == 1024
+    # Just past a power of two the split grows by one tile, not twice over.
+    assert int(bsz.split(1024, jnp.asarray([131072 + 5]), 32)) == 4096 + 128
+    # A 32K sequence in a table sized for 512K still gets ~1024 programs.
+    assert int(bsz.split(1024, jnp.asarray([32768]), 32)) == 1024
     assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 512  # short: never below min_tokens_per_split
     # The static bound holds for any lengths: target / heads + num_seqs items.
     rng = np.random.default_rng()

@@ -503,7 +503,9 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__}, {jax.devices()}, interpret={interpret}, smoke={args.smoke}", flush=True)
     date = datetime.date.today().isoformat()
-    stem = f"{device.lower().replace(' ', '-')}-{date}-attention" + ("-smoke" if args.smoke else "")
+    # The time of day keeps a second run on the same day from overwriting the first one's results.
+    stem = (f"{device.lower().replace(' ', '-')}-{date}-{time.strftime('%H%M', time.gmtime())}-attention"
+            + ("-smoke" if args.smoke else ""))
     if set(args.sections) != set(SECTIONS):
         stem += "-" + "-".join(args.sections)
     os.makedirs(args.out, exist_ok=True)

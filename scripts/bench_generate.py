@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         print(f"mixed: {m['requests']} requests, {m['generated_tokens_per_s']:.0f} generated tok/s, "
               f"{m['total_tokens_per_s']:.0f} total tok/s, {m['wall_s']:.1f} s")
     os.makedirs(args.out, exist_ok=True)
-    name = f"{result.get('device', 'gpu').replace(' ', '-').lower()}-{result['date']}-generate.json"
+    name = f"{result.get('device', 'gpu').replace(' ', '-').lower()}-{result['date']}-{time.strftime('%H%M', time.gmtime())}-generate.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     _log(f"wrote {os.path.join(args.out, name)}")

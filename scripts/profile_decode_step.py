@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         print(f"{r['context']:>8} {r['full_ms']:>7.2f} {r['scheduler_ms']:>7.2f} {r['pipelined_ms']:>10.2f} "
               f"{r['synced_ms']:>7.2f} {r['attention_ms']:>10.2f}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device.replace(' ', '-').lower()}-{result['date']}-decode-step-profile.json")
+    path = os.path.join(args.out, f"{device.replace(' ', '-').lower()}-{result['date']}-{time.strftime('%H%M', time.gmtime())}-decode-step-profile.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}", file=sys.stderr)

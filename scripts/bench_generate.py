@@ -153,11 +153,21 @@ def main(argv=None) -> int:
         except (IndexError, json.JSONDecodeError):
             result["hf"] = {"error": child.stderr[-2000:]}
 
+    import gc
+
     import jax
 
     from jaxllm.kv_cache import kv_bytes_per_block
 
     result["device"] = jax.devices()[0].device_kind
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{result['device'].replace(' ', '-').lower()}-{result['date']}-"
+                                  f"{time.strftime('%H%M', time.gmtime())}-generate.json")
+
+    def save():  # after every section, so a run stopped at its time limit keeps what it measured
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
     result["jax"] = jax.__version__
     max_context = max(args.contexts + [args.mixed_max_prompt if args.mixed else 0]) + args.mixed_new_tokens + 64
     if args.contexts or args.mixed:
@@ -173,11 +183,14 @@ def main(argv=None) -> int:
             row = decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes)
             result["decode"].append(row)
             _log(f"[jaxllm] {json.dumps(row)}")
+            save()
         if args.mixed:
             result["mixed"] = mixed_workload(llm, args.mixed, args.mixed_new_tokens, args.mixed_max_prompt)
             _log(f"[jaxllm] mixed {json.dumps(result['mixed'])}")
         result["compiles"] = llm.compile_count
         del llm
+        gc.collect()  # the next pool is sized from free memory: this one must be gone first
+        save()
     result["longest"] = []
     for kv_dtype in args.longest:
         llm = build_llm(args.model, kv_dtype, 1 << 22, 0.97, max_seqs=8)
@@ -193,6 +206,8 @@ def main(argv=None) -> int:
         result["longest"].append(row)
         _log(f"[jaxllm] {json.dumps(row)}")
         del llm
+        gc.collect()
+        save()
 
     hf = {r["context"]: r for r in result.get("hf", []) if isinstance(r, dict)} if isinstance(result.get("hf"), list) else {}
     print(f"{'context':>8} {'ms/token':>9} {'floor':>7} {'x floor':>8} {'HF ms/token':>12} {'vs HF':>7}")
@@ -207,11 +222,8 @@ def main(argv=None) -> int:
         m = result["mixed"]
         print(f"mixed: {m['requests']} requests, {m['generated_tokens_per_s']:.0f} generated tok/s, "
               f"{m['total_tokens_per_s']:.0f} total tok/s, {m['wall_s']:.1f} s")
-    os.makedirs(args.out, exist_ok=True)
-    name = f"{result.get('device', 'gpu').replace(' ', '-').lower()}-{result['date']}-{time.strftime('%H%M', time.gmtime())}-generate.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(result, f, indent=1)
-    _log(f"wrote {os.path.join(args.out, name)}")
+    save()
+    _log(f"wrote {path}")
     return 0
 
 

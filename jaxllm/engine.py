@@ -17,6 +17,7 @@ import time
 from typing import Iterator
 
 from jaxllm.llm import LLM, _TextTracker
+from jaxllm.runner import InFlight
 from jaxllm.sampling import SamplingParams
 from jaxllm.scheduler import Sequence, Status
 
@@ -106,6 +107,7 @@ class Engine:
         self._ids = itertools.count()
         self._accepting = True
         self._stop = False
+        self._inflight: InFlight | None = None  # engine thread only: dispatched, tokens not yet recorded
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
@@ -177,7 +179,8 @@ class Engine:
         scheduler = self.llm.scheduler
         while True:
             with self._lock:
-                while not (self._stop or self._incoming or self._cancels or scheduler.has_work()):
+                while not (self._stop or self._incoming or self._cancels or scheduler.has_work()
+                           or self._inflight is not None):
                     self._lock.wait()
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, set()
@@ -189,26 +192,41 @@ class Engine:
             for request_id in cancels:
                 request = self._requests.get(request_id)
                 if request is not None and request.seq is not None:
+                    # A step in flight that holds it still runs; update drops its result.
                     scheduler.cancel(request.seq)
                     self._finish(request, "cancelled")
             if stop and not scheduler.has_work():
+                self._inflight = None  # only finished sequences' steps can be left: nothing to record
                 return
-            if not scheduler.has_work():
+            if not (scheduler.has_work() or self._inflight is not None):
                 continue
             try:
                 self._step()
             except Exception as e:  # a failed step fails its requests, not the server
+                self._inflight = None  # dropped unrecorded: harmless (LLM._advance says why)
                 for request in list(self._requests.values()):
                     if request.seq is not None:
                         scheduler.cancel(request.seq)
                         self._finish(request, "error", error=f"{type(e).__name__}: {e}")
 
     def _step(self) -> None:
+        """Record one step's tokens; as LLM._advance, the next decode step is queued before they are read."""
         llm = self.llm
-        plan = llm.scheduler.plan()
-        if plan is None:
-            return
-        sampled = llm.runner.step(plan)
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            plan = llm.scheduler.plan()
+            if plan is None:
+                return
+            inflight = llm.runner.dispatch(plan)
+        plan = inflight.plan
+        # Requests or cancels that arrived meanwhile are taken in before the next step instead: a
+        # continuation would delay admission by a step, or run a step for a sequence about to go.
+        # (An unlocked peek: a stale answer costs at most one step of latency, never correctness.)
+        if llm.options.pipeline and not (self._incoming or self._cancels):
+            continuation = llm.scheduler.plan_continuation(plan)
+            if continuation is not None:
+                self._inflight = llm.runner.dispatch(continuation, token_source=inflight)
+        sampled = inflight.tokens()
         llm.scheduler.update(plan, sampled, llm.tokenizer.eos_id)
         self.stats.steps_total += 1
         now = time.monotonic()

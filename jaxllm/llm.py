@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence as Seq
+from typing import Callable, Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +11,9 @@ import numpy as np
 
 from jaxllm.allocator import BlockAllocator
 from jaxllm.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
-from jaxllm.runner import Runner
+from jaxllm.runner import InFlight, Runner
 from jaxllm.sampling import SamplingParams
-from jaxllm.scheduler import Scheduler, Sequence, Status
+from jaxllm.scheduler import Scheduler, Sequence, Status, StepPlan
 from jaxllm.tokenizer import StreamDecoder, load_tokenizer
 from jaxllm.weights import load_model
 
@@ -38,6 +38,9 @@ class EngineOptions:
     max_tokens_per_step: int | None = None
     max_seqs: int = 256
     attention_backend: str = "auto"
+    # Queue the next decode step before reading this one's tokens, so host dispatch overlaps device
+    # work; the tokens are the same either way. False waits for every step (for A/B timing).
+    pipeline: bool = True
 
     def __post_init__(self):
         if not (0.0 < self.kv_memory_fraction <= 1.0):
@@ -119,6 +122,8 @@ class LLM:
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
                                    max_seqs=self.options.max_seqs)
+        self._inflight: InFlight | None = None  # dispatched, its tokens not yet recorded
+        self._trackers: dict[int, _TextTracker] = {}  # seq_id -> text of every live generate/stream sequence
 
     def _default_num_blocks(self, block_size: int, pool_dtype: str, on_gpu: bool) -> int:
         per_block = kv_bytes_per_block(self.config, block_size, pool_dtype)
@@ -169,20 +174,57 @@ class LLM:
 
     # ----- the loop -----
 
-    def _step(self, trackers: dict[int, _TextTracker]) -> list[Sequence]:
-        plan = self.scheduler.plan()
-        if plan is None:
-            raise RuntimeError("scheduler has waiting work but could plan no step (pool too small?)")
-        sampled = self.runner.step(plan)
-        advanced = self.scheduler.update(plan, sampled, self.tokenizer.eos_id)
+    # At most one step is in flight: dispatched, its tokens not yet recorded by `scheduler.update`.
+    # scheduler.plan() runs only when none is (it may preempt, and a preempted sequence must have no
+    # step outstanding); while one is, the only step queued behind it is its continuation
+    # (Scheduler.plan_continuation), which takes its input tokens from the device. A step dropped
+    # unrecorded (an exception, an abandoned stream) is harmless: the scheduler never moved past it.
+
+    def _advance(self, run_ahead: bool = True) -> StepPlan:
+        """Record one step's tokens (dispatching it first if none is in flight); returns its plan.
+
+        With run_ahead (and options.pipeline), the step after it is dispatched before its tokens are read.
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            plan = self.scheduler.plan()
+            if plan is None:
+                raise RuntimeError("scheduler has waiting work but could plan no step (pool too small?)")
+            inflight = self.runner.dispatch(plan)
+        following = None
+        if run_ahead and self.options.pipeline:
+            continuation = self.scheduler.plan_continuation(inflight.plan)
+            if continuation is not None:
+                following = self.runner.dispatch(continuation, token_source=inflight)
+        advanced = self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_id)
+        self._inflight = following
         for seq in advanced:
-            tracker = trackers.get(seq.seq_id)
+            tracker = self._trackers.get(seq.seq_id)
             if tracker is None:
                 continue
             tracker.push(seq.output_ids[-1])
             if tracker.stopped and seq.status is not Status.FINISHED:
+                # A continuation already queued for it is dropped by update (it skips finished sequences).
                 self.scheduler.finish(seq, "stop")
-        return advanced
+        return inflight.plan
+
+    def _drain(self, on_step: Callable[[StepPlan], None] | None = None) -> None:
+        """Record the step in flight, if any, and queue nothing after it."""
+        if self._inflight is not None:
+            plan = self._advance(run_ahead=False)
+            if on_step is not None:
+                on_step(plan)
+
+    def _run_until(self, done: Callable[[], bool], on_step: Callable[[StepPlan], None] | None = None) -> None:
+        """Run steps until done() holds, then drain: returns with no step in flight.
+
+        on_step(plan) is called after each step's tokens are recorded (benchmarks time the gaps).
+        """
+        while not done():
+            plan = self._advance()
+            if on_step is not None:
+                on_step(plan)
+        self._drain(on_step)
 
     def generate(self, prompts: str | Seq[str], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
@@ -197,13 +239,17 @@ class LLM:
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         seqs = [self._submit(ids, params) for ids in encoded]
         trackers = {s.seq_id: _TextTracker(self.tokenizer, params.stop) for s in seqs}
+        self._trackers.update(trackers)
         try:
-            while any(s.status is not Status.FINISHED for s in seqs):
-                self._step(trackers)
+            self._run_until(lambda: all(s.status is Status.FINISHED for s in seqs))
         except BaseException:
+            self._inflight = None  # dropped unrecorded: harmless (see above)
             for s in seqs:
                 self.scheduler.cancel(s)
             raise
+        finally:
+            for s in seqs:
+                self._trackers.pop(s.seq_id, None)
         out = []
         for s in seqs:
             tracker = trackers[s.seq_id]
@@ -219,20 +265,26 @@ class LLM:
                                 seed=seed, stop=stop or (), stop_token_ids=stop_token_ids)
         seq = self._submit(self._encode(prompt, 0), params)
         tracker = _TextTracker(self.tokenizer, params.stop)
-        trackers = {seq.seq_id: tracker}
+        self._trackers[seq.seq_id] = tracker
         try:
+            # Between yields at most one step is in flight: the stream runs at most one step ahead of
+            # its reader.
             while seq.status is not Status.FINISHED:
-                self._step(trackers)
+                self._advance()
                 piece = tracker.take(final=False)
                 if piece:
                     yield piece
+            self._drain()
             tracker.finish()
             piece = tracker.take(final=True)
             if piece:
                 yield piece
         finally:
-            # A caller that stops iterating early frees the sequence's rBlocks.
+            # A caller that stops iterating early (or an error) frees the sequence's rBlocks; a step it
+            # left in flight is dropped unrecorded, which is harmless (see above).
+            self._inflight = None  # None already unless the loop was left early
             self.scheduler.cancel(seq)
+            self._trackers.pop(seq.seq_id, None)
 
     def logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Teacher-forced logits [len(token_ids), vocab] (float32), prefilled in chunks."""
@@ -243,7 +295,7 @@ class LLM:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         self._check_length(len(ids), "token_ids")
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._inflight is not None:
             raise RuntimeError("logits() cannot run while generation is in progress")
         # One sequence, prefilled chunk by chunk; max_new_tokens=1 so the scheduler never samples past it.
         seq = self.scheduler.add(ids, SamplingParams(max_new_tokens=1), max_len=len(ids) + 1)

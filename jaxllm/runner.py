@@ -6,6 +6,10 @@ power of two), a prefill/mixed step by its token count alone (a power of two; it
 padded to the same size, capped at max_seqs), and the rBlock-table width is fixed by the context
 limit. Every trace of a step function (a cache miss, hence a compile) is counted in
 `compile_count`.
+
+`dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode step can
+take its input tokens straight from the previous step's device output, so the host can queue step
+N+1 while step N runs instead of leaving the device idle during every dispatch.
 """
 
 from __future__ import annotations
@@ -25,6 +29,22 @@ def bucket(n: int, minimum: int) -> int:
     """The smallest power of two >= max(n, minimum)."""
     n = max(n, minimum, 1)
     return 1 << (n - 1).bit_length()
+
+
+class InFlight:
+    """A dispatched step: its plan and its sampled tokens, still on the device until `tokens()`."""
+
+    def __init__(self, plan: StepPlan, device_tokens: jax.Array, sampling: tuple):
+        self.plan = plan
+        self.device_tokens = device_tokens  # [padded sequences] int32
+        self.sampling = sampling  # (temperature, top_k, top_p, seeds), each [padded sequences], on the device
+        self._host: np.ndarray | None = None
+
+    def tokens(self) -> np.ndarray:
+        """The sampled token of every sequence in the plan ([S] int32); waits for the device."""
+        if self._host is None:
+            self._host = np.asarray(self.device_tokens)[:len(self.plan.seqs)]
+        return self._host
 
 
 class Runner:
@@ -107,10 +127,38 @@ class Runner:
 
     # ----- public -----
 
-    def step(self, plan: StepPlan) -> np.ndarray:
-        """Run one step; returns the sampled token of every sequence in the plan ([S] int32)."""
+    def dispatch(self, plan: StepPlan, *, token_source: InFlight | None = None) -> InFlight:
+        """Start one step on the device and return at once, without waiting for its tokens.
+
+        token_source: the in-flight (or finished) step this one continues (Scheduler.plan_continuation):
+        a decode step of the same sequences in the same order. Its sampled-token array, still on the
+        device, becomes this step's input tokens, so step N+1 is queued before step N's tokens reach the
+        host. Both are decode steps of the same sequence count, hence the same padded size.
+        """
         decode, tokens, positions, tables, kv_lens, cu, slots = self._pad(plan)
         s_pad = len(kv_lens)
+        if token_source is not None:
+            src = token_source.plan
+            if not (decode and src.is_decode and len(src.seqs) == len(plan.seqs)
+                    and all(a is b for a, b in zip(src.seqs, plan.seqs))):
+                raise ValueError("token_source must be a decode step of the same sequences, in the same order, "
+                                 f"as the step it feeds ({len(src.seqs)} vs {len(plan.seqs)} sequences)")
+            tokens = token_source.device_tokens
+            sampling = token_source.sampling  # same sequences, same order: same parameters
+        else:
+            if np.any(plan.token_ids < 0):
+                raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
+            sampling = self._sampling(plan, s_pad)
+        next_tokens, self.kv_cache = self._step(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu,
+                                                slots, sampling, decode=decode)
+        return InFlight(plan, next_tokens, sampling)
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
+        return self.dispatch(plan).tokens()
+
+    @staticmethod
+    def _sampling(plan: StepPlan, s_pad: int):
         temperature = np.zeros(s_pad, np.float32)
         top_k = np.zeros(s_pad, np.int32)
         top_p = np.ones(s_pad, np.float32)
@@ -118,9 +166,8 @@ class Runner:
         for i, seq in enumerate(plan.seqs):
             p = seq.params
             temperature[i], top_k[i], top_p[i], seeds[i] = p.temperature, p.top_k, p.top_p, p.seed
-        next_tokens, self.kv_cache = self._step(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu,
-                                                slots, (temperature, top_k, top_p, seeds), decode=decode)
-        return np.asarray(next_tokens)[:len(plan.seqs)]
+        # On the device once, so the continuation steps that reuse them transfer nothing.
+        return jax.device_put((temperature, top_k, top_p, seeds))
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""

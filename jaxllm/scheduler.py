@@ -17,6 +17,9 @@ import numpy as np
 from jaxllm.allocator import BlockAllocator, OutOfBlocks
 from jaxllm.sampling import SamplingParams
 
+# token_ids of a continuation step (Scheduler.plan_continuation): the real ids are still on the device.
+PENDING_TOKEN = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -129,6 +132,36 @@ class Scheduler:
             return None
         return self._build(chunks)
 
+    def plan_continuation(self, prev: StepPlan) -> StepPlan | None:
+        """The decode step that follows `prev` while prev's sampled tokens are still on the device.
+
+        Lets the caller dispatch step N+1 before reading step N's tokens: the new step has prev's
+        sequences in prev's order, one token each, at the position prev is sampling; its token_ids
+        are PENDING_TOKEN placeholders that the runner takes from prev's device output. Call it after
+        prev was planned and before prev's results are recorded (`update`). Returns None, changing
+        nothing, unless prev is a pure decode step in which every sequence samples, the sequences
+        are exactly the running set and still running, nobody waits for admission (plan() would
+        admit them), none of them is certain to finish on prev's token (its length limit), and
+        every one can grow by one token without preempting anyone. Only grows rBlocks: sequences'
+        tokens and counters change in `update` alone, so dropping the returned step unrecorded
+        leaves the scheduler consistent (plan() would then recompute the token).
+        """
+        seqs = prev.seqs
+        if self.waiting or not prev.is_decode or not bool(np.all(prev.sample)) or len(seqs) != len(self.running):
+            return None
+        for i, seq in enumerate(seqs):
+            if seq.status is not Status.RUNNING or int(prev.kv_lens[i]) != seq.num_tokens:
+                return None  # finished, or prev's result is already recorded: not the step to continue
+            if len(seq.output_ids) + 1 >= seq.params.max_new_tokens or seq.num_tokens + 1 >= seq.max_len:
+                return None  # prev's token ends it: a step after it would be wasted
+        # The new step writes position num_tokens, so it needs num_tokens + 1 slots.
+        need = [self._blocks_for(seq.num_tokens + 1) - len(self.allocator.blocks(seq.seq_id)) for seq in seqs]
+        if sum(max(n, 0) for n in need) > self.allocator.num_free:
+            return None  # checked first, so a shortage leaves every table as it was
+        for seq in seqs:
+            self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
+        return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs])
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -155,12 +188,19 @@ class Scheduler:
         self.waiting.insert(0, seq)
 
     def _build(self, chunks: list[tuple[Sequence, int]]) -> StepPlan:
+        rows = []
+        for seq, n in chunks:
+            start = seq.num_computed
+            rows.append((seq, start, seq.token_ids[start:start + n], start + n == seq.num_tokens))
+        return self._assemble(rows)
+
+    def _assemble(self, rows: list[tuple[Sequence, int, list[int], bool]]) -> StepPlan:
+        """rows: (sequence, first position, token ids from there, samples a new token)."""
         bs = self.block_size
         token_ids, positions, slots, kv_lens, tables, sample = [], [], [], [], [], []
         cu = [0]
-        for seq, n in chunks:
-            start = seq.num_computed
-            ids = seq.token_ids[start:start + n]
+        for seq, start, ids, samples in rows:
+            n = len(ids)
             blocks = self.allocator.blocks(seq.seq_id)
             pos = np.arange(start, start + n)
             token_ids.append(np.asarray(ids, np.int32))
@@ -168,14 +208,14 @@ class Scheduler:
             slots.append((np.asarray(blocks, np.int64)[pos // bs] * bs + pos % bs).astype(np.int32))
             kv_lens.append(start + n)
             tables.append(blocks)
-            sample.append(start + n == seq.num_tokens)
+            sample.append(samples)
             cu.append(cu[-1] + n)
         width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(chunks), width), np.int32)
+        block_tables = np.zeros((len(rows), width), np.int32)
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
         return StepPlan(
-            seqs=[s for s, _ in chunks],
+            seqs=[row[0] for row in rows],
             token_ids=np.concatenate(token_ids),
             positions=np.concatenate(positions),
             slot_mapping=np.concatenate(slots),
@@ -192,7 +232,14 @@ class Scheduler:
         advanced = []
         for i, seq in enumerate(plan.seqs):
             if seq.status is not Status.RUNNING:
-                continue  # cancelled while the step ran
+                # Finished (cancel, stop string, or an earlier step's EOS/length) while this step ran: drop
+                # its result. A continuation step may have written this sequence's next KV row into an
+                # rBlock that finishing freed; that is harmless. Device steps run in dispatch order (each
+                # consumes the pool the previous one returned), so the stray write lands before any step
+                # of a new owner; a new owner writes each slot in the step whose kv_len first covers it,
+                # before attention reads it, and attention never reads past kv_len. The stray value is
+                # overwritten before anyone reads it.
+                continue
             seq.num_computed = int(plan.kv_lens[i])
             if not plan.sample[i]:
                 continue

@@ -76,14 +76,21 @@ def hf_decode(contexts: list[int], steps: int = 12) -> list[dict]:
 # ----- jaxllm -----
 
 def _drive(llm, seqs) -> dict:
-    """Run steps until every sequence finishes; per-step wall times by kind."""
+    """Run the LLM's (pipelined) loop until every sequence finishes; per-step wall times by kind.
+
+    A step's time is the gap between the moments its tokens and the previous step's reached the
+    host: with steps queued back to back, the device time per step plus whatever dispatch fails to hide.
+    """
     times = {"decode": [], "prefill": []}
-    while any(s.finish_reason is None for s in seqs):
-        plan = llm.scheduler.plan()
-        start = time.perf_counter()
-        sampled = llm.runner.step(plan)  # returns host values: waits for the device
-        times["decode" if plan.is_decode else "prefill"].append(time.perf_counter() - start)
-        llm.scheduler.update(plan, sampled, eos_id=-1)
+    last = time.perf_counter()
+
+    def on_step(plan) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        times["decode" if plan.is_decode else "prefill"].append(now - last)
+        last = now
+
+    llm._run_until(lambda: all(s.finish_reason is not None for s in seqs), on_step=on_step)
     return times
 
 
@@ -117,10 +124,11 @@ def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int) -> 
                 steps=len(times["decode"]) + len(times["prefill"]), preemptions=sum(s.num_preemptions for s in seqs))
 
 
-def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256):
+def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256,
+              pipeline: bool = True):
     from jaxllm import LLM, EngineOptions
 
-    options = EngineOptions(kv_dtype=kv_dtype, kv_memory_fraction=fraction, max_seqs=max_seqs)
+    options = EngineOptions(kv_dtype=kv_dtype, kv_memory_fraction=fraction, max_seqs=max_seqs, pipeline=pipeline)
     return LLM(model, dtype="bfloat16", max_context=max_context, options=options)
 
 
@@ -135,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-new-tokens", type=int, default=256)
     p.add_argument("--hf", type=int, nargs="*", default=[], help="contexts for HuggingFace transformers")
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sync", action="store_true", help="wait for every step's tokens before the next dispatch "
+                                                        "(no pipelining), for comparison")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
 
@@ -142,7 +152,7 @@ def main(argv=None) -> int:
         print(json.dumps(hf_decode(args.hf)))
         return 0
     result = {"script": "scripts/bench_generate.py", "argv": sys.argv[1:], "date": datetime.date.today().isoformat(),
-              "hbm_bytes_per_s_for_floor": HBM_BYTES_PER_S}
+              "hbm_bytes_per_s_for_floor": HBM_BYTES_PER_S, "pipeline": not args.sync}
     if args.hf:
         _log(f"[hf] transformers at {args.hf} in a child process")
         child = subprocess.run([sys.executable, __file__, "--hf-child", "--hf", *map(str, args.hf)],
@@ -171,7 +181,7 @@ def main(argv=None) -> int:
     result["jax"] = jax.__version__
     max_context = max(args.contexts + [args.mixed_max_prompt if args.mixed else 0]) + args.mixed_new_tokens + 64
     if args.contexts or args.mixed:
-        llm = build_llm(args.model, "bfloat16", max_context, 0.9)
+        llm = build_llm(args.model, "bfloat16", max_context, 0.9, pipeline=not args.sync)
         config = llm.config
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.runner.state))
         kv_per_token = kv_bytes_per_block(config, 1, "bfloat16")
@@ -193,7 +203,7 @@ def main(argv=None) -> int:
         save()
     result["longest"] = []
     for kv_dtype in args.longest:
-        llm = build_llm(args.model, kv_dtype, 1 << 22, 0.97, max_seqs=8)
+        llm = build_llm(args.model, kv_dtype, 1 << 22, 0.97, max_seqs=8, pipeline=not args.sync)
         pool = llm.allocator.num_blocks * llm.runner.block_size
         context = pool - args.new_tokens - 1
         kv_per_token = kv_bytes_per_block(llm.config, 1, kv_dtype)

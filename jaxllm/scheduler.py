@@ -47,6 +47,15 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a step's chunk of a long context)."""
+        split = len(self.prompt_ids)
+        if end <= split:
+            return self.prompt_ids[start:end]
+        if start >= split:
+            return self.output_ids[start - split:end - split]
+        return self.prompt_ids[start:] + self.output_ids[:end - split]
+
 
 @dataclasses.dataclass
 class StepPlan:
@@ -191,7 +200,7 @@ class Scheduler:
         rows = []
         for seq, n in chunks:
             start = seq.num_computed
-            rows.append((seq, start, seq.token_ids[start:start + n], start + n == seq.num_tokens))
+            rows.append((seq, start, seq.token_slice(start, start + n), start + n == seq.num_tokens))
         return self._assemble(rows)
 
     def _assemble(self, rows: list[tuple[Sequence, int, list[int], bool]]) -> StepPlan:

@@ -249,3 +249,15 @@ def test_bad_limits():
         Scheduler(BlockAllocator(4), 4, max_tokens_per_step=0, max_seqs=4)
     with pytest.raises(ValueError):
         Scheduler(BlockAllocator(4), 4, max_tokens_per_step=8, max_seqs=0)
+
+
+def test_token_slice_equals_slicing_the_whole_list():
+    from jaxllm.scheduler import Sequence
+
+    rng = np.random.default_rng()
+    for _ in range(200):
+        seq = Sequence(0, rng.integers(0, 100, size=int(rng.integers(1, 20))).tolist(), SamplingParams(), 100)
+        seq.output_ids = rng.integers(0, 100, size=int(rng.integers(0, 20))).tolist()
+        start = int(rng.integers(0, seq.num_tokens + 1))
+        end = int(rng.integers(start, seq.num_tokens + 1))
+        assert seq.token_slice(start, end) == seq.token_ids[start:end]

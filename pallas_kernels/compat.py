@@ -48,3 +48,42 @@ def gpu_compute_capability() -> tuple[int, int] | None:
         return None
     major, _, minor = str(cc).partition(".")
     return int(major), int(minor or 0)
+
+
+def triton_masked_store(ref, value, mask) -> None:
+    """Store `value` into a Triton-lowered Pallas ref where `mask` holds (the rest is left untouched)."""
+    from jax.experimental.pallas import triton as pl_triton
+
+    pl_triton.store(ref, value, mask=mask)
+
+
+def mgpu_interpret_params(**kwargs):
+    """Mosaic GPU interpret-mode parameters (a private class in 0.10.2), or None where this JAX has none.
+
+    `plgpu.kernel(..., interpret=params)` then simulates warpgroups, barriers and TMA on the CPU.
+    """
+    for module in ("jax.experimental.pallas.mosaic_gpu", "jax._src.pallas.mosaic_gpu.interpret.params"):
+        try:
+            cls = getattr(__import__(module, fromlist=["InterpretGPUParams"]), "InterpretGPUParams")
+        except (ImportError, AttributeError):
+            continue
+        return cls(**kwargs)
+    return None
+
+
+def reset_mgpu_interpret_state() -> None:
+    """Mosaic GPU interpret mode keeps global state that an exception inside a kernel leaves dirty."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    except ImportError:
+        return
+    reset = getattr(interpret_pallas_call, "reset_gpu_interpret_mode_state", None)
+    if reset is not None:
+        reset()
+
+
+def triton_masked_load(ref, mask, other):
+    """Load a Triton-lowered Pallas ref where `mask` holds, `other` elsewhere (nothing read there)."""
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.load(ref, mask=mask, other=other)

@@ -6,8 +6,10 @@ the kernel grid runs over `(work item, kv_head)`, so a batch of one 500K sequenc
 mixed 1K..500K lengths both spread evenly over the GPU, and no program touches padding. Each
 program reads its rBlocks straight from the pool through the block table (nothing is gathered,
 copied or transposed), processes all query heads of one KV head's group together (one read of
-K and V per group), and writes a partial `(out, row_max, row_sum)`; `residuals.merge_partials`
-then merges the partials of each sequence exactly.
+K and V per group), and writes a partial `(out, row_max, row_sum)`; `residuals.merge_partial_runs`
+(one more small kernel) then merges each sequence's consecutive partials exactly and writes the
+output in the layout the output projection reads. Nothing else runs per call but a few tiny
+fusions building the work list from kv_lens, which XLA computes once for all layers of a step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import compat, validation
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
-from pallas_kernels.residuals import merge_partials
+from pallas_kernels.residuals import merge_partial_runs, parts_per_merge_load
 
 # tl.dot needs at least 16 rows and columns: the query group is padded to this many rows.
 MIN_DOT_ROWS = 16
@@ -115,6 +117,7 @@ def _decode_kernel(
     block_size: int,
     quantized: bool,
     compute_dtype,
+    group: int,
 ):
     if quantized:
         k_scale_ref, v_scale_ref, o_ref, m_ref, l_ref = refs
@@ -160,16 +163,18 @@ def _decode_kernel(
                 jnp.full((group_rows,), -jnp.inf, jnp.float32),
                 jnp.zeros((group_rows,), jnp.float32))
         o, m, l = jax.lax.fori_loop(0, pl.cdiv(count, tile), body, init)
-        o_ref[...] = o / l[:, None]
-        m_ref[...] = m
-        l_ref[...] = l
+        # Only the group's real rows: the padding rows of tl.dot would be 16x the bytes for MHA.
+        real = jnp.arange(group_rows, dtype=jnp.int32) < group
+        compat.triton_masked_store(o_ref, o / l[:, None], real[:, None])
+        compat.triton_masked_store(m_ref, m, real)
+        compat.triton_masked_store(l_ref, l, real)
 
 
 def _work_list(kv_lens: jax.Array, num_items: int, split: jax.Array):
     """Chunks of `split` tokens over each sequence's real KV, in sequence order, padded to num_items.
 
-    Returns (sequence [N], first token [N], token count [N] (0 past the real items), segment id [N]
-    (num_seqs past the real items)).
+    Returns (sequence [N], first token [N], token count [N] (0 past the real items), first item of
+    each sequence [S], items of each sequence [S]).
     """
     num_seqs = kv_lens.shape[0]
     chunks = (kv_lens + split - 1) // split  # [S]
@@ -183,7 +188,7 @@ def _work_list(kv_lens: jax.Array, num_items: int, split: jax.Array):
     start = (j - (ends[seq] - chunks[seq])) * split
     count = jnp.where(real, jnp.minimum(split, kv_lens[seq] - start), 0).astype(jnp.int32)
     start = jnp.where(real, start, 0).astype(jnp.int32)
-    return seq, start, count, jnp.where(real, seq, num_seqs)
+    return seq, start, count, (ends - chunks).astype(jnp.int32), chunks.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "return_residuals", "block_sizes", "interpret"))
@@ -200,13 +205,16 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
     split = block_sizes.split(block_size, kv_lens, num_kv_heads)
 
     kv_lens = kv_lens.astype(jnp.int32)
-    seq, start, count, segment = _work_list(kv_lens, num_items, split)
+    seq, start, count, first_item, seq_items = _work_list(kv_lens, num_items, split)
     q_groups = q.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_rows - group), (0, 0)))  # [S, Hkv, rows, D]
 
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, tile=tile, block_size=block_size,
-                               quantized=quantized, compute_dtype=compute_dtype)
+                               quantized=quantized, compute_dtype=compute_dtype, group=group)
     scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
+    merged_rows = 1 << (group - 1).bit_length()  # Triton loads power-of-two shapes
+    # Room past the last item for the merge's whole-chunk loads (never written, never used).
+    num_parts = num_items + parts_per_merge_load(merged_rows)
     whole = pl.no_block_spec  # pools and tables are indexed inside the kernel, never sliced by a BlockSpec
     o, m, l = pl.pallas_call(
         kernel,
@@ -218,21 +226,23 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
             pl.BlockSpec((None, None, group_rows), lambda i, h: (i, h, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32),
-            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_parts, num_kv_heads, group_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_parts, num_kv_heads, group_rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_parts, num_kv_heads, group_rows), jnp.float32),
         ],
         compiler_params=compat.triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="ragged_decode",
     )(seq, start, count, block_tables.astype(jnp.int32), q_groups, k_pool, v_pool, *scales)
 
-    # Padding items were never written: segment id num_seqs makes the merge ignore them.
-    o = o[:, :, :group].reshape(num_items, num_q_heads, head_dim)
-    m = m[:, :, :group].reshape(num_items, num_q_heads)
-    l = l[:, :, :group].reshape(num_items, num_q_heads)
-    out, row_max, row_sum = merge_partials(o, m, l, segment_ids=segment, num_segments=num_seqs)
-    out = out.astype(q.dtype)
+    # Padding items and padding rows were never written; the merge reads neither.
+    out, row_max, row_sum = merge_partial_runs(o, m, l, first_item, seq_items, rows=merged_rows, out_dtype=q.dtype,
+                                               interpret=interpret)
+    if merged_rows != group:
+        out, row_max, row_sum = out[:, :, :group], row_max[:, :, :group], row_sum[:, :, :group]
+    out = out.reshape(num_seqs, num_q_heads, head_dim)
+    row_max = row_max.reshape(num_seqs, num_q_heads)
+    row_sum = row_sum.reshape(num_seqs, num_q_heads)
     if return_residuals:
         return out, (row_max, row_sum)
     return out

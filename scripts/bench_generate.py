@@ -7,8 +7,11 @@
 bandwidth); (b) with --longest, the longest context that prefills and decodes with bf16 and/or
 int8 KV; (c) with --mixed N, N requests with prompt lengths log-uniform in 128..32K and 256 new
 tokens each, continuously batched, in tokens/s; (d) with --hf, HuggingFace transformers
-(fp16, sdpa) at the given contexts on the same device, in a subprocess run first so the two
-frameworks never hold GPU memory at once. Prints a table, writes JSON to --out.
+(fp16, sdpa) at the given contexts on the same device, and with --hf-mixed, on the same mixed
+workload (same prompt lengths and new tokens; HF has no continuous batching, so requests run in
+static batches of similar length, shortest first, up to --hf-batch-tokens padded tokens a batch),
+in a subprocess run first so the two frameworks never hold GPU memory at once. Prints a table,
+writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -73,6 +76,56 @@ def hf_decode(contexts: list[int], steps: int = 12) -> list[dict]:
     return rows
 
 
+def mixed_lengths(num_requests: int, max_prompt: int) -> np.ndarray:
+    """Prompt lengths of the mixed workload, log-uniform in 128..max_prompt (the same for both frameworks)."""
+    rng = np.random.default_rng(1)
+    return np.exp(rng.uniform(np.log(128), np.log(max_prompt), size=num_requests)).astype(int)
+
+
+def hf_mixed(num_requests: int, new_tokens: int, max_prompt: int, batch_tokens: int) -> dict:
+    """The mixed workload through HF generate: static batches (left-padded), greedy, exactly new_tokens each."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=1 << 20, rms_norm_eps=1e-5,
+                      pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.float16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.eval()
+    lengths = sorted(mixed_lengths(num_requests, max_prompt).tolist())
+    batches, current = [], []
+    for n in lengths:  # sorted ascending: a batch's padded size is its last prompt + new tokens
+        if current and (len(current) + 1) * (n + new_tokens) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(n)
+    batches.append(current)
+    generated = 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            width = max(batch)
+            ids = torch.randint(3, 32000, (len(batch), width), device="cuda")
+            mask = torch.zeros((len(batch), width), dtype=torch.long, device="cuda")
+            for i, n in enumerate(batch):
+                mask[i, width - n:] = 1  # left padding
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            generated += (out.shape[1] - width) * len(batch)
+            _log(f"[hf] mixed batch of {len(batch)} (prompts {batch[0]}..{width}) done at "
+                 f"{time.perf_counter() - t0:.1f} s")
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return dict(requests=num_requests, prompt_tokens=int(sum(lengths)), generated_tokens=generated, wall_s=wall,
+                batches=len(batches), batch_tokens=batch_tokens, generated_tokens_per_s=generated / wall,
+                total_tokens_per_s=(generated + sum(lengths)) / wall,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+
+
 # ----- jaxllm -----
 
 def _drive(llm, seqs) -> dict:
@@ -108,20 +161,30 @@ def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float
                 prefill_s=float(sum(times["prefill"])), wall_s=time.perf_counter() - t0, decode_steps=int(decode.size))
 
 
-def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int) -> dict:
+def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, warm: bool = True) -> dict:
+    """The mixed workload; with `warm`, once untimed first, so the timed pass compiles nothing (checked)."""
     from jaxllm.sampling import SamplingParams
 
-    rng = np.random.default_rng(1)
-    lengths = np.exp(rng.uniform(np.log(128), np.log(max_prompt), size=num_requests)).astype(int)
-    seqs = [llm._submit(rng.integers(3, 259, size=n).tolist(), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-            for n in lengths]
-    t0 = time.perf_counter()
-    times = _drive(llm, seqs)
-    wall = time.perf_counter() - t0
+    lengths = mixed_lengths(num_requests, max_prompt)
+
+    def run() -> tuple[list, dict, float]:
+        rng = np.random.default_rng(2)
+        seqs = [llm._submit(rng.integers(3, 259, size=n).tolist(),
+                            SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for n in lengths]
+        t0 = time.perf_counter()
+        times = _drive(llm, seqs)
+        return seqs, times, time.perf_counter() - t0
+
+    if warm:
+        _log(f"[jaxllm] mixed: untimed warm pass ({llm.compile_count} compiles so far)")
+        run()
+    compiles = llm.compile_count
+    seqs, times, wall = run()
     generated = sum(len(s.output_ids) for s in seqs)
     return dict(requests=num_requests, prompt_tokens=int(lengths.sum()), generated_tokens=generated, wall_s=wall,
                 generated_tokens_per_s=generated / wall, total_tokens_per_s=(generated + int(lengths.sum())) / wall,
-                steps=len(times["decode"]) + len(times["prefill"]), preemptions=sum(s.num_preemptions for s in seqs))
+                steps=len(times["decode"]) + len(times["prefill"]), preemptions=sum(s.num_preemptions for s in seqs),
+                warm_pass=warm, compiles_while_timed=llm.compile_count - compiles)
 
 
 def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256,
@@ -141,7 +204,10 @@ def main(argv=None) -> int:
     p.add_argument("--mixed", type=int, default=0, help="requests in the mixed workload (0: skip)")
     p.add_argument("--mixed-max-prompt", type=int, default=32768)
     p.add_argument("--mixed-new-tokens", type=int, default=256)
+    p.add_argument("--mixed-cold", action="store_true", help="time the mixed workload's first pass (compiles included)")
     p.add_argument("--hf", type=int, nargs="*", default=[], help="contexts for HuggingFace transformers")
+    p.add_argument("--hf-mixed", action="store_true", help="also run the mixed workload through HuggingFace")
+    p.add_argument("--hf-batch-tokens", type=int, default=65536, help="padded tokens per HF static batch")
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync", action="store_true", help="wait for every step's tokens before the next dispatch "
                                                         "(no pipelining), for comparison")
@@ -149,18 +215,27 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.hf_child:
-        print(json.dumps(hf_decode(args.hf)))
+        child = {"decode": hf_decode(args.hf)}
+        if args.hf_mixed:
+            child["mixed"] = hf_mixed(args.mixed, args.mixed_new_tokens, args.mixed_max_prompt, args.hf_batch_tokens)
+        print(json.dumps(child))
         return 0
     result = {"script": "scripts/bench_generate.py", "argv": sys.argv[1:], "date": datetime.date.today().isoformat(),
               "hbm_bytes_per_s_for_floor": HBM_BYTES_PER_S, "pipeline": not args.sync}
-    if args.hf:
-        _log(f"[hf] transformers at {args.hf} in a child process")
-        child = subprocess.run([sys.executable, __file__, "--hf-child", "--hf", *map(str, args.hf)],
-                               capture_output=True, text=True)
+    if args.hf or (args.hf_mixed and args.mixed):
+        _log(f"[hf] transformers at {args.hf}{' and on the mixed workload' if args.hf_mixed else ''} in a child process")
+        command = [sys.executable, __file__, "--hf-child", "--hf", *map(str, args.hf)]
+        if args.hf_mixed and args.mixed:
+            command += ["--hf-mixed", "--mixed", str(args.mixed), "--mixed-max-prompt", str(args.mixed_max_prompt),
+                        "--mixed-new-tokens", str(args.mixed_new_tokens), "--hf-batch-tokens", str(args.hf_batch_tokens)]
+        child = subprocess.run(command, capture_output=True, text=True)
         sys.stderr.write(child.stderr[-4000:])
         try:
-            result["hf"] = json.loads(child.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
+            child_result = json.loads(child.stdout.strip().splitlines()[-1])
+            result["hf"] = child_result["decode"]
+            if "mixed" in child_result:
+                result["hf_mixed"] = child_result["mixed"]
+        except (IndexError, KeyError, json.JSONDecodeError):
             result["hf"] = {"error": child.stderr[-2000:]}
 
     import gc
@@ -195,7 +270,8 @@ def main(argv=None) -> int:
             _log(f"[jaxllm] {json.dumps(row)}")
             save()
         if args.mixed:
-            result["mixed"] = mixed_workload(llm, args.mixed, args.mixed_new_tokens, args.mixed_max_prompt)
+            result["mixed"] = mixed_workload(llm, args.mixed, args.mixed_new_tokens, args.mixed_max_prompt,
+                                             warm=not args.mixed_cold)
             _log(f"[jaxllm] mixed {json.dumps(result['mixed'])}")
         result["compiles"] = llm.compile_count
         del llm
@@ -232,6 +308,10 @@ def main(argv=None) -> int:
         m = result["mixed"]
         print(f"mixed: {m['requests']} requests, {m['generated_tokens_per_s']:.0f} generated tok/s, "
               f"{m['total_tokens_per_s']:.0f} total tok/s, {m['wall_s']:.1f} s")
+        if "hf_mixed" in result:
+            h = result["hf_mixed"]
+            print(f"HF mixed: {h['generated_tokens_per_s']:.0f} generated tok/s, {h['total_tokens_per_s']:.0f} total "
+                  f"tok/s, {h['wall_s']:.1f} s; jaxllm x HF: {m['total_tokens_per_s'] / h['total_tokens_per_s']:.2f}")
     save()
     _log(f"wrote {path}")
     return 0

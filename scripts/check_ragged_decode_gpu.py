@@ -9,8 +9,8 @@ Usage (GPU machine, repo root): PYTHONPATH=$PWD python3 scripts/check_ragged_dec
    NUM_LAYERS separate KV buffers inside one jit (as a model step would), so dispatch is amortised;
    time per call = total / NUM_LAYERS. TB/s counts K and V bytes read.
    Also times kv_lens all 0 (every program exits at once): the wrapper's fixed cost (work list, merge).
-3. With --sweep: a few DecodeBlockSizes on MHA and GQA (64 q / 8 kv) at 128K, GQA at one 512K sequence,
-   batch 8 x 16K MHA, and a ragged batch (16 seqs, 64 q / 8 kv heads, 1K..256K).
+3. With --sweep: DecodeBlockSizes variants (programs, stages, warps, block_k) on MHA batch 1 at 32K and
+   128K, batch 8 at 32K, and a ragged batch (16 seqs, 64 q / 8 kv heads, 1K..256K).
 Prints a table and writes ragged_decode_gpu.json under --out.
 """
 
@@ -120,7 +120,7 @@ def timing(rng, batch, hq, hkv, lens, block_size, configs, with_cudnn=True, over
                     acc += ragged_decode(q, k, v, tables, kv, block_sizes=bsz, interpret=None).astype(jnp.float32)
                 return acc
             t = _time(step, q, ks, vs, tables, lengths) / NUM_LAYERS
-            split = bsz.split(block_size, width * block_size, hkv)
+            split = int(bsz.split(block_size, kv, hkv))
             row = dict(case=case, kernel="ragged_decode" if lengths is kv else "ragged_decode, kv_lens 0 (overhead)",
                        config=str(bsz), split=split, us=round(t * 1e6, 1), tb_s=round(kv_bytes / t / 1e12, 3))
         except Exception as e:  # keep going: one bad config must not hide the others
@@ -174,21 +174,15 @@ def main():
         result["mha_128k"] = timing(rng, 1, 32, 32, [131072], 1024, [base], overhead=True)
     else:
         r = dataclasses.replace
-        result["mha_128k"] = timing(rng, 1, 32, 32, [131072], 1024, [
-            base, r(base, tokens_per_split=4096), r(base, tokens_per_split=16384), r(base, num_stages=3),
-            r(base, num_warps=8), r(base, block_k=64, num_stages=4)], overhead=True)
-        print(f"{time.time() - t0:.0f}s", flush=True)
-        result["gqa_128k"] = timing(rng, 1, 64, 8, [131072], 1024, [
-            base, r(base, tokens_per_split=1024), r(base, tokens_per_split=4096), r(base, num_stages=3)])
-        print(f"{time.time() - t0:.0f}s", flush=True)
-        result["gqa_512k"] = timing(rng, 1, 64, 8, [524288], 1024, [base, r(base, num_stages=3)])
-        print(f"{time.time() - t0:.0f}s", flush=True)
-        result["mha_batch8_16k"] = timing(rng, 8, 32, 32, [16384] * 8, 1024, [
-            base, r(base, tokens_per_split=2048), r(base, tokens_per_split=4096)])
-        print(f"{time.time() - t0:.0f}s", flush=True)
+        configs = [base, r(base, target_programs=512), r(base, target_programs=2048), r(base, num_stages=3),
+                   r(base, num_warps=8), r(base, num_warps=8, num_stages=3), r(base, block_k=64, num_stages=4),
+                   r(base, target_programs=2048, num_stages=3)]
+        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
+            result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs, overhead=batch == 1)
+            print(f"{time.time() - t0:.0f}s", flush=True)
         lens = np.sort(np.exp(rng.uniform(np.log(1024), np.log(262144), 15)).astype(int))
         lens = np.concatenate([lens, [262144]])
-        result["ragged_16"] = timing(rng, len(lens), 64, 8, lens, 1024, [base, r(base, num_stages=3)])
+        result["ragged_16"] = timing(rng, len(lens), 64, 8, lens, 1024, configs[:4], with_cudnn=False)
     print(f"timing {time.time() - t0:.0f}s", flush=True)
     path = os.path.join(args.out, "ragged_decode_gpu.json")
     with open(path, "w") as f:

@@ -11,6 +11,8 @@ times the same decode step six ways (median ms):
   pipelined     the jitted step called back to back without waiting (device time per step)
   synced        the jitted step, waiting for each result (device + dispatch + sync latency)
   attention     32 ragged_decode calls on this context inside one jit (the step's attention share)
+and, from a jax.profiler trace of `reps` back-to-back steps, the device kernels of one step: how
+many, their summed time, the idle gaps between them, and the heaviest kernels by total time.
 Writes JSON to --out.
 """
 
@@ -34,6 +36,60 @@ def _median_ms(fn, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times) * 1e3)
+
+
+_MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", "skinny_matmul")
+
+
+def _kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if any(w in lowered for w in _MATMUL_WORDS):
+        return "matmul"
+    return "attention" if "ragged" in lowered else "other"
+
+
+def device_kernels(fn, reps: int, top: int = 25) -> dict:
+    """Kernel time per step from a profiler trace of `reps` calls of fn (GPU planes only)."""
+    import glob
+    import tempfile
+    from collections import defaultdict
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(reps):
+                out = fn()
+            jax.block_until_ready(out)
+        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {"error": "no trace written"}
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    by_name, by_kind = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    first, last = None, None
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            # Only the stream lines hold kernels; "XLA Ops"/"XLA Modules" lines summarise them again.
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                by_name[event.name] += event.duration_ns
+                kind = by_kind[_kernel_kind(event.name)]
+                kind[0] += event.duration_ns
+                kind[1] += 1
+                first = event.start_ns if first is None else min(first, event.start_ns)
+                last = event.end_ns if last is None else max(last, event.end_ns)
+    if first is None:
+        return {"error": "no GPU kernels in the trace"}
+    heaviest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"kernels_per_step": sum(n for _, n in by_kind.values()) / reps,
+            "kernel_ms_per_step": sum(t for t, _ in by_kind.values()) / reps / 1e6,
+            "span_ms_per_step": (last - first) / reps / 1e6,
+            "by_kind": {k: {"us_per_step": t / reps / 1e3, "kernels_per_step": n / reps}
+                        for k, (t, n) in by_kind.items()},
+            "top": [{"name": n[:120], "us_per_step": t / reps / 1e3} for n, t in heaviest]}
 
 
 def profile(llm, context: int, reps: int) -> dict:
@@ -86,6 +142,7 @@ def profile(llm, context: int, reps: int) -> dict:
     out.block_until_ready()
     row["pipelined_ms"] = (time.perf_counter() - t) / reps * 1e3
     row["synced_ms"] = _median_ms(lambda: np.asarray(call()), reps)
+    row["trace"] = device_kernels(call, reps)
 
     layer = runner.kv_cache.layers[0]
     q = jnp.asarray(np.random.default_rng(0).standard_normal((s_pad, llm.config.num_heads, llm.config.head_dim)),
@@ -134,6 +191,17 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['context']:>8} {r['full_ms']:>7.2f} {r['full_sync_ms']:>9.2f} {r['scheduler_ms']:>7.2f} "
               f"{r['pipelined_ms']:>10.2f} {r['synced_ms']:>7.2f} {r['attention_ms']:>10.2f}")
+    for r in rows:
+        trace = r["trace"]
+        if "error" in trace:
+            print(f"context {r['context']}: trace: {trace['error']}")
+            continue
+        print(f"context {r['context']}: {trace['kernels_per_step']:.0f} kernels per step, "
+              f"{trace['kernel_ms_per_step']:.2f} ms in kernels over a {trace['span_ms_per_step']:.2f} ms span")
+        for kind, v in trace["by_kind"].items():
+            print(f"  {kind:>10}: {v['kernels_per_step']:.0f} kernels, {v['us_per_step']:.1f} us")
+        for k in trace["top"]:
+            print(f"  {k['us_per_step']:>9.1f} us  {k['name']}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{device.replace(' ', '-').lower()}-{result['date']}-{time.strftime('%H%M', time.gmtime())}-decode-step-profile.json")
     with open(path, "w") as f:

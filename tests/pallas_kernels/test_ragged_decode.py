@@ -73,7 +73,7 @@ def assert_matches(got, want, dtype):
     np.testing.assert_allclose(np.asarray(l), np.asarray(rl), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1), (6, 2)])
 def test_awkward_lengths_and_head_ratios(num_q_heads, num_kv_heads):
     rng = np.random.default_rng(num_q_heads * 10 + num_kv_heads)
     block_size = 32
@@ -163,11 +163,15 @@ def test_default_split_follows_the_real_lengths_not_the_table():
 def test_work_list_covers_each_sequence_once_and_pads_with_empty_items():
     kv_lens = jnp.asarray([0, 5, 64, 65, 0, 200], jnp.int32)
     split, num_items = 64, 6 * 4
-    seq, start, count, segment = (np.asarray(x) for x in _work_list(kv_lens, num_items, split))
+    seq, start, count, first, items = (np.asarray(x) for x in _work_list(kv_lens, num_items, split))
     real = count > 0
     assert real.sum() == sum(-(-n // split) for n in [0, 5, 64, 65, 0, 200])
     assert np.all(~real[real.sum():])  # real items first, then padding
-    assert np.all(segment[~real] == 6) and np.all(start[~real] == 0)
+    assert np.all(start[~real] == 0)
+    # Each sequence's items are the run first[s] .. first[s] + items[s] - 1 (what the merge reads).
+    for s in range(6):
+        run = np.arange(first[s], first[s] + items[s])
+        np.testing.assert_array_equal(np.flatnonzero(real & (seq == s)), run)
     for s, n in enumerate(np.asarray(kv_lens)):
         covered = np.concatenate([np.arange(st, st + c) for st, c in zip(start[real & (seq == s)],
                                                                          count[real & (seq == s)])] + [[]])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from pallas_kernels.residuals import merge_partials
+from pallas_kernels.residuals import merge_partial_runs, merge_partials, parts_per_merge_load
 
 
 def _attention(scores, values):
@@ -104,3 +104,34 @@ def test_bad_shapes_raise():
         merge_partials(jnp.zeros((2, 3, 8)), jnp.zeros((2, 4)), jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match="num_segments"):
         merge_partials(jnp.zeros((2, 3, 8)), jnp.zeros((2, 3)), jnp.zeros((2, 3)), segment_ids=jnp.zeros(2, jnp.int32))
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_merge_partial_runs_kernel_matches_merge_partials(rows):
+    """The decode kernel's merge (runs of consecutive parts, one Pallas kernel) agrees with merge_partials;
+    padding rows, padding parts and parts outside every run hold NaN and must not leak in."""
+    rng = np.random.default_rng()
+    heads, padded_rows, dim = 3, 8, 16
+    # Parts per run; a run of 0 parts is an empty sequence; runs longer than one load (32 // rows parts).
+    runs = [3, 0, 1, 40, 2, 9]
+    num_parts = sum(runs) + parts_per_merge_load(rows)  # room for the last run's whole-chunk loads
+    outs = np.full((num_parts, heads, padded_rows, dim), np.nan, np.float32)
+    maxes = np.full((num_parts, heads, padded_rows), np.nan, np.float32)
+    sums = np.full((num_parts, heads, padded_rows), np.nan, np.float32)
+    real = sum(runs)
+    outs[:real, :, :rows] = rng.standard_normal((real, heads, rows, dim))
+    maxes[:real, :, :rows] = rng.standard_normal((real, heads, rows)) * 5
+    sums[:real, :, :rows] = rng.uniform(0.5, 3, (real, heads, rows))
+    sums[1, 0, 0] = 0.0  # an empty part inside a run: no weight whatever it holds
+    maxes[1, 0, 0] = -np.inf
+    first = np.concatenate([[0], np.cumsum(runs)[:-1]]).astype(np.int32)
+    out, m, s = merge_partial_runs(jnp.asarray(outs), jnp.asarray(maxes), jnp.asarray(sums), jnp.asarray(first),
+                                   jnp.asarray(runs, np.int32), rows=rows, out_dtype=jnp.float32, interpret=True)
+    segment = np.concatenate([np.full(n, i) for i, n in enumerate(runs)] + [np.full(num_parts - sum(runs), len(runs))]).astype(np.int32)
+    clean = lambda x: jnp.asarray(np.nan_to_num(x[:, :, :rows], nan=0.0))
+    want = merge_partials(clean(outs), jnp.asarray(np.where(np.isnan(maxes), -np.inf, maxes)[:, :, :rows]),
+                          clean(sums), segment_ids=jnp.asarray(segment), num_segments=len(runs))
+    for got, ref in zip((out, m, s), want):
+        assert not np.any(np.isnan(np.asarray(got)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(out[1]) == 0) and np.all(np.asarray(m[1]) == -np.inf) and np.all(np.asarray(s[1]) == 0)

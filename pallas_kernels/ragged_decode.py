@@ -50,14 +50,19 @@ class DecodeBlockSizes:
       cut into equal chunks. On an H200 a ragged batch of 16 (1K..256K) read 4.05 TB/s with ~1000
       programs and 2.90 with ~256 (benchmarks/results/nvidia-h200-2026-11-22-attention*.json).
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
+
+    Defaults from an H200 sweep (scripts/check_ragged_decode_gpu.py --sweep, 2026-11-22): block_k 64
+    with 4 stages matched or beat 128 x 2 stages at 32K / 128K / batch 8 (137 vs 141 us at 32K); a
+    minimum split of 128 tokens gives a 1K sequence 8 programs per head instead of 2 (512), which
+    were too few to fill the GPU.
     """
 
-    block_k: int = 128
+    block_k: int = 64
     tokens_per_split: int | None = None
     target_programs: int = 1024
-    min_tokens_per_split: int = 512
+    min_tokens_per_split: int = 128
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 4
 
     def __post_init__(self):
         if not _is_pow2(self.block_k) or self.block_k < MIN_DOT_ROWS:

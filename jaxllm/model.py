@@ -24,8 +24,7 @@ from flax import nnx
 from jaxllm.config import LlamaConfig
 from jaxllm.kv_cache import AttentionBatch, KVCache, LayerKV
 from jaxllm.rope import apply_rope, inverse_frequencies, rope_tables
-from pallas_kernels.dispatch import ragged_attention
-from pallas_kernels.kv_write import write_kv
+from pallas_kernels.dispatch import ragged_attention, write_kv
 
 _INIT_STD = 0.02
 
@@ -61,7 +60,7 @@ class Attention(nnx.Module):
         v = jnp.einsum("TD,DKH->TKH", x, self.v[...])  # [T, Hkv, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pool, v_pool, k_scale, v_scale = write_kv(layer_kv.k, layer_kv.v, k, v, batch.slot_mapping,
-                                                    layer_kv.k_scale, layer_kv.v_scale)
+                                                    layer_kv.k_scale, layer_kv.v_scale, backend=backend)
         out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
                                decode=batch.decode, k_scale=k_scale, v_scale=v_scale, backend=backend)
         out = jnp.einsum("TNH,NHD->TD", out.astype(x.dtype), self.o[...])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import compat, validation
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
@@ -68,3 +69,19 @@ def ragged_attention(
         return ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale=k_scale, v_scale=v_scale)
     return ragged_prefill_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens,
                                     k_scale=k_scale, v_scale=v_scale)
+
+
+def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=None, *,
+             backend: Backend | None = "auto"):
+    """Append new tokens' K/V to the pool: `kv_write.write_kv`'s meaning and results.
+
+    Float pools on the Triton backend take the one-kernel writer; int8 pools and the reference
+    backend take XLA scatters.
+    """
+    from pallas_kernels import kv_write
+
+    backend = resolve_backend(backend, k_pool.shape[-1])
+    if backend == "triton" and k_pool.dtype != jnp.int8:
+        k_pool, v_pool = kv_write.write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping)
+        return k_pool, v_pool, None, None
+    return kv_write.write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale, v_scale)

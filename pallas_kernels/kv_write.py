@@ -1,13 +1,21 @@
-"""Appending new tokens' K/V into their rBlocks: one scatter, one pass over the new tokens.
+"""Appending new tokens' K/V into their rBlocks: one pass over the new tokens.
 
-Under jit with the pool donated, XLA updates the pool in place, so a step writes only the new
-tokens' bytes (and, for int8, their scales).
+Two implementations with one meaning: `write_kv` (XLA scatters; every dtype, int8 with scales)
+and `write_kv_kernel` (one Pallas kernel writing K and V together, float pools; a decode step then
+launches one kernel per layer for its KV instead of a scatter per pool plus index fusions).
+`pallas_kernels.dispatch.write_kv` picks between them. Under jit with the pool donated both update
+the pool in place, so a step writes only the new tokens' bytes (and, for int8, their scales).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import compat
 
 INT8_MAX = 127.0
 
@@ -63,3 +71,62 @@ def write_kv(
     k_pool = k_pool.at[block, :, row, :].set(k_new.astype(k_pool.dtype), mode="drop")
     v_pool = v_pool.at[block, :, row, :].set(v_new.astype(v_pool.dtype), mode="drop")
     return k_pool, v_pool, None, None
+
+
+def _write_kernel(slots_ref, k_new_ref, v_new_ref, k_pool_in_ref, v_pool_in_ref, k_pool_ref, v_pool_ref, *,
+                  block_size: int):
+    del k_pool_in_ref, v_pool_in_ref  # the same buffers as k_pool_ref / v_pool_ref (aliased)
+    token, head = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[token]
+
+    @pl.when(slot >= 0)
+    def _():
+        block, row = slot // block_size, slot % block_size
+        k_pool_ref[block, head, row, :] = k_new_ref[token, head, :].astype(k_pool_ref.dtype)
+        v_pool_ref[block, head, row, :] = v_new_ref[token, head, :].astype(v_pool_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, *, interpret: bool):
+    num_tokens, num_kv_heads, _ = k_new.shape
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        functools.partial(_write_kernel, block_size=k_pool.shape[2]),
+        grid=(num_tokens, num_kv_heads),
+        in_specs=[whole] * 5,
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=compat.triton_compiler_params(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="write_kv",
+    )(slot_mapping.astype(jnp.int32), k_new, v_new, k_pool, v_pool)
+
+
+def write_kv_kernel(
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`write_kv` for float pools as one Pallas kernel (grid: new tokens x KV heads), in place.
+
+    Same arguments and meaning as write_kv (negative slots are skipped); slots must be distinct and
+    inside the pool (the allocator guarantees both). In place under a jit that donates the pools
+    (the model step); called eagerly it returns updated copies. Returns (k_pool, v_pool).
+    """
+    if k_pool.dtype == jnp.int8:
+        raise ValueError("write_kv_kernel writes float pools; int8 pools (with scales) go through write_kv")
+    num_blocks, num_kv_heads, block_size, head_dim = k_pool.shape
+    if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"v_pool {v_pool.shape} {v_pool.dtype} != k_pool {k_pool.shape} {k_pool.dtype}")
+    if k_new.shape[1:] != (num_kv_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(f"new K/V shape {k_new.shape}/{v_new.shape} != (tokens, {num_kv_heads}, {head_dim})")
+    if slot_mapping.shape != k_new.shape[:1]:
+        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({k_new.shape[0]},)")
+    if interpret is None:
+        interpret = not compat.on_gpu()
+    return tuple(_write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, interpret=bool(interpret)))

@@ -2,10 +2,11 @@
 
 HF tensor names map onto the layout documented in model.py:
   model.embed_tokens.weight                  [V, D]        -> embedding [V, D]
-  model.layers.{i}.self_attn.q_proj.weight   [Hq*hd, D]    -> layers[i].attention.q [D, Hq, hd]  (transpose, reshape)
-  model.layers.{i}.self_attn.k/v_proj.weight [Hkv*hd, D]   -> layers[i].attention.k/v [D, Hkv, hd]
+  model.layers.{i}.self_attn.q_proj.weight   [Hq*hd, D]    -> layers[i].attention.qkv[:, :Hq]  [D, Hq, hd]
+                                                              (transpose, reshape)
+  model.layers.{i}.self_attn.k/v_proj.weight [Hkv*hd, D]   -> the next Hkv heads of qkv each  [D, Hkv, hd]
   model.layers.{i}.self_attn.o_proj.weight   [D, Hq*hd]    -> layers[i].attention.o [Hq, hd, D]
-  model.layers.{i}.mlp.gate/up_proj.weight   [F, D]        -> layers[i].mlp.gate/up [D, F]
+  model.layers.{i}.mlp.gate/up_proj.weight   [F, D]        -> layers[i].mlp.gate_up[:, 0 / 1] [D, F]
   model.layers.{i}.mlp.down_proj.weight      [D, F]        -> layers[i].mlp.down [F, D]
   model.layers.{i}.input_layernorm.weight / post_attention_layernorm.weight -> input_norm / post_attention_norm
   model.norm.weight -> final_norm.weight;  lm_head.weight [V, D] -> lm_head [D, V] (absent when tied)
@@ -44,6 +45,8 @@ _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _ORBAX_MARKER = "jaxllm_config.json"
+# 2: fused q/k/v and gate/up Params (model.py). Version 1 checkpoints kept them separate.
+_ORBAX_LAYOUT_VERSION = 2
 _ORBAX_PARAMS = "params"
 _TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json")
@@ -77,27 +80,44 @@ def resolve_dtype(dtype) -> jnp.dtype | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    path: tuple  # nnx state path, e.g. ("layers", 0, "attention", "q")
+    path: tuple  # nnx state path, e.g. ("layers", 0, "attention", "qkv")
     hf_name: str
     hf_shape: tuple[int, ...]
     transpose: bool  # HF stores Linear weights [out, in]; we keep [in, ...out]
+    # Where the tensor sits in a fused Param: (axis, start, size) along that axis; None = the whole Param.
+    part: tuple[int, int, int] | None = None
+
+    def part_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.part is None:
+            return param_shape
+        axis, _, size = self.part
+        return param_shape[:axis] + (size,) + param_shape[axis + 1:]
+
+    def take(self, param: jax.Array) -> jax.Array:
+        """This entry's slice of the Param."""
+        if self.part is None:
+            return param
+        axis, start, size = self.part
+        return jax.lax.slice_in_dim(param, start, start + size, axis=axis)
 
 
 def _layout(config: LlamaConfig) -> list[_Entry]:
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    Hq, Hkv = config.num_heads, config.num_kv_heads
+    q_out, kv_out = Hq * config.head_dim, Hkv * config.head_dim
     entries = [_Entry(("embedding",), "model.embed_tokens.weight", (V, D), False)]
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
+        qkv, gate_up = ("layers", i, "attention", "qkv"), ("layers", i, "mlp", "gate_up")
         entries += [
             _Entry(("layers", i, "input_norm", "weight"), p + "input_layernorm.weight", (D,), False),
-            _Entry(("layers", i, "attention", "q"), p + "self_attn.q_proj.weight", (q_out, D), True),
-            _Entry(("layers", i, "attention", "k"), p + "self_attn.k_proj.weight", (kv_out, D), True),
-            _Entry(("layers", i, "attention", "v"), p + "self_attn.v_proj.weight", (kv_out, D), True),
+            _Entry(qkv, p + "self_attn.q_proj.weight", (q_out, D), True, (1, 0, Hq)),
+            _Entry(qkv, p + "self_attn.k_proj.weight", (kv_out, D), True, (1, Hq, Hkv)),
+            _Entry(qkv, p + "self_attn.v_proj.weight", (kv_out, D), True, (1, Hq + Hkv, Hkv)),
             _Entry(("layers", i, "attention", "o"), p + "self_attn.o_proj.weight", (D, q_out), True),
             _Entry(("layers", i, "post_attention_norm", "weight"), p + "post_attention_layernorm.weight", (D,), False),
-            _Entry(("layers", i, "mlp", "gate"), p + "mlp.gate_proj.weight", (F, D), True),
-            _Entry(("layers", i, "mlp", "up"), p + "mlp.up_proj.weight", (F, D), True),
+            _Entry(gate_up, p + "mlp.gate_proj.weight", (F, D), True, (1, 0, 1)),
+            _Entry(gate_up, p + "mlp.up_proj.weight", (F, D), True, (1, 1, 1)),
             _Entry(("layers", i, "mlp", "down"), p + "mlp.down_proj.weight", (D, F), True),
         ]
     entries.append(_Entry(("final_norm", "weight"), "model.norm.weight", (D,), False))
@@ -304,15 +324,18 @@ def load_hf(model_dir: str | os.PathLike, *, dtype=None, progress: bool = True) 
     model_dir = os.fspath(model_dir)
     raw_config, config = _read_hf_config(model_dir)
     stored = _index_checkpoint(model_dir)
-    entries = {e.path: e for e in _layout(config)}
-    missing = [e.hf_name for e in entries.values() if e.hf_name not in stored]
+    layout = _layout(config)
+    parts_of: dict[tuple, list[_Entry]] = {}
+    for e in layout:
+        parts_of.setdefault(e.path, []).append(e)
+    missing = [e.hf_name for e in layout if e.hf_name not in stored]
     if missing:
         raise CheckpointError(f"{model_dir}: {len(missing)} tensors missing, e.g. {missing[:5]}")
-    expected_names = {e.hf_name for e in entries.values()}
+    expected_names = {e.hf_name for e in layout}
     unexpected = sorted(n for n in stored if n not in expected_names and not _ignored(n, config))
     if unexpected:
         warnings.warn(f"{model_dir}: ignoring {len(unexpected)} unexpected tensors, e.g. {unexpected[:5]}")
-    for e in entries.values():
+    for e in layout:
         got = stored[e.hf_name]
         if got.shape != e.hf_shape:
             raise CheckpointError(f"tensor {e.hf_name}: expected shape {list(e.hf_shape)}, got {list(got.shape)}")
@@ -320,18 +343,23 @@ def load_hf(model_dir: str | os.PathLike, *, dtype=None, progress: bool = True) 
             raise CheckpointError(f"tensor {e.hf_name} has dtype {got.dtype}, which is not supported; "
                                   f"supported: {sorted(_SAFETENSORS_DTYPES)}")
     dtype = resolve_dtype(dtype) or _checkpoint_dtype(raw_config, stored)
-    total = sum(stored[e.hf_name].end - stored[e.hf_name].begin for e in entries.values())
+    total = sum(stored[e.hf_name].end - stored[e.hf_name].begin for e in layout)
 
     with Progress(total, f"loading {os.path.basename(os.path.normpath(model_dir))}", unit="B",
                   enabled=progress) as bar:
-        def load_one(path, shape, target_dtype):
-            entry = entries[path]
+        def load_part(entry, shape, target_dtype):
             info = stored[entry.hf_name]
             host = _read_tensor(info, entry.hf_name)
-            out = _to_ours(jax.device_put(host), entry.transpose, shape, jnp.dtype(target_dtype))
+            out = _to_ours(jax.device_put(host), entry.transpose, entry.part_shape(shape), jnp.dtype(target_dtype))
             del host
             bar.update(info.end - info.begin, detail=entry.hf_name)
             return out
+
+        def load_one(path, shape, target_dtype):
+            parts = [load_part(e, shape, target_dtype) for e in parts_of[path]]
+            if len(parts) == 1:
+                return parts[0]
+            return jnp.concatenate(parts, axis=parts_of[path][0].part[0])  # fused: parts in layout order
 
         return _assemble(config, dtype, load_one)
 
@@ -362,7 +390,7 @@ def save_hf(model: Llama, out_dir: str | os.PathLike, *, max_shard_bytes: int | 
     shards: list[list[_Entry]] = [[]]
     shard_bytes = 0
     for entry in _layout(config):
-        nbytes = arrays[entry.path].nbytes
+        nbytes = int(np.prod(entry.hf_shape)) * arrays[entry.path].dtype.itemsize
         if max_shard_bytes and shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
@@ -373,7 +401,7 @@ def save_hf(model: Llama, out_dir: str | os.PathLike, *, max_shard_bytes: int | 
     weight_map = {}
     for k, shard in enumerate(shards):
         file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" if sharded else _SINGLE_FILE
-        tensors = {e.hf_name: np.ascontiguousarray(jax.device_get(_to_hf(arrays[e.path], e.transpose,
+        tensors = {e.hf_name: np.ascontiguousarray(jax.device_get(_to_hf(e.take(arrays[e.path]), e.transpose,
                                                                            e.hf_shape)))
                    for e in shard}
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
@@ -413,7 +441,7 @@ def save_orbax(model: Llama, out_dir: str | os.PathLike, *, tokenizer_dir: str |
                 shutil.copyfile(src, os.path.join(out_dir, name))
     config = model.config
     with open(marker, "w") as f:
-        json.dump({"format": "jaxllm-orbax", "version": 1, "dtype": _model_dtype(model).name,
+        json.dump({"format": "jaxllm-orbax", "version": _ORBAX_LAYOUT_VERSION, "dtype": _model_dtype(model).name,
                    "config": {**config.to_hf(), "_name_or_path": config.name}}, f, indent=2)
 
 
@@ -432,8 +460,13 @@ def load_orbax(directory: str | os.PathLike, *, dtype=None) -> Llama:
             meta = json.load(f)
         config = LlamaConfig.from_hf(meta["config"])
         saved_dtype = resolve_dtype(meta["dtype"])
+        version = meta.get("version")
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{marker} is malformed: {e!r}") from e
+    if version != _ORBAX_LAYOUT_VERSION:
+        raise CheckpointError(f"{directory} holds parameter layout version {version}; this jaxllm reads version "
+                              f"{_ORBAX_LAYOUT_VERSION} (fused q/k/v and gate/up): convert the HuggingFace checkpoint "
+                              f"again with `jaxllm convert`")
     dtype = resolve_dtype(dtype) or saved_dtype
     params_dir = os.path.join(directory, _ORBAX_PARAMS)
     if not os.path.isdir(params_dir):

@@ -13,7 +13,7 @@ from tests.jaxllm.numpy_llama import numpy_llama_logits, random_hf_tensors
 
 def load_hf_tensors_into(model, tensors, config):
     """Our parameter layout from HF tensors, written out here independently of jaxllm/weights.py."""
-    D, H, K, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    D, H, hd = config.hidden_size, config.num_heads, config.head_dim
     put = lambda param, value: param.set_value(jnp.asarray(value, param[...].dtype)) if hasattr(param, "set_value") \
         else setattr(param, "value", jnp.asarray(value, param[...].dtype))
     put(model.embedding, tensors["model.embed_tokens.weight"])
@@ -22,12 +22,11 @@ def load_hf_tensors_into(model, tensors, config):
         put(model.lm_head, tensors["lm_head.weight"].T)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        put(layer.attention.q, tensors[p + "self_attn.q_proj.weight"].T.reshape(D, H, hd))
-        put(layer.attention.k, tensors[p + "self_attn.k_proj.weight"].T.reshape(D, K, hd))
-        put(layer.attention.v, tensors[p + "self_attn.v_proj.weight"].T.reshape(D, K, hd))
+        put(layer.attention.qkv, np.concatenate([tensors[p + f"self_attn.{n}_proj.weight"].T.reshape(D, -1, hd)
+                                                 for n in "qkv"], axis=1))
         put(layer.attention.o, tensors[p + "self_attn.o_proj.weight"].T.reshape(H, hd, D))
-        put(layer.mlp.gate, tensors[p + "mlp.gate_proj.weight"].T)
-        put(layer.mlp.up, tensors[p + "mlp.up_proj.weight"].T)
+        put(layer.mlp.gate_up, np.stack([tensors[p + "mlp.gate_proj.weight"].T, tensors[p + "mlp.up_proj.weight"].T],
+                                        axis=1))
         put(layer.mlp.down, tensors[p + "mlp.down_proj.weight"].T)
         put(layer.input_norm.weight, tensors[p + "input_layernorm.weight"])
         put(layer.post_attention_norm.weight, tensors[p + "post_attention_layernorm.weight"])

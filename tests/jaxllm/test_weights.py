@@ -134,7 +134,9 @@ def test_bf16_checkpoint_loads_and_converts(tmp_path):
     assert all(v.dtype == jnp.bfloat16 for v in _params(native).values())
     assert np.array_equal(_params(native)[("embedding",)], tensors["model.embed_tokens.weight"])
     q = tensors["model.layers.1.self_attn.q_proj.weight"]  # [Hq*hd, D] -> [D, Hq, hd]
-    assert np.array_equal(_params(native)[("layers", 1, "attention", "q")], q.T.reshape(64, 4, 16))
+    assert np.array_equal(_params(native)[("layers", 1, "attention", "qkv")][:, :4], q.T.reshape(64, 4, 16))
+    up = tensors["model.layers.1.mlp.up_proj.weight"]  # [F, D] -> gate_up[:, 1] [D, F]
+    assert np.array_equal(_params(native)[("layers", 1, "mlp", "gate_up")][:, 1], up.T)
     upcast = load_hf(tmp_path, dtype=jnp.float32, progress=False)
     for key, value in _params(native).items():
         assert np.array_equal(_params(upcast)[key], value.astype(np.float32)), key
@@ -289,6 +291,12 @@ def test_missing_directory_and_orbax_errors(tmp_path):
 
     with pytest.raises(CheckpointError, match="refusing to write into .*other"):
         save_orbax(init_model(_config(num_layers=1)), tmp_path / "other")
+    # A checkpoint of the old layout (separate q/k/v, gate/up) is refused by name, not half-loaded.
+    save_orbax(init_model(_config(num_layers=1)), tmp_path / "old")
+    marker = tmp_path / "old" / "jaxllm_config.json"
+    marker.write_text(marker.read_text().replace('"version": 2', '"version": 1'))
+    with pytest.raises(CheckpointError, match="layout version 1.*jaxllm convert"):
+        load_orbax(tmp_path / "old")
 
 
 def test_unexpected_tensors_warn_and_inv_freq_is_ignored(tmp_path):

@@ -41,9 +41,9 @@ _SEQ, _Q_START, _ROWS, _POS0, _FULL_BLOCKS, _KV_BLOCKS = range(6)
 _WORK_FIELDS = 6
 _LOG2E = math.log2(math.e)
 _MIN_BLOCK = 16  # smallest tile side a Triton dot accepts
-# Up to this many packed query tokens, bigger key steps with 8 warps measured faster (H200, bf16,
-# scripts/check_ragged_prefill_gpu.py: 258 against 245 TFLOP/s at 4K tokens, 315 against 329 at 16K).
-_SHORT_PREFILL_TOKENS = 4096
+# Three stages of 128 x 128 K/V tiles need 224 KiB of shared memory: Hopper has 227 KiB a block,
+# Ampere 163 KiB, which still holds two stages (JAX's `mha` default, 160 KiB).
+_THREE_STAGE_MIN_CC = (9, 0)
 
 
 def _is_power_of_2(x: int) -> bool:
@@ -56,14 +56,14 @@ class PrefillBlockSizes:
 
     block_q: query tokens per tile (one sequence per tile); block_k: keys per inner step, capped at
     the largest power of two dividing the rBlock size so a step never straddles two rBlocks.
-    num_stages: K/V tiles in flight + 1; 2 keeps two programs per SM (3 stages of 64 x 128 bf16
-    tiles measured a third slower: one program per SM).
+    num_stages: K/V tiles in flight + 1. The defaults (one program of 8 warps per SM, 3 stages)
+    measured fastest on an H200 in bf16 at 4K and 16K tokens (benchmarks/NOTES.md, ragged_prefill).
     """
 
     block_q: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -82,12 +82,16 @@ def _compute_dtype(q_dtype, kv_dtype):
 
 
 def _default_block_sizes(compute_dtype, num_tokens: int) -> PrefillBlockSizes:
-    """Best of a sweep on an H200 (bf16, causal 4K and 16K tokens, 32 x 128 heads, rBlocks of 256);
-    float32 tiles are smaller so that the pipelined K and V tiles still fit in shared memory."""
+    """Best of a sweep on an H200 (bf16, causal 4K and 16K tokens, packed and single, 32 x 128 heads,
+    rBlocks of 256): 128 x 128 tiles, 8 warps, 3 stages at every length measured (num_tokens is kept
+    for shapes that may want their own). float32 tiles are smaller so that the pipelined K and V
+    tiles still fit in shared memory; before Hopper, two stages fit."""
+    del num_tokens
     if jnp.dtype(compute_dtype).itemsize >= 4:
         return PrefillBlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2)
-    if num_tokens <= _SHORT_PREFILL_TOKENS:
-        return PrefillBlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=2)
+    cc = compat.gpu_compute_capability()
+    if cc is not None and cc < _THREE_STAGE_MIN_CC:
+        return PrefillBlockSizes(num_stages=2)
     return PrefillBlockSizes()
 
 
@@ -171,10 +175,8 @@ def _ragged_prefill_kernel(
     pos0 = work_ref[_POS0, tile]
     full_blocks = work_ref[_FULL_BLOCKS, tile]
     kv_blocks = work_ref[_KV_BLOCKS, tile]
-    row_ids = jnp.arange(block_q, dtype=jnp.int32)
-    row_mask = row_ids < rows  # [block_q]
     last = pos0 + rows - 1  # last key any real row of the tile sees
-    limit = jnp.minimum(pos0 + row_ids, last)  # [block_q] last key of each row
+    row_mask = jnp.arange(block_q, dtype=jnp.int32) < rows  # [block_q]
     q = plgpu.load(q_ref.at[pl.ds(q_start, block_q), head, :], mask=row_mask[:, None], other=0.0)
     q = q.astype(compute_dtype)  # [block_q, D]
 
@@ -189,6 +191,9 @@ def _ragged_prefill_kernel(
         if quantized:
             s = s * plgpu.load(k_scale_ref.at[rblock, kv_head, keys])[None, :]
         if masked:
+            # Built here, not before the loops: a per-row vector live across the unmasked loop costs
+            # registers there (see the note at the store).
+            limit = jnp.minimum(pos0 + jnp.arange(block_q, dtype=jnp.int32), last)  # [block_q] last key per row
             key_pos = start + jnp.arange(block_k, dtype=jnp.int32)
             s = jnp.where(key_pos[None, :] <= limit[:, None], s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -241,11 +246,16 @@ def _ragged_prefill_kernel(
     carry = kv_loop(0, full_blocks, carry, masked=False)
     acc, m, l = kv_loop(full_blocks, kv_blocks, carry, masked=True)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    plgpu.store(out_ref.at[pl.ds(q_start, block_q), head, :], out.astype(out_ref.dtype), mask=row_mask[:, None])
+    # The store mask is rebuilt from token indices rather than reusing row_mask: the compiler would
+    # keep that one live across the loops (a predicate per stored element), and with it ptxas stops
+    # overlapping the exp2s with the P @ V wgmmas (offline SASS, H200 config 128/128/8 warps).
+    tokens = q_start + jnp.arange(block_q, dtype=jnp.int32)
+    store_mask = tokens < q_start + rows  # [block_q], == row_mask
+    plgpu.store(out_ref.at[pl.ds(q_start, block_q), head, :], out.astype(out_ref.dtype), mask=store_mask[:, None])
     if residual_refs:
         row_max_ref, row_sum_ref = residual_refs
-        plgpu.store(row_max_ref.at[pl.ds(q_start, block_q), head], m * (exp_scale / _LOG2E), mask=row_mask)
-        plgpu.store(row_sum_ref.at[pl.ds(q_start, block_q), head], l, mask=row_mask)
+        plgpu.store(row_max_ref.at[pl.ds(q_start, block_q), head], m * (exp_scale / _LOG2E), mask=store_mask)
+        plgpu.store(row_sum_ref.at[pl.ds(q_start, block_q), head], l, mask=store_mask)
 
 
 def ragged_prefill(
@@ -277,7 +287,7 @@ def ragged_prefill(
       k_scale, v_scale: [num_blocks, num_kv_heads, block_size] float32 for int8 pools.
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       return_residuals: also return the row max and row sum of exponentials.
-      block_sizes: tile sizes; default tuned per compute dtype and token count (`_default_block_sizes`).
+      block_sizes: tile sizes; default tuned per compute dtype and GPU (`_default_block_sizes`).
       interpret: run the Pallas interpreter; default True unless on a GPU.
 
     Returns:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -145,10 +146,25 @@ def test_without_residuals_returns_array():
     assert np.all(np.isfinite(np.asarray(out)))
 
 
-def test_default_block_sizes_per_dtype_and_length():
-    short, long = rp._default_block_sizes(jnp.bfloat16, 4096), rp._default_block_sizes(jnp.bfloat16, 4097)
-    assert (short.block_k, short.num_warps) == (128, 8) and long == rp.PrefillBlockSizes()
+def test_default_block_sizes_per_dtype_and_device(monkeypatch):
+    for tokens in (100, 4096, 16384):
+        assert rp._default_block_sizes(jnp.bfloat16, tokens) == rp.PrefillBlockSizes()
+    assert dataclasses.astuple(rp.PrefillBlockSizes()) == (128, 128, 8, 3)
     assert rp._default_block_sizes(jnp.float32, 100).block_q == 64
+    # Three 128 x 128 stages do not fit an Ampere block's shared memory: two there.
+    monkeypatch.setattr(rp.compat, "gpu_compute_capability", lambda: (8, 0))
+    assert rp._default_block_sizes(jnp.bfloat16, 100).num_stages == 2
+    monkeypatch.setattr(rp.compat, "gpu_compute_capability", lambda: (9, 0))
+    assert rp._default_block_sizes(jnp.bfloat16, 100).num_stages == 3
+
+
+def test_default_tiles_partly_filled():
+    """The default tiles (128 x 128, the masks built per step and after the loops) over sequences
+    shorter than a tile, tiles ending mid-sequence, cached prefixes and padding, bf16 and int8 KV."""
+    rng = np.random.default_rng(12)
+    for kv_dtype in (jnp.bfloat16, jnp.int8):
+        _assert_matches(rng, q_lens=[130, 5, 129], cached=[3, 140, 0], block_size=128, head_dim=64,
+                        num_kv_heads=1, group=2, kv_dtype=kv_dtype, q_dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("block_q", [16, 32])

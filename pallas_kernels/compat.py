@@ -87,3 +87,22 @@ def triton_masked_load(ref, mask, other):
     from jax.experimental.pallas import triton as pl_triton
 
     return pl_triton.load(ref, mask=mask, other=other)
+
+
+@functools.cache
+def _mgpu_load_takes_index() -> bool:
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return "idx" in inspect.signature(plgpu.load).parameters
+
+
+def mgpu_load(ref, *, layout, optimized: bool = True):
+    """The whole of a Mosaic GPU ref in registers with `layout`: 0.10 `plgpu.load` takes an index
+    argument (`()` for all of it), 0.11 dropped it."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if _mgpu_load_takes_index():
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)

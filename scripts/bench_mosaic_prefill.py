@@ -1,0 +1,151 @@
+"""Causal prefill, side by side in one run: our Mosaic GPU kernel vs cuDNN, our Triton kernel, JAX's attention_mgpu.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/bench_mosaic_prefill.py [--out DIR]
+
+bf16, 32 x 128 heads (Llama-2-7B), rBlocks of 256 on consecutive tables, fresh random inputs:
+ * one sequence of 4K, 16K, 64K and 128K tokens, no cached prefix;
+ * a packed ragged batch of 32 sequences of 256..16K query tokens, half of them after a cached
+   prefix of 1K..8K tokens (RAGGED_GROUPS).
+Ours and Triton (`ragged_prefill.ragged_prefill`) take the packed batch over the pool in one call.
+cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) gets the same work as dense
+per-sequence calls inside the same jit: causal over a fresh sequence; after a prefix, non-causal
+over the prefix plus causal over the new tokens, merged by log-sum-exp. JAX's `attention_mgpu`
+(block_q 64, block_kv 128, 2 steps) applies to the single sequences only (no lengths, no prefix).
+TFLOP/s count the real causal work, 4 * heads * head_dim * visible (query, key) pairs, for all.
+Timing is scripts/bench_attention.py's (median of reps inside one jit). Writes
+`<device>-<date>-<HHMM>-mosaic-prefill.json` under --out (default benchmarks/results/) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402  (timing helpers; that file is not edited here)
+
+from pallas_kernels import compat  # noqa: E402
+from pallas_kernels.ragged_prefill import ragged_prefill  # noqa: E402
+from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig, ragged_prefill_mgpu  # noqa: E402
+
+K = 1024
+IMPLS = ("mosaic", "cudnn", "triton", "attention_mgpu")
+
+
+# The ragged batch: (sequences, query tokens each, cached prefix each). 32 sequences of 256..16K query
+# tokens, 16 after a prefix. Lengths come from a few sizes so that cuDNN, which runs each group as a
+# dense batch, compiles a handful of graphs rather than one per sequence (per-sequence lengths cost
+# it over a minute of compiling in the first run).
+RAGGED_GROUPS = ((3, 256, 0), (3, 512, 0), (3, 1 * K, 0), (2, 2 * K, 0), (2, 4 * K, 0), (2, 8 * K, 0), (1, 16 * K, 0),
+                 (4, 256, 4 * K), (4, 1 * K, 1 * K), (3, 2 * K, 8 * K), (3, 4 * K, 2 * K), (2, 8 * K, 8 * K))
+
+
+def _attention_mgpu(q, k, v):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+    config = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    return am.attention(q, k, v, config=config)
+
+
+def run_case(bench, case, groups, heads, block, config):
+    """Time every implementation on one problem; errors vs cuDNN's output (max |diff| over all tokens)."""
+    dense, packed, rows, flops = ba._prefill_problem(bench, groups, heads, block)
+    bench.rows["prefill"].append(dict(case=case, query_tokens=sum(c * q for c, q, _ in groups), causal_flops=flops,
+                                      groups=[list(g) for g in groups]))
+    # The float32 reference on each sequence's last rows, an independent check of every impl.
+    refs = [ba._reference_rows(*r) for r in rows]
+    nrows = [min(bench.plan.ref_rows, q) for _, q, _ in groups]
+    starts = np.cumsum([0] + [c * q for c, q, _ in groups])
+    packed_err = lambda out, refs: max(float(jnp.max(jnp.abs(out[s + q - r: s + q].astype(jnp.float32) - ref)))
+                                       for s, (_, q, _), ref, r in zip(starts, groups, refs, nrows))
+    group_err = lambda outs, refs: max(float(jnp.max(jnp.abs(o[0, -r:].astype(jnp.float32) - ref)))
+                                       for o, ref, r in zip(outs, refs, nrows))
+    ours = lambda s, _: ragged_prefill_mgpu(*s, config=config)
+    bench.measure("prefill", case, "mosaic", ours, packed, [()], flops=flops, ref=refs, err_of=packed_err,
+                  note=f"one call over the packed batch, rBlock {block}, {config}")
+    bench.measure("prefill", case, "cudnn", ba._peer_prefill(ba._sdpa_part("cudnn")), dense, [()], flops=flops,
+                  ref=refs, err_of=group_err, note="dense batch per group of equal lengths; after a prefix 2 calls merged by lse")
+    bench.measure("prefill", case, "triton", lambda s, _: ragged_prefill(*s), packed, [()], flops=flops, ref=refs,
+                  err_of=packed_err, note=f"one call over the packed batch, rBlock {block}")
+    if len(groups) == 1 and groups[0][2] == 0 and groups[0][1] % 128 == 0:
+        # Its SMEM is declared float16 (jax 0.11.2 rejects bf16 inputs): same work in fp16.
+        dense16 = [tuple(None if x is None else x.astype(jnp.float16) for x in g) for g in dense]
+        mgpu = lambda s, _: [_attention_mgpu(q, k, v) for q, _, _, k, v in s]
+        bench.measure("prefill", case, "attention_mgpu", mgpu, dense16, [()], flops=flops, ref=refs, err_of=group_err,
+                      note="JAX's fixed-length kernel, fp16, block_q 64, block_kv 128, 2 steps")
+        del dense16
+    else:
+        bench.skip("prefill", case, "attention_mgpu", "no variable lengths or cached prefix")
+    del dense, packed
+
+
+def table(rows) -> str:
+    lines = ["| case | " + " | ".join(f"{i} TFLOP/s (ms)" for i in IMPLS) + " | x cuDNN | x Triton | x attention_mgpu |",
+             "| --- " * (len(IMPLS) + 4) + "|"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        cells, ms = [], {}
+        for impl in IMPLS:
+            tf, t = ba._get(rows, case, impl, "tflops"), ba._get(rows, case, impl, "ms")
+            ms[impl] = t
+            cells.append("-" if tf is None else f"{tf:.0f} ({t:.2f})")
+        ratios = [ba._ratio(ms[i], ms["mosaic"]) for i in ("cudnn", "triton", "attention_mgpu")]
+        lines.append(f"| {case} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      "benchmarks", "results"))
+    parser.add_argument("--singles", type=int, nargs="*", default=[4 * K, 16 * K, 64 * K, 128 * K])
+    parser.add_argument("--no-ragged", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    args = parser.parse_args(argv)
+    compat.silence_triton_deprecation()
+    plan = ba.Plan(ref_rows=64, reps=5, target_s=0.4, budget_s=args.budget_s)
+    bench = ba.Bench(plan, interpret=False)
+    heads, block, config = (32, 32, 128), 256, MosaicPrefillConfig()
+    device = jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    print(f"jax {jax.__version__}, {device}, seed {bench.seed}", flush=True)
+    cases = [(f"single {n // K}K" if n % K == 0 else f"single {n}", ((1, n, 0),)) for n in args.singles]
+    if not args.no_ragged:  # before the longest singles, so a tight time budget still reaches it
+        groups = RAGGED_GROUPS
+        at = sum(n <= 16 * K for n in args.singles)
+        cases.insert(at, (f"ragged {sum(c for c, _, _ in groups)} seqs, {sum(c * q for c, q, _ in groups)} query "
+                          f"tokens, {sum(c for c, _, p in groups if p)} after a prefix", groups))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{device.lower().replace(' ', '-')}-{date}-{time.strftime('%H%M', time.gmtime())}"
+                                  "-mosaic-prefill.json")
+    rows = bench.rows["prefill"]
+    for case, groups in cases:
+        if bench.over_budget():
+            bench.skip("prefill", case, "all", "time budget")
+        else:
+            run_case(bench, case, groups, heads, block, config)
+        with open(path, "w") as f:  # after each case, so a killed run still leaves its numbers
+            json.dump(dict(script="scripts/bench_mosaic_prefill.py", argv=sys.argv[1:], device=device, date=date,
+                           jax=jax.__version__, python=platform.python_version(), seed=bench.seed, heads=heads,
+                           rblock=block, config=dataclasses.asdict(config), plan=dataclasses.asdict(plan), rows=rows,
+                           table=table(rows), elapsed_s=round(time.time() - bench.t0, 1), definitions=dict(
+                               tflops="4 * heads * head_dim * visible causal (query, key) pairs / time, same for all",
+                               us="median over reps of elapsed / calls inside one jit (scripts/bench_attention.py)",
+                               max_abs_err="vs a float32 reference on each sequence's last 64 query rows",
+                               x_cudnn="cuDNN time / Mosaic time (> 1: ours faster)")), f, indent=1, default=str)
+    print("\n" + table(rows), flush=True)
+    print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,8 +14,11 @@ import jax.numpy as jnp
 from pallas_kernels import compat, validation
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 
-Backend = Literal["auto", "reference", "triton"]
-BACKENDS = ("auto", "reference", "triton")
+Backend = Literal["auto", "reference", "triton", "mosaic"]
+BACKENDS = ("auto", "reference", "triton", "mosaic")
+# Prefill steps shorter than one Mosaic CTA tile (2 x 64 query rows) stay on the Triton kernel: they
+# are cheap either way, and the Mosaic kernel was checked on the GPU from 180 tokens up.
+MOSAIC_MIN_TOKENS = 128
 
 
 def kernels_support(head_dim: int) -> bool:
@@ -23,20 +26,37 @@ def kernels_support(head_dim: int) -> bool:
 
 
 def resolve_backend(backend: Backend | None = "auto", head_dim: int | None = None) -> str:
-    """'auto' is the Triton-lowered kernels on a GPU and the pure-jnp reference elsewhere.
+    """'auto' is the Pallas kernels on a GPU and the pure-jnp reference elsewhere.
 
     On the CPU the Pallas kernels run only in interpret mode, far slower than the reference,
     so the CPU uses them in kernel tests, not in the model. Shapes the kernels do not support
     (head_dim outside SUPPORTED_HEAD_DIMS) also take the reference under 'auto'; naming
-    'triton' for them raises.
+    'triton' for them raises. Which kernel a GPU prefill takes ('mosaic' on Hopper where it
+    applies, else 'triton') is `prefill_kernel`'s choice; decode is always the Triton kernel.
     """
     backend = backend or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
         supported = head_dim is None or kernels_support(head_dim)
-        return "triton" if compat.on_gpu() and supported else "reference"
+        return "mosaic" if compat.on_gpu() and supported else "reference"
     return backend
+
+
+def prefill_kernel(q: jax.Array, k_pool: jax.Array, backend: str) -> str:
+    """'mosaic' or 'triton' for a GPU prefill step of these shapes under a resolved kernel backend.
+
+    'triton' always takes the Triton kernel. 'mosaic' takes the Mosaic GPU kernel where it applies
+    (Hopper, bf16/fp16 q and KV of one dtype, rBlocks a multiple of its KV tile: see mgpu_supported)
+    and steps of at least MOSAIC_MIN_TOKENS tokens, and the Triton kernel otherwise (int8 KV, other
+    GPUs, short steps). On the H200 it ran 1.02-1.04x cuDNN and 1.29-1.37x the Triton kernel
+    (benchmarks/results/nvidia-h200-2026-11-22-0215-mosaic-prefill.json).
+    """
+    if backend != "mosaic" or q.shape[0] < MOSAIC_MIN_TOKENS:
+        return "triton"
+    from pallas_kernels.ragged_prefill_mgpu import mgpu_supported
+
+    return "mosaic" if mgpu_supported(q, k_pool) else "triton"
 
 
 def ragged_attention(
@@ -59,11 +79,15 @@ def ragged_attention(
     Semantics are ragged_prefill_reference's.
     """
     backend = resolve_backend(backend, q.shape[-1])
-    if backend == "triton":
+    if backend in ("triton", "mosaic"):
         if decode:
             from pallas_kernels.ragged_decode import ragged_decode
 
             return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale)
+        if prefill_kernel(q, k_pool, backend) == "mosaic":
+            from pallas_kernels.ragged_prefill_mgpu import ragged_prefill_mgpu
+
+            return ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens)
         from pallas_kernels.ragged_prefill import ragged_prefill
 
         return ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale=k_scale, v_scale=v_scale)
@@ -81,7 +105,7 @@ def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=N
     from pallas_kernels import kv_write
 
     backend = resolve_backend(backend, k_pool.shape[-1])
-    if backend == "triton" and k_pool.dtype != jnp.int8:
+    if backend in ("triton", "mosaic") and k_pool.dtype != jnp.int8:
         k_pool, v_pool = kv_write.write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping)
         return k_pool, v_pool, None, None
     return kv_write.write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale, v_scale)

@@ -51,6 +51,10 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_seqs <= 0:
             raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
+        from pallas_kernels.dispatch import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r} is not one of {BACKENDS}")
 
 
 class _TextTracker:

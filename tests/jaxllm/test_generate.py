@@ -109,6 +109,16 @@ def test_unknown_model_names_the_presets():
         LLM("no-such-model", progress=False)
 
 
+@pytest.mark.parametrize("options,message", [
+    (dict(attention_backend="cudnn"), "attention_backend 'cudnn' is not one of"),
+    (dict(kv_memory_fraction=1.5), "kv_memory_fraction must be in"),
+    (dict(max_seqs=0), "max_seqs must be positive"),
+])
+def test_bad_engine_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineOptions(**options)
+
+
 def test_bad_max_context():
     with pytest.raises(ValueError, match="max_context"):
         LLM("tiny", max_context=0, progress=False)

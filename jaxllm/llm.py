@@ -232,14 +232,18 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
-                 stop_token_ids: Seq[int] | None = None) -> list[Completion]:
-        """Complete each prompt; all prompts run together, continuously batched."""
+                 stop_token_ids: Seq[int] | None = None, ignore_eos: bool = False) -> list[Completion]:
+        """Complete each prompt; all prompts run together, continuously batched.
+
+        ignore_eos: keep generating past the tokenizer's EOS (benchmarks); stop strings and
+        stop_token_ids still stop.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids)
+                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         seqs = [self._submit(ids, params) for ids in encoded]
         trackers = {s.seq_id: _TextTracker(self.tokenizer, params.stop) for s in seqs}
@@ -263,10 +267,10 @@ class LLM:
 
     def stream(self, prompt: str, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
-               stop_token_ids: Seq[int] | None = None) -> Iterator[str]:
-        """Yield text pieces of one completion as its tokens are produced."""
+               stop_token_ids: Seq[int] | None = None, ignore_eos: bool = False) -> Iterator[str]:
+        """Yield text pieces of one completion as its tokens are produced (arguments as generate's)."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids)
+                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         seq = self._submit(self._encode(prompt, 0), params)
         tracker = _TextTracker(self.tokenizer, params.stop)
         self._trackers[seq.seq_id] = tracker

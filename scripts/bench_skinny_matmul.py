@@ -147,29 +147,14 @@ class Bench:
 
 
 def kernel_times(fn, reps: int) -> dict[str, float]:
-    """us per call of fn spent in each GPU kernel, from a jax.profiler trace of reps calls (empty on failure)."""
-    import glob
-    import tempfile
+    """us per call of fn spent in each GPU kernel (empty where no GPU trace was written)."""
     from collections import defaultdict
 
-    jax.block_until_ready(fn())
+    from device_trace import gpu_kernel_events
+
     totals = defaultdict(float)
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(reps):
-                out = fn()
-            jax.block_until_ready(out)
-        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return {}
-        data = jax.profiler.ProfileData.from_file(paths[0])
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):  # kernels; other lines summarise them again
-                for event in line.events:
-                    totals[event.name] += event.duration_ns / 1e3 / reps
+    for name, _, duration_ns in gpu_kernel_events(fn, reps):
+        totals[name] += duration_ns / 1e3 / reps
     return dict(totals)
 
 

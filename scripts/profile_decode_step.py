@@ -50,41 +50,23 @@ def _kernel_kind(name: str) -> str:
 
 def device_kernels(fn, reps: int, top: int = 25) -> dict:
     """Kernel time per step from a profiler trace of `reps` calls of fn (GPU planes only)."""
-    import glob
-    import tempfile
     from collections import defaultdict
 
-    import jax
+    from device_trace import gpu_kernel_events
 
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(reps):
-                out = fn()
-            jax.block_until_ready(out)
-        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return {"error": "no trace written"}
-        data = jax.profiler.ProfileData.from_file(paths[0])
-    by_name, by_kind = defaultdict(float), defaultdict(lambda: [0.0, 0])
-    first, last = None, None
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            # Only the stream lines hold kernels; "XLA Ops"/"XLA Modules" lines summarise them again.
-            if not line.name.startswith("Stream"):
-                continue
-            for event in line.events:
-                by_name[event.name] += event.duration_ns
-                kind = by_kind[_kernel_kind(event.name)]
-                kind[0] += event.duration_ns
-                kind[1] += 1
-                first = event.start_ns if first is None else min(first, event.start_ns)
-                last = event.end_ns if last is None else max(last, event.end_ns)
-    if first is None:
+    events = gpu_kernel_events(fn, reps)
+    if not events:
         return {"error": "no GPU kernels in the trace"}
+    by_name, by_kind = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    for name, _, duration_ns in events:
+        by_name[name] += duration_ns
+        kind = by_kind[_kernel_kind(name)]
+        kind[0] += duration_ns
+        kind[1] += 1
+    first = min(start for _, start, _ in events)
+    last = max(start + duration for _, start, duration in events)
     heaviest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"kernels_per_step": sum(n for _, n in by_kind.values()) / reps,
+    return {"kernels_per_step": len(events) / reps,
             "kernel_ms_per_step": sum(t for t, _ in by_kind.values()) / reps / 1e6,
             "span_ms_per_step": (last - first) / reps / 1e6,
             "by_kind": {k: {"us_per_step": t / reps / 1e3, "kernels_per_step": n / reps}

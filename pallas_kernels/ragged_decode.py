@@ -107,6 +107,18 @@ class DecodeBlockSizes:
         return jnp.maximum(split, self._min_split(block_size)).astype(jnp.int32)
 
 
+# int8 KV at 128K on an H200 (scripts/check_ragged_decode_gpu.py --int8-sweep,
+# benchmarks/results/nvidia-h200-2026-11-22-0236-ragged-decode-int8-sweep.json): 128-token tiles x 3
+# stages 497 us, the bf16 default (64 x 4) 535, 256-token tiles 740-764, 8 warps 605. The int8 kernel
+# is bound by dequantising, not by bytes (2.2 TB/s of int8 KV + scales).
+INT8_BLOCK_SIZES = DecodeBlockSizes(block_k=128, num_stages=3)
+
+
+def default_block_sizes(kv_dtype) -> DecodeBlockSizes:
+    """The measured-best schedule for a KV pool dtype."""
+    return INT8_BLOCK_SIZES if jnp.dtype(kv_dtype) == jnp.int8 else DecodeBlockSizes()
+
+
 def _decode_kernel(
     work_seq_ref,  # [num_items] int32
     work_start_ref,  # [num_items] int32
@@ -291,7 +303,7 @@ def ragged_decode(
       k_scale, v_scale: [num_blocks, num_kv_heads, block_size] float32 for int8 pools.
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       return_residuals: also return the row max and row sum of exponentials.
-      block_sizes: kernel schedule (default DecodeBlockSizes()).
+      block_sizes: kernel schedule (default: default_block_sizes(k_pool.dtype)).
       interpret: run the kernel in the Pallas interpreter; None means on unless on a GPU.
 
     Returns:
@@ -303,9 +315,9 @@ def ragged_decode(
         interpret = not compat.on_gpu()
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
+    block_sizes = block_sizes or default_block_sizes(k_pool.dtype)
     return _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, sm_scale=float(sm_scale),
-                          return_residuals=return_residuals, block_sizes=block_sizes or DecodeBlockSizes(),
-                          interpret=bool(interpret))
+                          return_residuals=return_residuals, block_sizes=block_sizes, interpret=bool(interpret))
 
 
 def ragged_decode_reference(

@@ -154,15 +154,57 @@ def timing(rng, batch, hq, hkv, lens, block_size, configs, with_cudnn=True, over
     return rows
 
 
+def int8_timing(configs, length: int = 131072, heads: int = 32, block_size: int = 1024) -> list[dict]:
+    """Batch-1 MHA decode over int8 KV (with scales) per config; TB/s counts int8 K/V plus scales."""
+    d = 128
+    num_blocks = length // block_size
+    tables = jnp.arange(num_blocks, dtype=jnp.int32)[None]
+    kv = jnp.asarray([length], jnp.int32)
+    keys = jax.random.split(jax.random.key(1), 2 * NUM_LAYERS)
+    shape = (num_blocks, heads, block_size, d)
+    pools = [jax.random.randint(keys[i], shape, -127, 128, jnp.int32).astype(jnp.int8) for i in range(2 * NUM_LAYERS)]
+    scale = jnp.full(shape[:3], 0.01, jnp.float32)
+    q = jax.random.normal(keys[0], (1, heads, d), jnp.bfloat16)
+    kv_bytes = 2 * length * heads * (d + 4)
+    rows = []
+    for bsz in configs:
+        try:
+            @jax.jit
+            def step(q, pools, scale):
+                acc = jnp.zeros(q.shape, jnp.float32)
+                for i in range(NUM_LAYERS):
+                    acc += ragged_decode(q, pools[2 * i], pools[2 * i + 1], tables, kv, k_scale=scale, v_scale=scale,
+                                         block_sizes=bsz, interpret=None).astype(jnp.float32)
+                return acc
+            t = _time(step, q, pools, scale) / NUM_LAYERS
+            row = dict(case=f"int8 KV, batch 1, {heads}x{d}, {length}", config=str(bsz), us=round(t * 1e6, 1),
+                       tb_s=round(kv_bytes / t / 1e12, 3))
+        except Exception as e:
+            row = dict(case="int8", config=str(bsz), error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--int8-sweep", action="store_true", help="only time int8-KV decode per block size")
     args = parser.parse_args()
     compat.silence_triton_deprecation()
     print(jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__}
+    if args.int8_sweep:
+        r = dataclasses.replace
+        base = DecodeBlockSizes()
+        result["int8_128k"] = int8_timing([base, r(base, block_k=128, num_stages=4), r(base, block_k=128, num_stages=3),
+                                           r(base, block_k=256, num_stages=3), r(base, block_k=256, num_stages=2),
+                                           r(base, block_k=128, num_stages=4, num_warps=8)])
+        with open(os.path.join(args.out, "ragged_decode_int8_sweep.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        return
     try:
         result["correctness"] = correctness(rng)
     except Exception:

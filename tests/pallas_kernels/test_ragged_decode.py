@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import compat
 from pallas_kernels.kv_write import quantize_int8
-from pallas_kernels.ragged_decode import (DecodeBlockSizes, _work_list, ragged_decode,
+from pallas_kernels.ragged_decode import (DecodeBlockSizes, _work_list, default_block_sizes, ragged_decode,
                                           ragged_decode_reference)
 from pallas_kernels.residuals import merge_partials
 
@@ -94,6 +94,14 @@ def test_dtypes_and_head_dims(kv_dtype, head_dim):
     lens = [5, 64, 129, 200]
     case = make_case(rng, lens, 8, 2, head_dim, 64, kv_dtype)
     got, want = run_both(*case, block_sizes=DecodeBlockSizes(block_k=64, tokens_per_split=64))
+    assert_matches(got, want, case[0].dtype)
+
+
+def test_int8_default_schedule_matches_reference():
+    assert default_block_sizes(jnp.int8).block_k == 128 and default_block_sizes(jnp.bfloat16) == DecodeBlockSizes()
+    rng = np.random.default_rng()
+    case = make_case(rng, [1, 127, 128, 129, 300], 4, 2, 128, 128, "int8")
+    got, want = run_both(*case, block_sizes=None)  # the dtype's default: 128-token tiles
     assert_matches(got, want, case[0].dtype)
 
 

@@ -86,12 +86,16 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # Always keep the most likely token, so top_p never empties a row.
     keep = keep & ((mass_before < top_p[:, None]) | (rank == 0))
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    # Back to vocabulary order before drawing: the Gumbel noise must belong to a token id, not to a
+    # rank. Two near-equal logits swap ranks when the batch shape changes the matmuls' rounding, and
+    # noise drawn per rank then moves to another token: the sample would depend on the batch.
+    rows = jnp.arange(logits.shape[0])[:, None]
+    keep = jnp.zeros(keep.shape, bool).at[rows, order].set(keep)
+    masked = jnp.where(keep, scaled, -jnp.inf)
 
     def draw(row_logits, seed, position):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
         return jax.random.categorical(key, row_logits)
 
-    choice = jax.vmap(draw)(masked, seeds, positions)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    sampled = jax.vmap(draw)(masked, seeds, positions).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)

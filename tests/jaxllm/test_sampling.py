@@ -7,6 +7,7 @@ import os
 import random
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -202,3 +203,21 @@ def test_llm_generate_and_stream_stop_token_ids():
     assert llm.allocator.num_free == llm.allocator.num_blocks
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["x"], max_new_tokens=2, stop_token_ids=[-3])
+
+
+def test_sample_follows_the_token_not_its_rank():
+    """Rounding that swaps two near-equal logits (another batch shape) must not change the sample."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(64).astype(np.float32)
+    a, b = 5, 9
+    logits[a], logits[b] = 4.0, 4.0 + 1e-6  # the two likeliest tokens, b ranked first
+    swapped = logits.copy()
+    swapped[b] = 4.0 - 1e-6  # now a ranks first: the same distribution up to rounding
+    seeds = jnp.arange(200, dtype=jnp.int32)
+    positions = jnp.full((200,), 17, jnp.int32)
+    args = (jnp.full((200,), 0.9, jnp.float32), jnp.full((200,), 40, jnp.int32), jnp.full((200,), 0.95, jnp.float32),
+            seeds, positions)
+    first = np.asarray(sample_tokens(jnp.tile(jnp.asarray(logits), (200, 1)), *args))
+    second = np.asarray(sample_tokens(jnp.tile(jnp.asarray(swapped), (200, 1)), *args))
+    assert set(first) >= {a, b}  # both likely tokens are drawn across the seeds
+    np.testing.assert_array_equal(first, second)

@@ -65,13 +65,13 @@ class BlockAllocator:
             i = bisect.bisect_left(free, after + 1)
             if i + count <= len(free) and free[i] == after + 1 and free[i + count - 1] == after + count:
                 return self._pop_range(i, count)
-        # 2) the first free run long enough
+        # 2) the first free run long enough (stop as soon as it is: a mostly free pool is one long run)
         run_start = 0
-        for j in range(1, len(free) + 1):
-            if j == len(free) or free[j] != free[j - 1] + 1:
-                if j - run_start >= count:
-                    return self._pop_range(run_start, count)
+        for j in range(len(free)):
+            if j and free[j] != free[j - 1] + 1:
                 run_start = j
+            if j + 1 - run_start >= count:
+                return self._pop_range(run_start, count)
         # 3) any free rBlocks, lowest first
         return self._pop_range(0, count)
 

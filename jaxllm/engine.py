@@ -108,6 +108,7 @@ class Engine:
         self._accepting = True
         self._stop = False
         self._inflight: InFlight | None = None  # engine thread only: dispatched, tokens not yet recorded
+        self._by_seq: dict[int, _Request] = {}  # engine thread only: admitted requests by sequence id
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
@@ -117,9 +118,7 @@ class Engine:
         """Queue a request; raises ValueError for bad input, QueueFull, EngineStopped."""
         ids = self.llm._encode(prompt, 0) if isinstance(prompt, str) else list(prompt)
         if not isinstance(prompt, str):
-            if not ids:
-                raise ValueError("prompt is empty")
-            self.llm._check_length(len(ids), "prompt")
+            self.llm._check_ids(ids, "prompt")
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
@@ -186,9 +185,9 @@ class Engine:
                 cancels, self._cancels = self._cancels, set()
                 stop = self._stop
             for request in incoming:
-                request.seq = scheduler.add(request.prompt_ids, request.params,
-                                            max_len=min(self.llm.max_context, self.llm._pool_tokens()))
+                request.seq = self.llm._submit(request.prompt_ids, request.params)
                 request.tracker = _TextTracker(self.llm.tokenizer, request.params.stop)
+                self._by_seq[request.seq.seq_id] = request
             for request_id in cancels:
                 request = self._requests.get(request_id)
                 if request is not None and request.seq is not None:
@@ -204,7 +203,7 @@ class Engine:
                 self._step()
             except Exception as e:  # a failed step fails its requests, not the server
                 self._inflight = None  # dropped unrecorded: harmless (LLM._advance says why)
-                for request in list(self._requests.values()):
+                for request in list(self._by_seq.values()):
                     if request.seq is not None:
                         scheduler.cancel(request.seq)
                         self._finish(request, "error", error=f"{type(e).__name__}: {e}")
@@ -230,9 +229,8 @@ class Engine:
         llm.scheduler.update(plan, sampled, llm.tokenizer.eos_id)
         self.stats.steps_total += 1
         now = time.monotonic()
-        by_seq = {r.seq.seq_id: r for r in self._requests.values() if r.seq is not None}
         for seq in plan.seqs:
-            request = by_seq.get(seq.seq_id)
+            request = self._by_seq.get(seq.seq_id)
             if request is None:
                 continue
             new_ids = seq.output_ids[request.sent_tokens:]
@@ -267,6 +265,8 @@ class Engine:
         with self._lock:
             if self._requests.pop(request.stream.request_id, None) is None:
                 return
+        if request.seq is not None:
+            self._by_seq.pop(request.seq.seq_id, None)
         if reason == "cancelled":
             self.stats.requests_cancelled += 1
         else:

@@ -154,8 +154,15 @@ class LLM:
         """Step functions compiled so far (the metric that must stay flat after warm-up)."""
         return self.runner.compile_count
 
-    def _pool_tokens(self) -> int:
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the KV pool holds (all rBlocks)."""
         return self.allocator.num_blocks * self.runner.block_size
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens (prompt + generated) one sequence can reach: max_context, or the pool if smaller."""
+        return min(self.max_context, self.pool_tokens)
 
     def _encode(self, prompt, index: int) -> list[int]:
         if not isinstance(prompt, str):
@@ -169,12 +176,20 @@ class LLM:
     def _check_length(self, num_tokens: int, what: str) -> None:
         if num_tokens > self.max_context:
             raise ValueError(f"{what} has {num_tokens} tokens, more than max_context {self.max_context}")
-        if num_tokens > self._pool_tokens():
-            raise ValueError(f"{what} has {num_tokens} tokens, more than the KV pool holds ({self._pool_tokens()})")
+        if num_tokens > self.pool_tokens:
+            raise ValueError(f"{what} has {num_tokens} tokens, more than the KV pool holds ({self.pool_tokens})")
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        """Token ids a caller passed: not empty, inside the vocabulary, within the context limits."""
+        if not ids:
+            raise ValueError(f"{what} is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        self._check_length(len(ids), what)
 
     def _submit(self, ids: list[int], params: SamplingParams) -> Sequence:
-        max_len = min(self.max_context, self._pool_tokens())
-        return self.scheduler.add(ids, params, max_len=max_len)
+        return self.scheduler.add(ids, params, max_len=self.context_limit)
 
     # ----- the loop -----
 
@@ -297,12 +312,7 @@ class LLM:
     def logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Teacher-forced logits [len(token_ids), vocab] (float32), prefilled in chunks."""
         ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("token_ids is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        self._check_length(len(ids), "token_ids")
+        self._check_ids(ids, "token_ids")
         if self.scheduler.has_work() or self._inflight is not None:
             raise RuntimeError("logits() cannot run while generation is in progress")
         # One sequence, prefilled chunk by chunk; max_new_tokens=1 so the scheduler never samples past it.

@@ -23,6 +23,7 @@ from jaxllm.kv_cache import AttentionBatch, KVCache
 from jaxllm.model import Llama
 from jaxllm.sampling import sample_tokens
 from jaxllm.scheduler import StepPlan
+from pallas_kernels import compat
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -62,6 +63,8 @@ class Runner:
         self.seq_cap = bucket(max_seqs, 1)
         self.table_width = table_width
         self.compile_count = 0
+        if compat.on_gpu():
+            compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("decode",))
         self._logits = jax.jit(self._logits_impl, donate_argnums=(1,))
 
@@ -95,14 +98,28 @@ class Runner:
 
     # ----- padding to buckets -----
 
+    def _padded_sizes(self, decode: bool, size: int) -> tuple[int, int]:
+        """(tokens, sequences) a step is padded to: `size` is its sequence count (decode) or token count.
+
+        The one bucket rule: _pad, bucket_shapes and warm-up all follow it, so warm-up compiles exactly
+        the shapes serving meets.
+        """
+        if decode:
+            s_pad = bucket(size, 1)
+            return s_pad, s_pad
+        t_pad = bucket(size, self.min_tokens)
+        return t_pad, min(t_pad, self.seq_cap)
+
+    @staticmethod
+    def _default_sampling(s_pad: int):
+        """Greedy parameters for s_pad rows (padding rows keep them)."""
+        return (np.zeros(s_pad, np.float32), np.zeros(s_pad, np.int32), np.ones(s_pad, np.float32),
+                np.zeros(s_pad, np.int32))
+
     def _pad(self, plan: StepPlan):
         num_seqs, num_tokens = len(plan.seqs), plan.num_tokens
         decode = plan.is_decode
-        if decode:
-            s_pad = t_pad = bucket(num_seqs, 1)
-        else:
-            t_pad = bucket(num_tokens, self.min_tokens)
-            s_pad = min(t_pad, self.seq_cap)
+        t_pad, s_pad = self._padded_sizes(decode, num_seqs if decode else num_tokens)
         w_pad = self.table_width
         if plan.block_tables.shape[1] > w_pad or num_seqs > s_pad:
             raise ValueError(f"step plan of {num_seqs} sequences x {plan.block_tables.shape[1]} rBlocks exceeds the "
@@ -157,12 +174,9 @@ class Runner:
         """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
         return self.dispatch(plan).tokens()
 
-    @staticmethod
-    def _sampling(plan: StepPlan, s_pad: int):
-        temperature = np.zeros(s_pad, np.float32)
-        top_k = np.zeros(s_pad, np.int32)
-        top_p = np.ones(s_pad, np.float32)
-        seeds = np.zeros(s_pad, np.int32)
+    @classmethod
+    def _sampling(cls, plan: StepPlan, s_pad: int):
+        temperature, top_k, top_p, seeds = cls._default_sampling(s_pad)
         for i, seq in enumerate(plan.seqs):
             p = seq.params
             temperature[i], top_k[i], top_p[i], seeds[i] = p.temperature, p.top_k, p.top_p, p.seed
@@ -200,12 +214,10 @@ class Runner:
 
     def _warm_up_args(self, decode: bool, size: int):
         # Real shapes, inert values: every token's slot is -1 (nothing written) and every kv_len 0.
-        s_pad = size if decode else min(size, self.seq_cap)
-        tokens = np.zeros(size, np.int32)
-        slots = np.full(size, -1, np.int32)
+        t_pad, s_pad = self._padded_sizes(decode, size)  # size is a bucket already: t_pad == size
+        tokens = np.zeros(t_pad, np.int32)
+        slots = np.full(t_pad, -1, np.int32)
         tables = np.zeros((s_pad, self.table_width), np.int32)
         kv_lens = np.zeros(s_pad, np.int32)
         cu = np.arange(s_pad + 1, dtype=np.int32) if decode else np.zeros(s_pad + 1, np.int32)
-        sampling = (np.zeros(s_pad, np.float32), np.zeros(s_pad, np.int32), np.ones(s_pad, np.float32),
-                    np.zeros(s_pad, np.int32))
-        return tokens, tokens.copy(), tables, kv_lens, cu, slots, sampling
+        return tokens, tokens.copy(), tables, kv_lens, cu, slots, self._default_sampling(s_pad)

@@ -118,10 +118,10 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq not in self.running:  # preempted while making room for an older one
+            if seq.status is not Status.RUNNING:  # preempted while making room for an older one
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if self._reserve(seq, seq.num_computed + n, protect=[s for s, _ in chunks]):
+            if self._reserve(seq, seq.num_computed + n, chunks):
                 chunks.append((seq, n))
                 budget -= n
         # Then admit waiting sequences while budget, slots and rBlocks allow (no preemption for them).
@@ -174,14 +174,16 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _reserve(self, seq: Sequence, num_tokens: int, protect: list[Sequence]) -> bool:
-        """Grow seq's rBlocks to hold num_tokens, preempting the youngest other sequences if needed."""
+    def _reserve(self, seq: Sequence, num_tokens: int, planned: list[tuple[Sequence, int]]) -> bool:
+        """Grow seq's rBlocks to hold num_tokens, preempting the youngest other sequences if needed
+        (never one already planned for this step)."""
         while True:
             try:
                 self.allocator.grow(seq.seq_id, self._blocks_for(num_tokens))
                 return True
             except OutOfBlocks:
-                victims = [s for s in reversed(self.running) if s is not seq and s not in protect]
+                protect = {id(s) for s, _ in planned}
+                victims = [s for s in reversed(self.running) if s is not seq and id(s) not in protect]
                 if not victims:
                     # Nothing left to evict: this sequence itself goes back to wait.
                     self._preempt(seq)
@@ -206,32 +208,26 @@ class Scheduler:
     def _assemble(self, rows: list[tuple[Sequence, int, list[int], bool]]) -> StepPlan:
         """rows: (sequence, first position, token ids from there, samples a new token)."""
         bs = self.block_size
-        token_ids, positions, slots, kv_lens, tables, sample = [], [], [], [], [], []
-        cu = [0]
-        for seq, start, ids, samples in rows:
-            n = len(ids)
-            blocks = self.allocator.blocks(seq.seq_id)
-            pos = np.arange(start, start + n)
-            token_ids.append(np.asarray(ids, np.int32))
-            positions.append(pos.astype(np.int32))
-            slots.append((np.asarray(blocks, np.int64)[pos // bs] * bs + pos % bs).astype(np.int32))
-            kv_lens.append(start + n)
-            tables.append(blocks)
-            sample.append(samples)
-            cu.append(cu[-1] + n)
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(rows), width), np.int32)
+        tables = [self.allocator.blocks(seq.seq_id) for seq, _, _, _ in rows]
+        block_tables = np.zeros((len(rows), max(len(t) for t in tables)), np.int32)
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
+        # Every token's position and slot in one pass over the packed tokens (no per-row arrays).
+        q_lens = np.fromiter((len(ids) for _, _, ids, _ in rows), np.int64, len(rows))
+        starts = np.fromiter((start for _, start, _, _ in rows), np.int64, len(rows))
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        row = np.repeat(np.arange(len(rows)), q_lens)
+        positions = starts[row] + np.arange(cu[-1]) - cu[row]
+        slots = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
         return StepPlan(
-            seqs=[row[0] for row in rows],
-            token_ids=np.concatenate(token_ids),
-            positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots),
-            cu_q_lens=np.asarray(cu, np.int32),
-            kv_lens=np.asarray(kv_lens, np.int32),
+            seqs=[r[0] for r in rows],
+            token_ids=np.fromiter((t for _, _, ids, _ in rows for t in ids), np.int32, int(cu[-1])),
+            positions=positions.astype(np.int32),
+            slot_mapping=slots.astype(np.int32),
+            cu_q_lens=cu.astype(np.int32),
+            kv_lens=(starts + q_lens).astype(np.int32),
             block_tables=block_tables,
-            sample=np.asarray(sample, bool),
+            sample=np.fromiter((r[3] for r in rows), bool, len(rows)),
         )
 
     # ----- results -----

@@ -39,6 +39,11 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def default_interpret(interpret: bool | None) -> bool:
+    """A kernel's `interpret` argument: None means the Pallas interpreter unless on a GPU."""
+    return not on_gpu() if interpret is None else bool(interpret)
+
+
 def gpu_compute_capability() -> tuple[int, int] | None:
     """(major, minor) of device 0 when it is a CUDA GPU, else None."""
     if not on_gpu():

@@ -29,6 +29,15 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+def _check_new_kv(k_pool, k_new, v_new, slot_mapping) -> None:
+    """k_new, v_new [num_tokens, kv_heads, head_dim] matching the pool; slot_mapping [num_tokens]."""
+    _, num_kv_heads, _, head_dim = k_pool.shape
+    if k_new.shape[1:] != (num_kv_heads, head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(f"new K/V shape {k_new.shape}/{v_new.shape} != (tokens, {num_kv_heads}, {head_dim})")
+    if slot_mapping.shape != k_new.shape[:1]:
+        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({k_new.shape[0]},)")
+
+
 def write_kv(
     k_pool: jax.Array,
     v_pool: jax.Array,
@@ -50,11 +59,8 @@ def write_kv(
     Returns:
       (k_pool, v_pool, k_scale, v_scale) updated; scales are None for float pools.
     """
-    num_blocks, num_kv_heads, block_size, head_dim = k_pool.shape
-    if k_new.shape[1:] != (num_kv_heads, head_dim) or v_new.shape != k_new.shape:
-        raise ValueError(f"new K/V shape {k_new.shape}/{v_new.shape} != (tokens, {num_kv_heads}, {head_dim})")
-    if slot_mapping.shape != k_new.shape[:1]:
-        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({k_new.shape[0]},)")
+    _check_new_kv(k_pool, k_new, v_new, slot_mapping)
+    num_blocks, block_size = k_pool.shape[0], k_pool.shape[2]
     # Padding slots point past the pool; mode="drop" discards them without a branch.
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)
     row = jnp.where(slot_mapping >= 0, slot_mapping % block_size, 0)
@@ -120,13 +126,8 @@ def write_kv_kernel(
     """
     if k_pool.dtype == jnp.int8:
         raise ValueError("write_kv_kernel writes float pools; int8 pools (with scales) go through write_kv")
-    num_blocks, num_kv_heads, block_size, head_dim = k_pool.shape
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"v_pool {v_pool.shape} {v_pool.dtype} != k_pool {k_pool.shape} {k_pool.dtype}")
-    if k_new.shape[1:] != (num_kv_heads, head_dim) or v_new.shape != k_new.shape:
-        raise ValueError(f"new K/V shape {k_new.shape}/{v_new.shape} != (tokens, {num_kv_heads}, {head_dim})")
-    if slot_mapping.shape != k_new.shape[:1]:
-        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({k_new.shape[0]},)")
-    if interpret is None:
-        interpret = not compat.on_gpu()
-    return tuple(_write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, interpret=bool(interpret)))
+    _check_new_kv(k_pool, k_new, v_new, slot_mapping)
+    interpret = compat.default_interpret(interpret)
+    return tuple(_write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, interpret=interpret))

@@ -22,18 +22,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat, validation
+from pallas_kernels import compat
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 from pallas_kernels.residuals import merge_partial_runs, parts_per_merge_load
+# check_ragged_decode_args is re-exported: callers import it from here.
+from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch, check_ragged_decode_args, is_pow2
 
-# tl.dot needs at least 16 rows and columns: the query group is padded to this many rows.
-MIN_DOT_ROWS = 16
 # Scores of keys past the end: finite, so no exp(-inf - -inf) NaN, and exp(mask - max) is 0.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,20 +61,16 @@ class DecodeBlockSizes:
     num_stages: int = 4
 
     def __post_init__(self):
-        if not _is_pow2(self.block_k) or self.block_k < MIN_DOT_ROWS:
-            raise ValueError(f"block_k {self.block_k} must be a power of two >= {MIN_DOT_ROWS}")
-        if self.tokens_per_split is not None and (not _is_pow2(self.tokens_per_split)
+        check_dot_tile("block_k", self.block_k)
+        if self.tokens_per_split is not None and (not is_pow2(self.tokens_per_split)
                                                   or self.tokens_per_split < self.block_k):
             raise ValueError(f"tokens_per_split {self.tokens_per_split} must be a power of two >= block_k "
                              f"{self.block_k}")
         if self.target_programs < 1:
             raise ValueError(f"target_programs {self.target_programs} must be >= 1")
-        if not _is_pow2(self.min_tokens_per_split):
+        if not is_pow2(self.min_tokens_per_split):
             raise ValueError(f"min_tokens_per_split {self.min_tokens_per_split} must be a power of two")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps {self.num_warps} must be one of 1, 2, 4, 8, 16")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages {self.num_stages} must be >= 1")
+        check_launch(self.num_warps, self.num_stages)
 
     def tile(self, block_size: int) -> int:
         """Tokens per kernel iteration: a power of two dividing both block_k and the rBlock size."""
@@ -265,19 +257,6 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
     return out
 
 
-def check_ragged_decode_args(q, k_pool, v_pool, block_tables, kv_lens, k_scale=None, v_scale=None) -> None:
-    """Raise ValueError naming the value and the limit for malformed ragged-decode arguments."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
-    validation.check_pool(q, k_pool, v_pool, k_scale, v_scale)
-    block_size = k_pool.shape[2]
-    if block_size % MIN_DOT_ROWS:
-        raise ValueError(f"rBlock size {block_size} must be a multiple of {MIN_DOT_ROWS} for the decode kernel")
-    validation.check_tables(block_tables, kv_lens, k_pool.shape[0], block_size)
-    if q.shape[0] != block_tables.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} sequences but block_tables has {block_tables.shape[0]} rows")
-
-
 def ragged_decode(
     q: jax.Array,
     k_pool: jax.Array,
@@ -311,13 +290,12 @@ def ragged_decode(
       `(out, (row_max, row_sum))`, each [num_seqs, num_q_heads] float32 (-inf and 0 where kv_len is 0).
     """
     check_ragged_decode_args(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale)
-    if interpret is None:
-        interpret = not compat.on_gpu()
+    interpret = compat.default_interpret(interpret)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     block_sizes = block_sizes or default_block_sizes(k_pool.dtype)
     return _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, sm_scale=float(sm_scale),
-                          return_residuals=return_residuals, block_sizes=block_sizes, interpret=bool(interpret))
+                          return_residuals=return_residuals, block_sizes=block_sizes, interpret=interpret)
 
 
 def ragged_decode_reference(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import compat, kv_layout, validation
+from pallas_kernels import compat, kv_layout
+# check_ragged_prefill_args is re-exported: callers import it from here.
+from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch, check_ragged_prefill_args
 
 # Fewer token rows at a time keeps the reference's memory at O(chunk * context) on long prompts.
 _REFERENCE_TOKEN_CHUNK = 64
@@ -36,18 +39,62 @@ def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     return seq, position, real
 
 
+def owner_rows(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Query tokens of each owner, int32 [S + 1]: the S sequences, then the padding past cu_q_lens[-1]."""
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    return jnp.concatenate([cu_q_lens[1:] - cu_q_lens[:-1], (num_tokens - cu_q_lens[-1])[None]])
+
+
+class QueryTiles(NamedTuple):
+    """Per query tile, each int32 [num_tiles] (is_seq bool): see `query_tiles`."""
+
+    owner: jax.Array  # sequence index, S for the padding tokens' tiles (unused tiles too)
+    seq: jax.Array  # owner where is_seq, else 0
+    is_seq: jax.Array  # a used tile of a real sequence
+    q_start: jax.Array  # packed index of the tile's first query token
+    rows: jax.Array  # query tokens in the tile, 0 for unused tiles
+    pos0: jax.Array  # position of the tile's first query token in its sequence
+    kv_len: jax.Array  # kv_lens[seq] where is_seq, else 0
+
+
+def query_tiles(cu_q_lens, kv_lens, num_tokens: int, tile_q: int) -> QueryTiles:
+    """The batch's query tokens cut into tiles of at most tile_q tokens of one owner, in packed order.
+
+    Each sequence's query tokens are cut into tiles from its first token on; the padding tokens past
+    cu_q_lens[-1] form tiles of their own (owner S, no keys). The count is bounded statically by
+    cdiv(T, tile_q) + S + 1; unused tiles have 0 rows. Shared by the Triton and Mosaic kernels'
+    work lists, which add their own fields.
+    """
+    num_seqs = kv_lens.shape[0]
+    num_tiles = pl.cdiv(num_tokens, tile_q) + num_seqs + 1
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    rows_of_owner = owner_rows(cu_q_lens, num_tokens)  # [S + 1], last = padding
+    tiles = (rows_of_owner + tile_q - 1) // tile_q
+    ends = jnp.cumsum(tiles)
+    i = jnp.arange(num_tiles, dtype=jnp.int32)
+    # "compare_all" is one fused kernel; the default binary search is a loop of small launches.
+    owner = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # S = padding
+    used = owner <= num_seqs  # S + 1 = unused
+    owner = jnp.minimum(owner, num_seqs)
+    first_row = (i - (ends - tiles)[owner]) * tile_q  # of the owner's query tokens
+    rows = jnp.where(used, jnp.clip(rows_of_owner[owner] - first_row, 0, tile_q), 0)
+    is_seq = used & (owner < num_seqs)
+    seq = jnp.where(is_seq, owner, 0)
+    pos0 = kv_lens[seq] - q_lens[seq] + first_row
+    kv_len = jnp.where(is_seq, kv_lens[seq], 0)
+    return QueryTiles(owner=owner, seq=seq, is_seq=is_seq, q_start=cu_q_lens[owner] + first_row, rows=rows,
+                      pos0=pos0, kv_len=kv_len)
+
+
 # Rows of the packed work list that `_ragged_prefill_kernel` reads per query tile.
 _SEQ, _Q_START, _ROWS, _POS0, _FULL_BLOCKS, _KV_BLOCKS = range(6)
 _WORK_FIELDS = 6
 _LOG2E = math.log2(math.e)
-_MIN_BLOCK = 16  # smallest tile side a Triton dot accepts
 # Three stages of 128 x 128 K/V tiles need 224 KiB of shared memory: Hopper has 227 KiB a block,
 # Ampere 163 KiB, which still holds two stages (JAX's `mha` default, 160 KiB).
 _THREE_STAGE_MIN_CC = (9, 0)
-
-
-def _is_power_of_2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +114,8 @@ class PrefillBlockSizes:
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not _is_power_of_2(value) or value < _MIN_BLOCK:
-                raise ValueError(f"{name} {value} must be a power of two >= {_MIN_BLOCK}")
-        if not _is_power_of_2(self.num_warps) or self.num_warps > 32:
-            raise ValueError(f"num_warps {self.num_warps} must be a power of two <= 32")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages {self.num_stages} must be >= 1")
+            check_dot_tile(name, getattr(self, name))
+        check_launch(self.num_warps, self.num_stages, max_warps=32)
 
 
 def _compute_dtype(q_dtype, kv_dtype):
@@ -98,42 +140,23 @@ def _default_block_sizes(compute_dtype, num_tokens: int) -> PrefillBlockSizes:
 def _effective_block_k(block_k: int, block_size: int) -> int:
     """Largest power of two <= block_k that divides the rBlock size."""
     step = min(block_k, block_size & -block_size)
-    if step < _MIN_BLOCK:
-        raise ValueError(f"rBlock size {block_size} must be a multiple of {_MIN_BLOCK} for the prefill kernel")
+    if step < MIN_DOT_ROWS:
+        raise ValueError(f"rBlock size {block_size} must be a multiple of {MIN_DOT_ROWS} for the prefill kernel")
     return step
 
 
 def _work_list(cu_q_lens, kv_lens, num_tokens: int, block_q: int, block_k: int) -> jax.Array:
     """Query tiles of the batch in packed order, as int32 [_WORK_FIELDS, num_tiles].
 
-    Each sequence's query tokens are cut into tiles of at most block_q tokens; the padding tokens
-    past cu_q_lens[-1] form tiles of their own with no keys (they write zeros). The count is bounded
-    statically by cdiv(T, block_q) + S + 1; unused entries have 0 rows and exit at once. Packed
-    order is JAX's `mha` order (each sequence's tiles from its first token on); launching the
-    heaviest tiles first measured no faster on an H200 and costs a sort.
+    The tiles of `query_tiles`: padding tiles have no keys (they write zeros), unused tiles 0 rows
+    (they exit at once). Packed order is JAX's `mha` order (each sequence's tiles from its first
+    token on); launching the heaviest tiles first measured no faster on an H200 and costs a sort.
     """
-    num_seqs = kv_lens.shape[0]
-    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs + 1
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    kv_lens = kv_lens.astype(jnp.int32)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    rows_of_owner = jnp.concatenate([q_lens, (num_tokens - cu_q_lens[-1])[None]])  # [S + 1], last = padding
-    tiles = (rows_of_owner + block_q - 1) // block_q
-    ends = jnp.cumsum(tiles)
-    i = jnp.arange(num_tiles, dtype=jnp.int32)
-    # "compare_all" is one fused kernel; the default binary search is a loop of small launches.
-    owner = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # S = padding
-    used = owner <= num_seqs  # S + 1 = unused
-    owner = jnp.minimum(owner, num_seqs)
-    first_row = (i - (ends - tiles)[owner]) * block_q  # of the owner's query tokens
-    rows = jnp.where(used, jnp.clip(rows_of_owner[owner] - first_row, 0, block_q), 0)
-    is_seq = used & (owner < num_seqs)
-    seq = jnp.where(is_seq, owner, 0)
-    pos0 = kv_lens[seq] - q_lens[seq] + first_row  # position of the tile's first query token
+    t = query_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
     # Key blocks entirely at or before pos0 are visible to every row: no mask needed there.
-    full_blocks = jnp.where(is_seq, (pos0 + 1) // block_k, 0)
-    kv_blocks = jnp.where(is_seq, (pos0 + rows + block_k - 1) // block_k, 0)
-    return jnp.stack([seq, cu_q_lens[owner] + first_row, rows, pos0, full_blocks, kv_blocks]).astype(jnp.int32)
+    full_blocks = jnp.where(t.is_seq, (t.pos0 + 1) // block_k, 0)
+    kv_blocks = jnp.where(t.is_seq, (t.pos0 + t.rows + block_k - 1) // block_k, 0)
+    return jnp.stack([t.seq, t.q_start, t.rows, t.pos0, full_blocks, kv_blocks]).astype(jnp.int32)
 
 
 def _ragged_prefill_kernel(
@@ -298,12 +321,11 @@ def ragged_prefill(
     if block_sizes is None:
         block_sizes = _default_block_sizes(_compute_dtype(q.dtype, k_pool.dtype), q.shape[0])
     _effective_block_k(block_sizes.block_k, k_pool.shape[2])  # raise here, not inside jit
-    if interpret is None:
-        interpret = not compat.on_gpu()
+    interpret = compat.default_interpret(interpret)
     scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5
     return _ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale,
                            sm_scale=scale, return_residuals=return_residuals, block_sizes=block_sizes,
-                           interpret=bool(interpret))
+                           interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "return_residuals", "block_sizes", "interpret"))
@@ -325,8 +347,6 @@ def _ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale
     inputs = [work, block_tables.astype(jnp.int32), q, k_pool, v_pool]
     if quantized:
         inputs += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-    if compat.on_gpu() and not interpret:
-        compat.silence_triton_deprecation()
     # Grid (tile, head), tile fastest: the programs running at once are neighbouring tiles of one
     # head, which re-read the same KV prefix from L2 (measured: 96% L2 hits, DRAM 2% busy at 16K).
     outs = pl.pallas_call(
@@ -408,13 +428,3 @@ def ragged_prefill_reference(
     if return_residuals:
         return out, (row_max, row_sum)
     return out
-
-
-def check_ragged_prefill_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale=None, v_scale=None,
-                              head_dims=validation.SUPPORTED_HEAD_DIMS) -> None:
-    """Raise ValueError naming the value and the limit for malformed ragged-prefill arguments."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
-    validation.check_pool(q, k_pool, v_pool, k_scale, v_scale, head_dims=head_dims)
-    validation.check_tables(block_tables, kv_lens, k_pool.shape[0], k_pool.shape[2])
-    validation.check_cu_q_lens(cu_q_lens, block_tables.shape[0], q.shape[0], kv_lens)

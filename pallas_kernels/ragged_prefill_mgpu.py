@@ -28,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.ragged_prefill import check_ragged_prefill_args
+from pallas_kernels.ragged_prefill import owner_rows, query_tiles
+from pallas_kernels.validation import check_ragged_prefill_args
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -60,44 +61,39 @@ class MosaicPrefillConfig:
             raise ValueError(f"steps {self.steps} must be in [2, 4]")
 
 
+def _unsupported_reason(q: jax.Array, k_pool: jax.Array, config: MosaicPrefillConfig) -> str | None:
+    """Why this kernel cannot take these inputs (dtype, head_dim, rBlock size), or None if it can.
+    k_pool must be 4-d ([num_blocks, num_kv_heads, block_size, head_dim])."""
+    if jnp.dtype(q.dtype) not in _DTYPES or k_pool.dtype != q.dtype:
+        return f"Mosaic prefill needs bf16 or fp16 q and KV of one dtype; got q {q.dtype}, KV {k_pool.dtype}"
+    if k_pool.shape[-1] not in _HEAD_DIMS:
+        return f"Mosaic prefill supports head_dim in {_HEAD_DIMS}, got {k_pool.shape[-1]}"
+    block_size = k_pool.shape[2]
+    if block_size % config.block_kv:
+        return f"rBlock size {block_size} must be a multiple of block_kv {config.block_kv}"
+    return None
+
+
 def mgpu_supported(q: jax.Array, k_pool: jax.Array, config: MosaicPrefillConfig | None = None) -> bool:
     """True when this kernel runs these inputs here: a Hopper GPU (wgmma), bf16/fp16 q and KV of one
     dtype, head_dim 64 or 128, and an rBlock size that is a multiple of block_kv."""
     config = config or MosaicPrefillConfig()
     cc = compat.gpu_compute_capability()
-    return (cc is not None and cc[0] == 9 and jnp.dtype(q.dtype) in _DTYPES and q.dtype == k_pool.dtype
-            and k_pool.ndim == 4 and k_pool.shape[-1] in _HEAD_DIMS and k_pool.shape[2] % config.block_kv == 0)
+    return (cc is not None and cc[0] == 9 and k_pool.ndim == 4
+            and _unsupported_reason(q, k_pool, config) is None)
 
 
 def _work_list(cu_q_lens, kv_lens, num_tokens: int, tile_q: int, block_kv: int, heaviest_first: bool):
     """Query tiles as int32 [7, num_tiles] (rows _SEQ.._KV_BLOCKS), num_tiles = cdiv(T, tile_q) + S + 1.
 
-    Each sequence's query tokens are cut into tiles of at most tile_q tokens; the padding tokens past
-    cu_q_lens[-1] form tiles of their own (owner S, no keys: they write zeros). Unused columns have 0
-    rows. _SLOT is the tile's owner (S for padding): each owner has at most one partial warpgroup
-    sub-tile (its last), which goes to slot `owner` of a side buffer instead of the output.
-    (Same tiling as ragged_prefill._work_list, with the fields this kernel needs.)
+    The tiles of `ragged_prefill.query_tiles` (padding tiles: owner S, no keys, they write zeros;
+    unused tiles: 0 rows), with the fields this kernel needs. _SLOT is the tile's owner (S for
+    padding): each owner has at most one partial warpgroup sub-tile (its last), which goes to slot
+    `owner` of a side buffer instead of the output.
     """
-    num_seqs = kv_lens.shape[0]
-    num_tiles = pl.cdiv(num_tokens, tile_q) + num_seqs + 1
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    kv_lens = kv_lens.astype(jnp.int32)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    rows_of_owner = jnp.concatenate([q_lens, (num_tokens - cu_q_lens[-1])[None]])  # [S + 1], last = padding
-    tiles = (rows_of_owner + tile_q - 1) // tile_q
-    ends = jnp.cumsum(tiles)
-    i = jnp.arange(num_tiles, dtype=jnp.int32)
-    owner = jnp.searchsorted(ends, i, side="right", method="compare_all").astype(jnp.int32)  # S = padding
-    used = owner <= num_seqs
-    owner = jnp.minimum(owner, num_seqs)
-    first_row = (i - (ends - tiles)[owner]) * tile_q
-    rows = jnp.where(used, jnp.clip(rows_of_owner[owner] - first_row, 0, tile_q), 0)
-    is_seq = used & (owner < num_seqs)
-    seq = jnp.where(is_seq, owner, 0)
-    pos0 = kv_lens[seq] - q_lens[seq] + first_row
-    kv_len = jnp.where(is_seq, kv_lens[seq], 0)
-    kv_blocks = jnp.where(is_seq & (rows > 0), (pos0 + rows + block_kv - 1) // block_kv, 0)
-    work = jnp.stack([seq, cu_q_lens[owner] + first_row, rows, pos0, kv_len, owner, kv_blocks]).astype(jnp.int32)
+    t = query_tiles(cu_q_lens, kv_lens, num_tokens, tile_q)
+    kv_blocks = jnp.where(t.is_seq & (t.rows > 0), (t.pos0 + t.rows + block_kv - 1) // block_kv, 0)
+    work = jnp.stack([t.seq, t.q_start, t.rows, t.pos0, t.kv_len, t.owner, kv_blocks]).astype(jnp.int32)
     if heaviest_first:
         work = work[:, jnp.argsort(-kv_blocks, stable=True)]
     return work
@@ -375,14 +371,9 @@ def ragged_prefill_mgpu(
     """
     config = config or MosaicPrefillConfig()
     check_ragged_prefill_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale)
-    if jnp.dtype(q.dtype) not in _DTYPES or k_pool.dtype != q.dtype:
-        raise ValueError(f"Mosaic prefill needs bf16 or fp16 q and KV of one dtype; got q {q.dtype}, "
-                         f"KV {k_pool.dtype}")
-    if q.shape[-1] not in _HEAD_DIMS:
-        raise ValueError(f"Mosaic prefill supports head_dim in {_HEAD_DIMS}, got {q.shape[-1]}")
-    block_size = k_pool.shape[2]
-    if block_size % config.block_kv:
-        raise ValueError(f"rBlock size {block_size} must be a multiple of block_kv {config.block_kv}")
+    reason = _unsupported_reason(q, k_pool, config)
+    if reason is not None:
+        raise ValueError(reason)
     smem = (4 * config.block_q + 2 * config.steps * config.block_kv) * q.shape[-1] * q.dtype.itemsize
     if smem > _SMEM_BYTES:
         raise ValueError(f"config {config} needs {smem} bytes of SMEM at head_dim {q.shape[-1]}; "
@@ -443,12 +434,11 @@ def _ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *,
         **extra,
     )(work, block_tables.astype(jnp.int32), q, k_pool, v_pool)
     # Each owner's (sequence's, then the padding's) partial last sub-tile sits in its side slot.
-    cu = cu_q_lens.astype(jnp.int32)
-    owner_rows = jnp.concatenate([cu[1:] - cu[:-1], (num_tokens - cu[-1])[None]])  # [S + 1]
-    owner_start = jnp.concatenate([cu[:-1], cu[-1:]])
-    part = owner_rows % block_q
+    rows_of_owner = owner_rows(cu_q_lens, num_tokens)  # [S + 1]
+    owner_start = cu_q_lens.astype(jnp.int32)  # [S + 1]: the padding starts at cu_q_lens[S]
+    part = rows_of_owner % block_q
     r = jnp.arange(block_q, dtype=jnp.int32)
-    dst = jnp.where(r[None, :] < part[:, None], (owner_start + owner_rows - part)[:, None] + r[None, :],
+    dst = jnp.where(r[None, :] < part[:, None], (owner_start + rows_of_owner - part)[:, None] + r[None, :],
                     num_tokens).reshape(-1)  # [side_rows]; num_tokens = dropped
     out = outs[0].at[dst].set(outs[1], mode="drop")
     if not return_residuals:

@@ -25,9 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
+from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch
 
-# tl.dot needs at least 16 rows: the token rows are padded (by masked loads) to a power of two >= this.
-MIN_DOT_ROWS = 16
 MAX_ROWS = 64
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # An H200 has 132 SMs: about 2.5 programs per SM, each with 3 stages of 16 KB weight tiles in flight.
@@ -35,10 +34,6 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # were best, their differences within run-to-run noise (up to ~10% for one config between runs); 512..1024
 # shorter programs were mostly 5-15% slower, and block_k 256 tiles slower still.
 DEFAULT_TARGET_PROGRAMS = 320
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 def _pow2_factor(x: int, cap: int) -> int:
@@ -67,15 +62,10 @@ class SkinnyBlockSizes:
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if not _is_pow2(value) or value < MIN_DOT_ROWS:
-                raise ValueError(f"{name} {value} must be a power of two >= {MIN_DOT_ROWS}")
+            check_dot_tile(name, getattr(self, name))
         if self.k_splits < 1:
             raise ValueError(f"k_splits {self.k_splits} must be >= 1")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps {self.num_warps} must be one of 1, 2, 4, 8, 16")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages {self.num_stages} must be >= 1")
+        check_launch(self.num_warps, self.num_stages)
 
     def plan(self, k: int) -> tuple[int, int, int]:
         """(chunks of block_k rows in K, chunks per split, splits used) for a K of k rows."""
@@ -155,7 +145,7 @@ def _skinny_call(x, w, *, out_dtype, block_sizes: SkinnyBlockSizes, interpret: b
     """The kernel alone: [splits, M, N] float32 partials, or [M, N] out_dtype when K is not split."""
     m, k = x.shape
     n = w.shape[1]
-    rows = max(MIN_DOT_ROWS, 1 << (m - 1).bit_length())
+    rows = max(MIN_DOT_ROWS, 1 << (m - 1).bit_length())  # token rows padded by masked loads for tl.dot
     chunks, per_split, splits = block_sizes.plan(k)
     split_out = splits > 1
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
@@ -226,12 +216,11 @@ def skinny_matmul(
       [M, N] in out_dtype.
     """
     check_skinny_matmul_args(x, w, out_dtype)
-    if interpret is None:
-        interpret = not compat.on_gpu()
+    interpret = compat.default_interpret(interpret)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if block_sizes is None:
         block_sizes = default_block_sizes(x.shape[0], x.shape[1], w.shape[1])
-    return _skinny_matmul(x, w, out_dtype=out_dtype, block_sizes=block_sizes, interpret=bool(interpret))
+    return _skinny_matmul(x, w, out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret)
 
 
 def skinny_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Argument checks shared by every attention kernel over the rBlock pool.
+"""Argument checks shared by every attention kernel over the rBlock pool, and the tile and launch
+checks shared by the Triton-lowered kernels' block-size dataclasses.
 
 Shape and dtype checks always run (they are static). Checks on values (table entries, lengths)
 run only when the arrays are concrete; under jit the engine has already validated its plan.
@@ -14,6 +15,27 @@ from pallas_kernels.compat import is_tracer
 SUPPORTED_HEAD_DIMS = (64, 128)
 FLOAT_KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 INT8 = jnp.dtype(jnp.int8)
+# tl.dot needs at least 16 rows and columns: tiles are at least this, and smaller operands are padded to it.
+MIN_DOT_ROWS = 16
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def check_dot_tile(name: str, value: int) -> None:
+    """A tile side fed to tl.dot: a power of two >= MIN_DOT_ROWS."""
+    if not is_pow2(value) or value < MIN_DOT_ROWS:
+        raise ValueError(f"{name} {value} must be a power of two >= {MIN_DOT_ROWS}")
+
+
+def check_launch(num_warps: int, num_stages: int, *, max_warps: int = 16) -> None:
+    """Triton launch parameters: num_warps a power of two <= max_warps, num_stages >= 1."""
+    if not is_pow2(num_warps) or num_warps > max_warps:
+        allowed = ", ".join(str(1 << i) for i in range(max_warps.bit_length()))
+        raise ValueError(f"num_warps {num_warps} must be one of {allowed}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages {num_stages} must be >= 1")
 
 
 def check_pool(q, k_pool, v_pool, k_scale, v_scale, *, head_dims=SUPPORTED_HEAD_DIMS) -> None:
@@ -87,3 +109,26 @@ def check_cu_q_lens(cu_q_lens, num_seqs: int, num_tokens: int, kv_lens=None) -> 
             s = int(np.argmax(q_lens > lens))
             raise ValueError(f"sequence {s} has {q_lens[s]} query tokens but kv_len {lens[s]}: the KV of the "
                              "query tokens must already be written")
+
+
+def check_ragged_prefill_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale=None, v_scale=None,
+                              head_dims=SUPPORTED_HEAD_DIMS) -> None:
+    """Raise ValueError naming the value and the limit for malformed ragged-prefill arguments."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    check_pool(q, k_pool, v_pool, k_scale, v_scale, head_dims=head_dims)
+    check_tables(block_tables, kv_lens, k_pool.shape[0], k_pool.shape[2])
+    check_cu_q_lens(cu_q_lens, block_tables.shape[0], q.shape[0], kv_lens)
+
+
+def check_ragged_decode_args(q, k_pool, v_pool, block_tables, kv_lens, k_scale=None, v_scale=None) -> None:
+    """Raise ValueError naming the value and the limit for malformed ragged-decode arguments."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
+    check_pool(q, k_pool, v_pool, k_scale, v_scale)
+    block_size = k_pool.shape[2]
+    if block_size % MIN_DOT_ROWS:
+        raise ValueError(f"rBlock size {block_size} must be a multiple of {MIN_DOT_ROWS} for the decode kernel")
+    check_tables(block_tables, kv_lens, k_pool.shape[0], block_size)
+    if q.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} sequences but block_tables has {block_tables.shape[0]} rows")

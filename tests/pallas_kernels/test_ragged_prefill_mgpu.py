@@ -11,6 +11,7 @@ import pytest
 from pallas_kernels import compat
 from pallas_kernels import ragged_prefill_mgpu as rpm
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
+from pallas_kernels.testing import poisoned_ragged_batch
 
 _OUT_TOL = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 _GPU_OUT_TOL = {jnp.bfloat16: 4e-2, jnp.float16: 8e-3}
@@ -18,26 +19,10 @@ _interpretable = pytest.mark.skipif(compat.mgpu_interpret_params() is None,
                                     reason="this jax has no Mosaic GPU interpret mode")
 
 
-def _batch(rng, *, q_lens, cached, block_size, head_dim, num_kv_heads, group, dtype, padding=5):
+def _batch(rng, *, num_kv_heads, group, padding=5, **kw):
     """Random ragged batch over a shuffled pool; unowned pool rows and padding query tokens are NaN."""
-    q_lens, cached = np.asarray(q_lens), np.asarray(cached)
-    kv_lens = q_lens + cached
-    num_seqs = len(q_lens)
-    width = max(1, int(max(-(-kv_lens // block_size))))
-    num_blocks = num_seqs * width + 2
-    tables = rng.permutation(num_blocks)[: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
-    owned = np.zeros((num_blocks, block_size), bool)
-    for s in range(num_seqs):
-        pos = np.arange(kv_lens[s])
-        owned[tables[s, pos // block_size], pos % block_size] = True
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    pools = [np.where(owned[:, None, :, None], rng.standard_normal(shape, np.float32), np.nan) for _ in range(2)]
-    num_tokens = int(q_lens.sum()) + padding
-    q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim), np.float32)
-    q[q_lens.sum():] = np.nan
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return (jnp.asarray(q, dtype), jnp.asarray(pools[0], dtype), jnp.asarray(pools[1], dtype), jnp.asarray(tables),
-            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu))
+    return poisoned_ragged_batch(rng, num_kv_heads=num_kv_heads, num_q_heads=num_kv_heads * group, padding=padding,
+                                 spare_blocks=2, **kw)
 
 
 def _compare(args, out, residuals, tol):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any, Literal
 
 RopeScalingType = Literal["linear", "dynamic"]
@@ -81,9 +79,6 @@ class LlamaConfig:
         factor = self.rope_scaling.factor if self.rope_scaling else 1.0
         return int(self.max_position_embeddings * factor)
 
-    def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
-
     def replace(self, **overrides: Any) -> "LlamaConfig":
         return dataclasses.replace(self, **overrides)
 
@@ -115,22 +110,9 @@ class LlamaConfig:
         return cls(**{**base, **overrides})
 
     @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> "LlamaConfig":
-        """Build from a HuggingFace `config.json` (a path to the file or its directory, or the parsed dict)."""
-        if isinstance(path_or_dict, dict):
-            raw, where = path_or_dict, "config dict"
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise ConfigError(f"no config.json at {path}")
-            try:
-                with open(path) as f:
-                    raw = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from e
-            where = path
+    def from_hf(cls, raw: dict) -> "LlamaConfig":
+        """Build from the parsed dict of a HuggingFace `config.json` (weights._read_hf_config reads the file)."""
+        where = "config dict"
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type", "llama")

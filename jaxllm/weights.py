@@ -188,10 +188,10 @@ def _read_header(path: str) -> dict[str, _StoredTensor]:
 
 
 def _read_tensor(stored: _StoredTensor, name: str) -> np.ndarray:
-    """The tensor as a fresh host array (copied out of the map: the file may be rewritten later)."""
-    if stored.dtype not in _SAFETENSORS_DTYPES:
-        raise CheckpointError(f"tensor {name} in {stored.file} has dtype {stored.dtype}, which is not supported; "
-                              f"supported: {sorted(_SAFETENSORS_DTYPES)}")
+    """The tensor as a fresh host array (copied out of the map: the file may be rewritten later).
+
+    load_hf has checked its dtype code against _SAFETENSORS_DTYPES already.
+    """
     dtype = np.dtype(_SAFETENSORS_DTYPES[stored.dtype])
     expected = int(np.prod(stored.shape, dtype=np.int64)) * dtype.itemsize
     if stored.end - stored.begin != expected:
@@ -247,11 +247,8 @@ def _checkpoint_dtype(raw_config: dict, stored: dict[str, _StoredTensor]) -> jnp
         name = raw_config.get(key)
         if isinstance(name, str) and name in MODEL_DTYPES:
             return jnp.dtype(MODEL_DTYPES[name])
-    code = stored["model.embed_tokens.weight"].dtype
-    if code not in _SAFETENSORS_DTYPES:
-        raise CheckpointError(f"tensor model.embed_tokens.weight has dtype {code}, which is not supported; "
-                              f"supported: {sorted(_SAFETENSORS_DTYPES)}")
-    dtype = jnp.dtype(_SAFETENSORS_DTYPES[code])
+    # load_hf has checked every tensor's dtype code, the embedding's included.
+    dtype = jnp.dtype(_SAFETENSORS_DTYPES[stored["model.embed_tokens.weight"].dtype])
     return dtype if dtype.name in MODEL_DTYPES else jnp.dtype(jnp.float32)
 
 
@@ -266,8 +263,10 @@ def _read_hf_config(model_dir: str) -> tuple[dict, LlamaConfig]:
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is malformed: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is malformed: expected a JSON object, got {type(raw).__name__}")
     try:
-        return raw, LlamaConfig.from_hf(raw if isinstance(raw, dict) else path)
+        return raw, LlamaConfig.from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from e
 
@@ -275,12 +274,17 @@ def _read_hf_config(model_dir: str) -> tuple[dict, LlamaConfig]:
 # ----- building a model from loaded arrays -----
 
 
+def _value(variable: nnx.Variable) -> jax.Array:
+    # get_value() in newer Flax; .value in older releases (and deprecated in newer ones).
+    return variable.get_value() if hasattr(variable, "get_value") else variable.value
+
+
 def _assemble(config: LlamaConfig, dtype, load_one) -> Llama:
     """A Llama whose every Param comes from load_one(path, shape, dtype) and whose inv_freq is computed."""
     graphdef, params, rest = nnx.split(abstract_model(config, dtype=dtype), nnx.Param, ...)
     values = {}
     for path, variable in nnx.to_flat_state(params):
-        target = variable.get_value() if hasattr(variable, "get_value") else variable.value
+        target = _value(variable)
         values[path] = load_one(path, tuple(target.shape), target.dtype)
     rest_values = {}
     for path, _ in nnx.to_flat_state(rest):
@@ -305,11 +309,12 @@ def _unflatten(flat: dict[tuple, object]) -> dict:
 def param_arrays(model: Llama) -> dict[tuple, jax.Array]:
     """Every Param of the model by its nnx path, e.g. ("layers", 0, "attention", "q") -> [D, Hq, hd]."""
     params = nnx.state(model, nnx.Param)
-    return {path: (v.get_value() if hasattr(v, "get_value") else v.value) for path, v in nnx.to_flat_state(params)}
+    return {path: _value(v) for path, v in nnx.to_flat_state(params)}
 
 
-def _model_dtype(model: Llama) -> jnp.dtype:
-    return jnp.dtype(param_arrays(model)[("embedding",)].dtype)
+def _model_dtype(arrays: dict[tuple, jax.Array]) -> jnp.dtype:
+    """The model's dtype, from param_arrays' result."""
+    return jnp.dtype(arrays[("embedding",)].dtype)
 
 
 # ----- HuggingFace safetensors -----
@@ -383,7 +388,7 @@ def save_hf(model: Llama, out_dir: str | os.PathLike, *, max_shard_bytes: int | 
     os.makedirs(out_dir, exist_ok=True)
     _clear_safetensors(out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump({**config.to_hf(), "_name_or_path": config.name, "torch_dtype": _model_dtype(model).name},
+        json.dump({**config.to_hf(), "_name_or_path": config.name, "torch_dtype": _model_dtype(arrays).name},
                   f, indent=2)
 
     # Greedy packing in layer order; a tensor bigger than the limit gets a shard of its own.
@@ -430,7 +435,8 @@ def save_orbax(model: Llama, out_dir: str | os.PathLike, *, tokenizer_dir: str |
     marker = os.path.join(out_dir, _ORBAX_MARKER)
     if os.path.exists(marker):
         os.remove(marker)  # the directory is not a valid checkpoint until the new marker is written
-    flat = {_flat_key(path): value for path, value in param_arrays(model).items()}
+    arrays = param_arrays(model)
+    flat = {_flat_key(path): value for path, value in arrays.items()}
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.join(out_dir, _ORBAX_PARAMS), flat, force=True)
         getattr(checkpointer, "wait_until_finished", lambda: None)()  # async in some Orbax versions
@@ -441,7 +447,7 @@ def save_orbax(model: Llama, out_dir: str | os.PathLike, *, tokenizer_dir: str |
                 shutil.copyfile(src, os.path.join(out_dir, name))
     config = model.config
     with open(marker, "w") as f:
-        json.dump({"format": "jaxllm-orbax", "version": _ORBAX_LAYOUT_VERSION, "dtype": _model_dtype(model).name,
+        json.dump({"format": "jaxllm-orbax", "version": _ORBAX_LAYOUT_VERSION, "dtype": _model_dtype(arrays).name,
                    "config": {**config.to_hf(), "_name_or_path": config.name}}, f, indent=2)
 
 
@@ -476,7 +482,7 @@ def load_orbax(directory: str | os.PathLike, *, dtype=None) -> Llama:
     shapes = {}
     graphdef, params, _ = nnx.split(abstract_model(config, dtype=saved_dtype), nnx.Param, ...)
     for path, variable in nnx.to_flat_state(params):
-        target = variable.get_value() if hasattr(variable, "get_value") else variable.value
+        target = _value(variable)
         shapes[_flat_key(path)] = jax.ShapeDtypeStruct(target.shape, saved_dtype, sharding=sharding)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(params_dir, shapes)

@@ -44,6 +44,7 @@ from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.residuals import merge_partials
+from results import result_stem
 
 HBM_TBPS = 4.8  # H200 datasheet
 K, M = 1024, 1024 * 1024
@@ -124,17 +125,8 @@ class Bench:
             if ref is not None:
                 row["max_abs_err"] = float(err_of(out, ref) if err_of else
                                            jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-            start = time.perf_counter()
-            jax.block_until_ready(step(shared, layers))
-            once = time.perf_counter() - start
-            n = int(np.clip(self.plan.target_s / self.plan.reps / max(once, 1e-6), 1, 100))
-            times = []
-            for _ in range(self.plan.reps):
-                start = time.perf_counter()
-                for _ in range(n):
-                    r = step(shared, layers)
-                jax.block_until_ready(r)
-                times.append((time.perf_counter() - start) / n / len(layers))
+            times, n = time_calls(step, (shared, layers), reps=self.plan.reps, target_s=self.plan.target_s,
+                                  max_calls=100, per=len(layers))
             t = float(np.median(times))
             row.update(us=round(t * 1e6, 1), calls=n * self.plan.reps, buffers=len(layers),
                        spread=round((max(times) - min(times)) / t, 3))
@@ -156,6 +148,38 @@ class Bench:
         print(f"[{time.time() - self.t0:6.1f}s] {section} | {case} | {impl} | skipped: {why}", flush=True)
 
 
+def time_calls(step, args: tuple, *, reps: int, target_s: float, max_calls: int, per: int) -> tuple[list[float], int]:
+    """Times step(*args), compiled already: (seconds per call / per, one value per rep; calls per rep).
+
+    A first call, not counted, sizes the reps: calls per rep = target_s / reps / its time, clipped
+    to [1, max_calls]. Each rep dispatches its calls back to back and waits once
+    at the end, so dispatch overlaps the device work. `per` divides out the layers inside one call.
+    """
+    start = time.perf_counter()
+    jax.block_until_ready(step(*args))
+    once = time.perf_counter() - start
+    calls = int(np.clip(target_s / reps / max(once, 1e-6), 1, max_calls))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            r = step(*args)
+        jax.block_until_ready(r)
+        times.append((time.perf_counter() - start) / calls / per)
+    return times, calls
+
+
+def consecutive_tables(blocks_per_seq, width: int) -> np.ndarray:
+    """Block tables [seqs, width] int32 giving each sequence the next blocks_per_seq[s] rBlock ids in
+    order, from 0 (the allocator's common case); entries past a sequence's blocks are 0."""
+    tables = np.zeros((len(blocks_per_seq), width), np.int32)
+    at = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = np.arange(at, at + n)
+        at += n
+    return tables
+
+
 def pool_from_dense(x, lens, block: int):
     """Seq-major [B, S, H, D] -> head-major rBlock pool [N, H, block, D] holding each sequence's first
     lens[b] tokens in consecutive rBlocks, and its tables [B, max blocks] (consecutive ids)."""
@@ -164,11 +188,7 @@ def pool_from_dense(x, lens, block: int):
     seq = np.repeat(np.arange(b), nb)
     blk = np.concatenate([np.arange(n) for n in nb])
     pool = x.reshape(b, s // block, block, h, d)[seq, blk].transpose(0, 2, 1, 3)
-    tables = np.zeros((b, s // block), np.int32)
-    starts = np.concatenate([[0], np.cumsum(nb)[:-1]])
-    for i, (st, n) in enumerate(zip(starts, nb)):
-        tables[i, :n] = np.arange(st, st + n)
-    return pool, jnp.asarray(tables)
+    return pool, jnp.asarray(consecutive_tables(nb, s // block))
 
 
 def _sdpa(impl, with_lengths):
@@ -310,11 +330,7 @@ def _prefill_problem(bench: Bench, groups, heads, block):
         q_lens += [q_len] * count
         nblocks += [padded // block] * count
         rows.append((q[0, -bench.plan.ref_rows:], k[0], v[0], prefix + q_len - min(bench.plan.ref_rows, q_len)))
-    tables = np.zeros((len(kv_lens), max(nblocks)), np.int32)
-    at = 0
-    for s, nb in enumerate(nblocks):
-        tables[s, :nb] = np.arange(at, at + nb)
-        at += nb
+    tables = consecutive_tables(nblocks, max(nblocks))
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     packed = (jnp.concatenate(q_parts), jnp.concatenate(k_blocks), jnp.concatenate(v_blocks), jnp.asarray(tables),
               jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu))
@@ -332,6 +348,27 @@ def _reference_rows(q, k, v, first_pos):
     visible = jnp.arange(k.shape[0])[None, :] <= (first_pos + jnp.arange(r))[:, None]  # [R, L]
     p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
     return jnp.einsum("kgrl,lkd->rkgd", p, v.astype(jnp.float32), precision=hi).reshape(r, hq, d)
+
+
+def _prefill_errors(groups, ref_rows: int):
+    """(packed_err, group_err): err_of functions giving the max |out - ref| over each group's first
+    sequence's last min(ref_rows, tokens) rows, refs being _reference_rows' results per group.
+
+    packed_err reads a packed output [tokens, heads, head_dim] (groups in order); group_err reads one
+    dense output [seqs, tokens, heads, head_dim] per group.
+    """
+    nrows = [min(ref_rows, q) for _, q, _ in groups]
+    starts = np.cumsum([0] + [c * q for c, q, _ in groups])
+
+    def packed_err(out, refs):
+        return max(float(jnp.max(jnp.abs(out[s + q - r: s + q].astype(jnp.float32) - ref)))
+                   for s, (_, q, _), ref, r in zip(starts, groups, refs, nrows))
+
+    def group_err(outs, refs):
+        return max(float(jnp.max(jnp.abs(o[0, -r:].astype(jnp.float32) - ref)))
+                   for o, ref, r in zip(outs, refs, nrows))
+
+    return packed_err, group_err
 
 
 def _peer_prefill(part):
@@ -382,15 +419,7 @@ def prefill_section(bench: Bench):
         dense, packed, rows, flops = _prefill_problem(bench, groups, plan.prefill_heads, plan.prefill_block)
         refs = [_reference_rows(*r) for r in rows]
         bench.rows["prefill"].append(dict(case=case, query_tokens=tokens, causal_flops=flops, groups=groups))
-        nrows = [min(plan.ref_rows, q) for _, q, _ in groups]
-        group_err = lambda outs, refs: max(float(jnp.max(jnp.abs(o[0, -r:].astype(jnp.float32) - ref)))
-                                           for o, ref, r in zip(outs, refs, nrows))
-        starts = np.cumsum([0] + [c * q for c, q, _ in groups])
-
-        def packed_err(out, refs):
-            return max(float(jnp.max(jnp.abs(out[s + q - r: s + q].astype(jnp.float32) - ref)))
-                       for s, (_, q, _), ref, r in zip(starts, groups, refs, nrows))
-
+        packed_err, group_err = _prefill_errors(groups, plan.ref_rows)
         peer_note = "dense causal batch per group; after a prefix: 2 calls merged by log-sum-exp"
         ours = lambda s, _: ragged_prefill(*s, interpret=bench.interpret)
         bench.measure("prefill", case, "ours", ours, packed, [()], flops=flops, ref=refs, err_of=packed_err,
@@ -503,9 +532,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__}, {jax.devices()}, interpret={interpret}, smoke={args.smoke}", flush=True)
     date = datetime.date.today().isoformat()
-    # The time of day keeps a second run on the same day from overwriting the first one's results.
-    stem = (f"{device.lower().replace(' ', '-')}-{date}-{time.strftime('%H%M', time.gmtime())}-attention"
-            + ("-smoke" if args.smoke else ""))
+    stem = result_stem(device, "attention" + ("-smoke" if args.smoke else ""), date)
     if set(args.sections) != set(SECTIONS):
         stem += "-" + "-".join(args.sections)
     os.makedirs(args.out, exist_ok=True)

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from results import result_stem
+
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the floor column uses it
 
 
@@ -35,17 +37,26 @@ def _log(msg: str) -> None:
 
 # ----- HuggingFace (runs in a child process) -----
 
-def hf_decode(contexts: list[int], steps: int = 12) -> list[dict]:
+def _hf_model(**extra):
+    """HF transformers' Llama of the Llama-2-7B shape: random fp16 weights on the GPU, sdpa, eval mode."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=1 << 20, rms_norm_eps=1e-5)
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=1 << 20, rms_norm_eps=1e-5,
+                      **extra)
     cfg._attn_implementation = "sdpa"
     torch.set_default_dtype(torch.float16)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     model.eval()
+    return model
+
+
+def hf_decode(contexts: list[int], steps: int = 12) -> list[dict]:
+    import torch
+
+    model = _hf_model()
     rows = []
     with torch.inference_mode():
         for context in contexts:
@@ -85,16 +96,8 @@ def mixed_lengths(num_requests: int, max_prompt: int) -> np.ndarray:
 def hf_mixed(num_requests: int, new_tokens: int, max_prompt: int, batch_tokens: int) -> dict:
     """The mixed workload through HF generate: static batches (left-padded), greedy, exactly new_tokens each."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=1 << 20, rms_norm_eps=1e-5,
-                      pad_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    torch.set_default_dtype(torch.float16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    model.eval()
+    model = _hf_model(pad_token_id=0)
     lengths = sorted(mixed_lengths(num_requests, max_prompt).tolist())
     batches, current = [], []
     for n in lengths:  # sorted ascending: a batch's padded size is its last prompt + new tokens
@@ -187,6 +190,13 @@ def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, war
                 warm_pass=warm, compiles_while_timed=llm.compile_count - compiles)
 
 
+def _weight_bytes(llm) -> int:
+    """Bytes of the model's weights on the device (what a decode step reads besides the KV)."""
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.runner.state))
+
+
 def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256,
               pipeline: bool = True):
     from jaxllm import LLM, EngineOptions
@@ -246,8 +256,7 @@ def main(argv=None) -> int:
 
     result["device"] = jax.devices()[0].device_kind
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{result['device'].replace(' ', '-').lower()}-{result['date']}-"
-                                  f"{time.strftime('%H%M', time.gmtime())}-generate.json")
+    path = os.path.join(args.out, result_stem(result["device"], "generate.json", result["date"]))
 
     def save():  # after every section, so a run stopped at its time limit keeps what it measured
         with open(path, "w") as f:
@@ -258,9 +267,9 @@ def main(argv=None) -> int:
     if args.contexts or args.mixed:
         llm = build_llm(args.model, "bfloat16", max_context, 0.9, pipeline=not args.sync)
         config = llm.config
-        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.runner.state))
+        weight_bytes = _weight_bytes(llm)
         kv_per_token = kv_bytes_per_block(config, 1, "bfloat16")
-        result["pool_tokens"] = llm.allocator.num_blocks * llm.runner.block_size
+        result["pool_tokens"] = llm.pool_tokens
         result["weight_bytes"] = weight_bytes
         _log(f"[jaxllm] pool {result['pool_tokens']} tokens; weights {weight_bytes / 1e9:.2f} GB")
         result["decode"] = []
@@ -280,10 +289,10 @@ def main(argv=None) -> int:
     result["longest"] = []
     for kv_dtype in args.longest:
         llm = build_llm(args.model, kv_dtype, 1 << 22, 0.97, max_seqs=8, pipeline=not args.sync)
-        pool = llm.allocator.num_blocks * llm.runner.block_size
+        pool = llm.pool_tokens
         context = pool - args.new_tokens - 1
         kv_per_token = kv_bytes_per_block(llm.config, 1, kv_dtype)
-        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.runner.state))
+        weight_bytes = _weight_bytes(llm)
         _log(f"[jaxllm] longest with {kv_dtype} KV: pool {pool} tokens, prompt {context}")
         try:
             row = {"kv_dtype": kv_dtype, **decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes)}

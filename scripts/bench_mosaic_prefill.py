@@ -29,10 +29,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_attention as ba  # noqa: E402  (timing helpers; that file is not edited here)
+import bench_attention as ba  # noqa: E402  (the timing, problem and error helpers)
+from results import result_stem  # noqa: E402
 
 from pallas_kernels import compat  # noqa: E402
 from pallas_kernels.ragged_prefill import ragged_prefill  # noqa: E402
@@ -64,12 +64,7 @@ def run_case(bench, case, groups, heads, block, config):
                                       groups=[list(g) for g in groups]))
     # The float32 reference on each sequence's last rows, an independent check of every impl.
     refs = [ba._reference_rows(*r) for r in rows]
-    nrows = [min(bench.plan.ref_rows, q) for _, q, _ in groups]
-    starts = np.cumsum([0] + [c * q for c, q, _ in groups])
-    packed_err = lambda out, refs: max(float(jnp.max(jnp.abs(out[s + q - r: s + q].astype(jnp.float32) - ref)))
-                                       for s, (_, q, _), ref, r in zip(starts, groups, refs, nrows))
-    group_err = lambda outs, refs: max(float(jnp.max(jnp.abs(o[0, -r:].astype(jnp.float32) - ref)))
-                                       for o, ref, r in zip(outs, refs, nrows))
+    packed_err, group_err = ba._prefill_errors(groups, bench.plan.ref_rows)
     ours = lambda s, _: ragged_prefill_mgpu(*s, config=config)
     bench.measure("prefill", case, "mosaic", ours, packed, [()], flops=flops, ref=refs, err_of=packed_err,
                   note=f"one call over the packed batch, rBlock {block}, {config}")
@@ -125,8 +120,7 @@ def main(argv=None) -> int:
         cases.insert(at, (f"ragged {sum(c for c, _, _ in groups)} seqs, {sum(c * q for c, q, _ in groups)} query "
                           f"tokens, {sum(c for c, _, p in groups if p)} after a prefix", groups))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device.lower().replace(' ', '-')}-{date}-{time.strftime('%H%M', time.gmtime())}"
-                                  "-mosaic-prefill.json")
+    path = os.path.join(args.out, result_stem(device, "mosaic-prefill.json", date))
     rows = bench.rows["prefill"]
     for case, groups in cases:
         if bench.over_budget():

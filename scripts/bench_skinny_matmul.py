@@ -36,6 +36,9 @@ import numpy as np
 
 from pallas_kernels import compat
 from pallas_kernels.skinny_matmul import SkinnyBlockSizes, default_block_sizes, skinny_matmul, skinny_matmul_reference
+from bench_attention import time_calls
+from device_trace import kernel_times
+from results import result_stem
 
 HBM_TBPS = 4.8  # H200 datasheet
 
@@ -117,17 +120,8 @@ class Bench:
                 err = jnp.max(jnp.abs(outs[0].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))
                 row["rel_err"] = float(err)
             del outs
-            start = time.perf_counter()
-            jax.block_until_ready(step(xs, ws))
-            once = time.perf_counter() - start
-            calls = int(np.clip(self.plan.target_s / self.plan.reps / max(once, 1e-6), 1, 200))
-            times = []
-            for _ in range(self.plan.reps):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    r = step(xs, ws)
-                jax.block_until_ready(r)
-                times.append((time.perf_counter() - start) / calls / len(xs))
+            times, calls = time_calls(step, (xs, ws), reps=self.plan.reps, target_s=self.plan.target_s,
+                                      max_calls=200, per=len(xs))
             t = float(np.median(times))
             row.update(us=round(t * 1e6, 2), tbps=round(k * n * 2 / t / 1e12, 3), layers=len(xs),
                        calls=calls * self.plan.reps, spread=round((max(times) - min(times)) / t, 3))
@@ -144,18 +138,6 @@ class Bench:
         shown = {key: v for key, v in row.items() if key not in ("m", "k", "n", "impl")}
         print(f"[{time.time() - self.t0:6.1f}s] {section} | M={m} {k}x{n} | {impl} | {shown}", flush=True)
         return row
-
-
-def kernel_times(fn, reps: int) -> dict[str, float]:
-    """us per call of fn spent in each GPU kernel (empty where no GPU trace was written)."""
-    from collections import defaultdict
-
-    from device_trace import gpu_kernel_events
-
-    totals = defaultdict(float)
-    for name, _, duration_ns in gpu_kernel_events(fn, reps):
-        totals[name] += duration_ns / 1e3 / reps
-    return dict(totals)
 
 
 def _ours(bench: Bench, block_sizes):
@@ -241,8 +223,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     print(f"jax {jax.__version__}, {jax.devices()}, interpret={interpret}, smoke={args.smoke}", flush=True)
     date = datetime.date.today().isoformat()
-    stem = (f"{device.lower().replace(' ', '-')}-{date}-{time.strftime('%H%M', time.gmtime())}-skinny-matmul"
-            + ("-smoke" if args.smoke else ""))
+    stem = result_stem(device, "skinny-matmul" + ("-smoke" if args.smoke else ""), date)
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(plan, interpret)
     result = dict(script="scripts/bench_skinny_matmul.py", argv=sys.argv[1:], device=device, date=date,

@@ -31,6 +31,7 @@ import numpy as np
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.kv_write import quantize_int8
+from bench_attention import consecutive_tables
 
 NUM_LAYERS = 4
 
@@ -91,14 +92,8 @@ def timing(rng, batch, hq, hkv, lens, block_size, configs, with_cudnn=True, over
     lens = np.asarray(lens)
     width = -(-int(lens.max()) // block_size)
     num_blocks = int(sum(-(-int(n) // block_size) for n in lens))
-    # Consecutive rBlocks per sequence (the allocator's common case).
-    tables = np.zeros((batch, width), np.int32)
-    at = 0
-    for s, n in enumerate(lens):
-        nb = -(-int(n) // block_size)
-        tables[s, :nb] = np.arange(at, at + nb)
-        at += nb
-    tables = jnp.asarray(tables)
+    # Consecutive rBlocks per sequence (the allocator's common case); len(lens) == batch.
+    tables = jnp.asarray(consecutive_tables([-(-int(n) // block_size) for n in lens], width))
     kv = jnp.asarray(lens, jnp.int32)
     keys = jax.random.split(jax.random.key(0), 2 * NUM_LAYERS)
     shape = (num_blocks, hkv, block_size, d)

@@ -13,7 +13,6 @@ failure. Writes `<device>-<date>-<HHMM>-check-mosaic-prefill.json` under --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -26,6 +25,8 @@ import numpy as np
 
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig, mgpu_supported, ragged_prefill_mgpu
+from pallas_kernels.testing import poisoned_ragged_batch
+from results import result_stem
 
 # |out - ref| per dtype (approximate exp2 on the GPU, p rounded to the input dtype for P @ V).
 _OUT_TOL = {"bfloat16": 4e-2, "float16": 8e-3}
@@ -35,24 +36,9 @@ _SUM_TOL = 5e-3  # row sum, relative
 
 def make_batch(rng, *, q_lens, cached, heads, kv_heads, head_dim, block_size, dtype, padding=7):
     """Kernel inputs over a shuffled pool whose unowned rows (and padding query tokens) are NaN."""
-    q_lens, cached = np.asarray(q_lens), np.asarray(cached)
-    kv_lens = q_lens + cached
-    num_seqs = len(q_lens)
-    width = max(1, int(max(-(-kv_lens // block_size))))
-    num_blocks = num_seqs * width + 5
-    tables = rng.permutation(num_blocks)[: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
-    owned = np.zeros((num_blocks, block_size), bool)
-    for s in range(num_seqs):
-        pos = np.arange(kv_lens[s])
-        owned[tables[s, pos // block_size], pos % block_size] = True
-    shape = (num_blocks, kv_heads, block_size, head_dim)
-    pools = [np.where(owned[:, None, :, None], rng.standard_normal(shape, np.float32), np.nan) for _ in range(2)]
-    num_tokens = int(q_lens.sum()) + padding
-    q = rng.standard_normal((num_tokens, heads, head_dim), np.float32)
-    q[q_lens.sum():] = np.nan
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return (jnp.asarray(q, dtype), jnp.asarray(pools[0], dtype), jnp.asarray(pools[1], dtype), jnp.asarray(tables),
-            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu))
+    return poisoned_ragged_batch(rng, q_lens=q_lens, cached=cached, block_size=block_size, head_dim=head_dim,
+                                 num_kv_heads=kv_heads, num_q_heads=heads, dtype=dtype, padding=padding,
+                                 spare_blocks=5)
 
 
 def cases(rng):
@@ -144,8 +130,7 @@ def main(argv=None) -> int:
     passed = sum(r["ok"] for r in rows)
     print(f"{passed}/{len(rows)} passed", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    stem = f"{device.lower().replace(' ', '-')}-{datetime.date.today().isoformat()}-{time.strftime('%H%M', time.gmtime())}"
-    with open(os.path.join(args.out, stem + "-check-mosaic-prefill.json"), "w") as f:
+    with open(os.path.join(args.out, result_stem(device, "check-mosaic-prefill.json")), "w") as f:
         json.dump(dict(script="scripts/check_ragged_prefill_mgpu_gpu.py", device=device, jax=jax.__version__,
                        seed=seed, rows=rows), f, indent=1)
     return 0 if passed == len(rows) else 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+from collections import defaultdict
 
 import jax
 
@@ -37,3 +38,16 @@ def gpu_kernel_events(fn, reps: int) -> list[tuple[str, int, int]]:
             if line.name.startswith("Stream"):
                 events += [(event.name, event.start_ns, event.duration_ns) for event in line.events]
     return events
+
+
+def per_kernel_us(events: list[tuple[str, int, int]], reps: int) -> dict[str, float]:
+    """gpu_kernel_events of `reps` calls -> us per call spent in each kernel, by name (first seen first)."""
+    totals = defaultdict(float)
+    for name, _, duration_ns in events:
+        totals[name] += duration_ns
+    return {name: total / reps / 1e3 for name, total in totals.items()}
+
+
+def kernel_times(fn, reps: int) -> dict[str, float]:
+    """us per call of fn spent in each GPU kernel (empty where no GPU trace was written)."""
+    return per_kernel_us(gpu_kernel_events(fn, reps), reps)

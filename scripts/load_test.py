@@ -31,6 +31,8 @@ import grpc  # noqa: E402
 
 from serve import jaxllm_pb2 as pb  # noqa: E402
 from serve import jaxllm_pb2_grpc as pb_grpc  # noqa: E402
+from serve.client import grpc_target  # noqa: E402
+from serve.metrics import parse  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -73,17 +75,15 @@ def one_request(stub, request: pb.GenerateRequest, timeout: float | None) -> Res
 
 
 def read_metric(url: str | None, name: str) -> float | None:
+    """The unlabelled sample `name` scraped from url; None without a url or without that sample."""
     if not url:
         return None
     with urllib.request.urlopen(url, timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return None
+        return parse(response.read().decode()).get(name)
 
 
 def run(args: argparse.Namespace) -> dict:
-    target = f"{args.host}:{args.port}"
+    target = grpc_target(args.host, args.port)
     options = [("grpc.max_receive_message_length", 64 << 20)]
     # Several channels: one HTTP/2 connection caps concurrent streams and serialises their frames.
     channels = [grpc.insecure_channel(target, options=options + [("grpc.channel_id", i)])

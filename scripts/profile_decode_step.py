@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from results import result_stem
+
 
 def _median_ms(fn, reps: int) -> float:
     times = []
@@ -52,26 +54,25 @@ def device_kernels(fn, reps: int, top: int = 25) -> dict:
     """Kernel time per step from a profiler trace of `reps` calls of fn (GPU planes only)."""
     from collections import defaultdict
 
-    from device_trace import gpu_kernel_events
+    from device_trace import gpu_kernel_events, per_kernel_us
 
     events = gpu_kernel_events(fn, reps)
     if not events:
         return {"error": "no GPU kernels in the trace"}
-    by_name, by_kind = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    by_kind = defaultdict(lambda: [0.0, 0])
     for name, _, duration_ns in events:
-        by_name[name] += duration_ns
         kind = by_kind[_kernel_kind(name)]
         kind[0] += duration_ns
         kind[1] += 1
     first = min(start for _, start, _ in events)
     last = max(start + duration for _, start, duration in events)
-    heaviest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    heaviest = sorted(per_kernel_us(events, reps).items(), key=lambda kv: -kv[1])[:top]
     return {"kernels_per_step": len(events) / reps,
             "kernel_ms_per_step": sum(t for t, _ in by_kind.values()) / reps / 1e6,
             "span_ms_per_step": (last - first) / reps / 1e6,
             "by_kind": {k: {"us_per_step": t / reps / 1e3, "kernels_per_step": n / reps}
                         for k, (t, n) in by_kind.items()},
-            "top": [{"name": n[:120], "us_per_step": t / reps / 1e3} for n, t in heaviest]}
+            "top": [{"name": n[:120], "us_per_step": us} for n, us in heaviest]}
 
 
 def profile(llm, context: int, reps: int) -> dict:
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
         for k in trace["top"]:
             print(f"  {k['us_per_step']:>9.1f} us  {k['name']}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{device.replace(' ', '-').lower()}-{result['date']}-{time.strftime('%H%M', time.gmtime())}-decode-step-profile.json")
+    path = os.path.join(args.out, result_stem(device, "decode-step-profile.json", result["date"]))
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}", file=sys.stderr)

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from results import result_stem
+
 
 def run_one(llm, context: int, new_tokens: int):
     import jax
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
         print(f"{r['backend']:10} {r['context']:>8} {med if med is None else round(med, 2):>9} "
               f"{p90 if p90 is None else round(p90, 2):>7} {r['prefill_s_incl_compile']:>10.2f} {r['compiles']:>8}")
     os.makedirs(args.out, exist_ok=True)
-    name = f"{result['device'].replace(' ', '-').lower()}-{result['date']}-{time.strftime('%H%M', time.gmtime())}-smoke-generate.json"
+    name = result_stem(result["device"], "smoke-generate.json", result["date"])
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {os.path.join(args.out, name)}", file=sys.stderr)

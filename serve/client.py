@@ -16,6 +16,11 @@ from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
 
 
+def grpc_target(host: str, port: int) -> str:
+    """host:port for a gRPC channel or listener, an IPv6 literal in brackets ([::1]:50051)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     request = pb.GenerateRequest(prompt=args.prompt, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                                  stop=args.stop or [], ignore_eos=args.ignore_eos)
@@ -48,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
-    target = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
-    with grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(grpc_target(args.host, args.port)) as channel:
         stub = pb_grpc.LLMServiceStub(channel)
         try:
             if args.info:

@@ -78,12 +78,6 @@ class Counter(_Metric):
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
 
-    def value(self, **labels) -> float:
-        if self._fn is not None:
-            return float(self._fn())
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
     def render(self) -> list[str]:
         if self._fn is not None:
             return self.header() + [f"{self.name} {_format_value(self._fn())}"]
@@ -125,10 +119,6 @@ class Histogram(_Metric):
             self._counts[bisect.bisect_left(self.buckets, value)] += 1
             self._sum += value
             self._count += 1
-
-    @property
-    def count(self) -> int:
-        return self._count
 
     def render(self) -> list[str]:
         with self._lock:

@@ -2,7 +2,7 @@
 
     server = Server(ServerConfig(port=0))   # binds and starts at once; health says NOT_SERVING
     llm = LLM(...); engine = Engine(llm, max_waiting=...)   # load and warm up meanwhile
-    server.attach(llm, engine)              # health flips to SERVING
+    server.attach(engine, model_name)       # health flips to SERVING
     ...
     server.shutdown()                       # stop accepting, drain within the grace period, stop
 
@@ -19,6 +19,7 @@ import threading
 import time
 
 import grpc
+import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -26,6 +27,7 @@ import jaxllm
 from jaxllm.engine import Engine, EngineStopped, QueueFull
 from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
+from serve.client import grpc_target
 from serve.metrics import Registry, serve_metrics
 from serve.validation import RequestLimits, to_engine_request
 
@@ -105,7 +107,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
 
     def attach(self, engine: Engine, model_name: str) -> None:
         llm = engine.llm
-        self.limits = RequestLimits(context_limit=min(llm.max_context, llm._pool_tokens()),
+        self.limits = RequestLimits(context_limit=llm.context_limit,
                                     vocab_size=llm.config.vocab_size,
                                     default_max_tokens=self.config.default_max_tokens,
                                     max_stop_strings=self.config.max_stop_strings,
@@ -176,8 +178,6 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         return pb.TokenizeResponse(token_ids=engine.llm.tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context):  # noqa: N802
-        import jax  # already loaded by the engine; imported here so this module stays light to import
-
         engine = self._ready_engine(context)
         llm, cfg = engine.llm, engine.llm.config
         kv = llm.runner.kv_cache
@@ -214,7 +214,7 @@ class Server:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._grpc)
-        address = f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"
+        address = grpc_target(config.host, config.port)
         try:
             self.port = self._grpc.add_insecure_port(address)
         except RuntimeError as e:  # grpcio >= 1.60 raises instead of returning 0

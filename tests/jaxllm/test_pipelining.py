@@ -173,6 +173,20 @@ def test_engine_pipelines_and_cancels(llm, continuations):
     _check_idle(llm)
 
 
+def test_engine_rejects_bad_token_ids(llm):
+    from jaxllm.engine import Engine
+
+    engine = Engine(llm)
+    try:
+        for ids, message in (([], "prompt is empty"), ([5, llm.config.vocab_size], "outside the vocabulary"),
+                             ([5, -1], "token id -1"), ([5] * (llm.context_limit + 1), "more than")):
+            with pytest.raises(ValueError, match=message):
+                engine.submit(ids, SamplingParams(max_new_tokens=2))
+        assert engine.stats.requests_total == 0  # nothing was accepted
+    finally:
+        engine.shutdown(grace_s=1.0)
+
+
 # ----- Scheduler.plan_continuation, no device -----
 
 def _scheduler(num_blocks: int, max_seqs: int = 4, block_size: int = 4):

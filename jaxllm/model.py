@@ -59,12 +59,15 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, layer_kv: LayerKV, batch: AttentionBatch, backend: str):
         qkv = jnp.einsum("TD,DNH->TNH", x, self.qkv[...])  # [T, Hq + 2 Hkv, hd]
         q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pool, v_pool, k_scale, v_scale = write_kv(layer_kv.k, layer_kv.v, k, v, batch.slot_mapping,
-                                                    layer_kv.k_scale, layer_kv.v_scale, backend=backend)
-        out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
-                               decode=batch.decode, k_scale=k_scale, v_scale=v_scale, backend=backend)
+        # q and k rotated together, one fusion; the KV writer and the decode kernel read their heads of
+        # qk and qkv in place (slices of them would each be a copy kernel per layer).
+        qk = apply_rope(qkv[:, :k_end], cos, sin)  # [T, Hq + Hkv, hd]
+        k_pool, v_pool, k_scale, v_scale = write_kv(layer_kv.k, layer_kv.v, qk, qkv, batch.slot_mapping,
+                                                    layer_kv.k_scale, layer_kv.v_scale, k_first_head=q_end,
+                                                    v_first_head=k_end, backend=backend)
+        out = ragged_attention(qk, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
+                               decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=q_end,
+                               backend=backend)
         out = jnp.einsum("TNH,NHD->TD", out.astype(x.dtype), self.o[...])
         return out, LayerKV(k_pool, v_pool, k_scale, v_scale)
 

@@ -87,11 +87,34 @@ def reset_mgpu_interpret_state() -> None:
         reset()
 
 
-def triton_masked_load(ref, mask, other):
-    """Load a Triton-lowered Pallas ref where `mask` holds, `other` elsewhere (nothing read there)."""
+def triton_masked_load(ref, mask, other, *, coherent: bool = False):
+    """Load a Triton-lowered Pallas ref where `mask` holds, `other` elsewhere (nothing read there).
+
+    coherent: read past the SM's L1 (a volatile load), for data other programs of the running kernel
+    wrote; an L1 line filled earlier could be stale. (cache_modifier=".cg" would do, but 0.11.2's
+    lowering cannot look that name up.)
+    """
     from jax.experimental.pallas import triton as pl_triton
 
-    return pl_triton.load(ref, mask=mask, other=other)
+    return pl_triton.load(ref, mask=mask, other=other, volatile=coherent)
+
+
+def triton_atomic_add(ref, idx, value):
+    """Atomic add (acquire-release, GPU scope) into ref[idx] of a Triton-lowered Pallas kernel; returns the old value."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.atomic_add(ref, idx, jnp.asarray(value, ref.dtype))
+
+
+def triton_barrier(interpret: bool) -> None:
+    """Block-wide barrier (bar.sync) in a Triton-lowered Pallas kernel; nothing in interpret mode, which
+    runs one program at a time (and has no lowering for it)."""
+    if interpret:
+        return
+    from jax.experimental.pallas import triton as pl_triton
+
+    pl_triton.debug_barrier()
 
 
 @functools.cache

@@ -70,20 +70,26 @@ def ragged_attention(
     decode: bool,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    num_q_heads: int | None = None,
     backend: Backend | None = "auto",
 ) -> jax.Array:
     """Causal attention of packed query tokens [T, Hq, D] to their sequences' KV in the pool.
 
     `decode` (static) promises one query token per sequence (T == num_seqs,
     cu_q_lens == arange), which lets the decode kernel split long KV across programs.
-    Semantics are ragged_prefill_reference's.
+    num_q_heads: attend with only the first num_q_heads heads of q (the model passes its fused
+    q|k projection after RoPE; the decode kernel reads them in place, the others get a slice).
+    Returns [T, num_q_heads, D]. Semantics are ragged_prefill_reference's.
     """
     backend = resolve_backend(backend, q.shape[-1])
-    if backend in ("triton", "mosaic"):
-        if decode:
-            from pallas_kernels.ragged_decode import ragged_decode
+    if backend in ("triton", "mosaic") and decode:
+        from pallas_kernels.ragged_decode import ragged_decode
 
-            return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale)
+        return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
+                             num_q_heads=num_q_heads)
+    if num_q_heads is not None:
+        q = q[:, :num_q_heads]
+    if backend in ("triton", "mosaic"):
         if prefill_kernel(q, k_pool, backend) == "mosaic":
             from pallas_kernels.ragged_prefill_mgpu import ragged_prefill_mgpu
 
@@ -95,17 +101,23 @@ def ragged_attention(
                                     k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=None, *,
-             backend: Backend | None = "auto"):
+def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=None, *, k_first_head: int = 0,
+             v_first_head: int = 0, backend: Backend | None = "auto"):
     """Append new tokens' K/V to the pool: `kv_write.write_kv`'s meaning and results.
 
-    Float pools on the Triton backend take the one-kernel writer; int8 pools and the reference
-    backend take XLA scatters.
+    k_new / v_new may hold more heads than the pool (the model's fused projection): heads
+    k_first_head .. + kv_heads and v_first_head .. are written. Float pools on the Triton backend take
+    the one-kernel writer (reading those heads in place); int8 pools and the reference backend take
+    XLA scatters.
     """
     from pallas_kernels import kv_write
 
     backend = resolve_backend(backend, k_pool.shape[-1])
     if backend in ("triton", "mosaic") and k_pool.dtype != jnp.int8:
-        k_pool, v_pool = kv_write.write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping)
+        k_pool, v_pool = kv_write.write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping,
+                                                  k_first_head=k_first_head, v_first_head=v_first_head)
         return k_pool, v_pool, None, None
+    num_kv_heads = k_pool.shape[1]
+    k_new = k_new[:, k_first_head:k_first_head + num_kv_heads]
+    v_new = v_new[:, v_first_head:v_first_head + num_kv_heads]
     return kv_write.write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale, v_scale)

@@ -80,7 +80,7 @@ def write_kv(
 
 
 def _write_kernel(slots_ref, k_new_ref, v_new_ref, k_pool_in_ref, v_pool_in_ref, k_pool_ref, v_pool_ref, *,
-                  block_size: int):
+                  block_size: int, k_first_head: int, v_first_head: int):
     del k_pool_in_ref, v_pool_in_ref  # the same buffers as k_pool_ref / v_pool_ref (aliased)
     token, head = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[token]
@@ -88,16 +88,18 @@ def _write_kernel(slots_ref, k_new_ref, v_new_ref, k_pool_in_ref, v_pool_in_ref,
     @pl.when(slot >= 0)
     def _():
         block, row = slot // block_size, slot % block_size
-        k_pool_ref[block, head, row, :] = k_new_ref[token, head, :].astype(k_pool_ref.dtype)
-        v_pool_ref[block, head, row, :] = v_new_ref[token, head, :].astype(v_pool_ref.dtype)
+        k_pool_ref[block, head, row, :] = k_new_ref[token, k_first_head + head, :].astype(k_pool_ref.dtype)
+        v_pool_ref[block, head, row, :] = v_new_ref[token, v_first_head + head, :].astype(v_pool_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, *, interpret: bool):
-    num_tokens, num_kv_heads, _ = k_new.shape
+@functools.partial(jax.jit, static_argnames=("k_first_head", "v_first_head", "interpret"))
+def _write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, *, k_first_head: int, v_first_head: int,
+                     interpret: bool):
+    num_tokens, num_kv_heads = k_new.shape[0], k_pool.shape[1]
     whole = pl.no_block_spec
     return pl.pallas_call(
-        functools.partial(_write_kernel, block_size=k_pool.shape[2]),
+        functools.partial(_write_kernel, block_size=k_pool.shape[2], k_first_head=k_first_head,
+                          v_first_head=v_first_head),
         grid=(num_tokens, num_kv_heads),
         in_specs=[whole] * 5,
         out_specs=[whole, whole],
@@ -116,18 +118,30 @@ def write_kv_kernel(
     v_new: jax.Array,
     slot_mapping: jax.Array,
     *,
+    k_first_head: int = 0,
+    v_first_head: int = 0,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`write_kv` for float pools as one Pallas kernel (grid: new tokens x KV heads), in place.
 
     Same arguments and meaning as write_kv (negative slots are skipped); slots must be distinct and
-    inside the pool (the allocator guarantees both). In place under a jit that donates the pools
-    (the model step); called eagerly it returns updated copies. Returns (k_pool, v_pool).
+    inside the pool (the allocator guarantees both). k_new / v_new may hold more heads than the pool,
+    as the model's fused projection does: heads k_first_head .. + kv_heads of k_new (and v_first_head
+    .. of v_new) are written, read in place (slicing them out would cost a copy kernel per layer).
+    In place under a jit that donates the pools (the model step); called eagerly it returns updated
+    copies. Returns (k_pool, v_pool).
     """
     if k_pool.dtype == jnp.int8:
         raise ValueError("write_kv_kernel writes float pools; int8 pools (with scales) go through write_kv")
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"v_pool {v_pool.shape} {v_pool.dtype} != k_pool {k_pool.shape} {k_pool.dtype}")
-    _check_new_kv(k_pool, k_new, v_new, slot_mapping)
+    num_kv_heads = k_pool.shape[1]
+    for name, new, first in (("k", k_new, k_first_head), ("v", v_new, v_first_head)):
+        if new.ndim != 3 or not 0 <= first <= new.shape[1] - num_kv_heads:
+            raise ValueError(f"{name}_first_head {first} + {num_kv_heads} KV heads do not fit {name}_new "
+                             f"{new.shape} ([tokens, heads, head_dim])")
+    heads_used = lambda new: jax.ShapeDtypeStruct((new.shape[0], num_kv_heads, new.shape[2]), new.dtype)
+    _check_new_kv(k_pool, heads_used(k_new), heads_used(v_new), slot_mapping)
     interpret = compat.default_interpret(interpret)
-    return tuple(_write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, interpret=interpret))
+    return tuple(_write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, k_first_head=k_first_head,
+                                  v_first_head=v_first_head, interpret=interpret))

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
-from pallas_kernels.residuals import merge_partial_runs, parts_per_merge_load
+from pallas_kernels.residuals import merge_run, parts_per_merge_load
 # check_ragged_decode_args is re-exported: callers import it from here.
 from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch, check_ragged_decode_args, is_pow2
 
@@ -37,14 +37,18 @@ class DecodeBlockSizes:
     """Schedule of the decode kernel.
 
     block_k: KV tokens per kernel iteration (clipped to the rBlock size's largest power-of-two factor).
-    tokens_per_split: KV tokens per work item (a power of two, fixed); None (the default) picks it on the
-      device from the real lengths of each call: the smallest power of two (>= min_tokens_per_split)
-      that cuts the batch's real KV into at most about `target_programs` programs (work items x KV
-      heads). The grid is then bounded by target_programs / kv_heads + num_seqs items whatever the
-      table width, a lone 32K sequence still gets ~target_programs programs (a split fixed by the
-      table's capacity gave it 2 per head when the table was sized for 128K), and a ragged batch is
-      cut into equal chunks. On an H200 a ragged batch of 16 (1K..256K) read 4.05 TB/s with ~1000
-      programs and 2.90 with ~256 (benchmarks/results/nvidia-h200-2026-11-22-attention*.json).
+    tokens_per_split: about how many KV tokens a work item takes (a power of two, fixed); None (the
+      default) picks it on the device from the real lengths of each call: total real KV x KV heads /
+      target_programs (>= min_tokens_per_split). Sequence s gets ceil(len_s / split) items (at least 1)
+      and its tiles are dealt out evenly among them (sizes differ by at most one tile). The grid is
+      then bounded by target_programs / kv_heads + num_seqs items whatever the table width, a lone
+      32K sequence still gets ~target_programs programs (a split fixed by the table's capacity gave it
+      2 per head when the table was sized for 128K), and a ragged batch is cut into equal chunks. On
+      an H200 a ragged batch of 16 (1K..256K) read 4.05 TB/s with ~1000 programs and 2.90 with ~256
+      (benchmarks/results/nvidia-h200-2026-11-22-attention*.json).
+    target_programs: about how many programs (work items x KV heads) a call aims for. On an H200
+      (tmp sweep, 2026-11-22, 32K / 128K / batch 8 x 32K MHA) 1024 was best: 768 +12%, 896 +2%,
+      1152 +12%, 1280 +8%, 1536 +2% at 32K.
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
 
     Defaults from an H200 sweep (scripts/check_ragged_decode_gpu.py --sweep, 2026-11-22): block_k 64
@@ -80,7 +84,7 @@ class DecodeBlockSizes:
         """Static bound on work items: every chunk of every sequence fits."""
         if self.tokens_per_split is not None:
             return num_seqs * pl.cdiv(capacity, self.tokens_per_split)
-        # sum_i ceil(len_i / split) <= total / split + num_seqs, and split >= total * heads / target.
+        # sum_i max(ceil(len_i / split), 1) <= total / split + num_seqs, and split >= total * heads / target.
         return min(num_seqs * pl.cdiv(capacity, self._min_split(block_size)),
                    pl.cdiv(self.target_programs, num_kv_heads) + num_seqs)
 
@@ -88,15 +92,14 @@ class DecodeBlockSizes:
         return max(self.tile(block_size), self.min_tokens_per_split)
 
     def split(self, block_size: int, kv_lens: jax.Array, num_kv_heads: int) -> jax.Array:
-        """Tokens per work item (int32 scalar, a multiple of the tile)."""
+        """Most tokens per work item before a sequence takes one more (int32 scalar, >= one tile)."""
         if self.tokens_per_split is not None:
             return jnp.int32(self.tokens_per_split)
-        tile = self.tile(block_size)
         total = jnp.sum(kv_lens.astype(jnp.int32))
-        # Not rounded to a power of two: just past one (128K + a few tokens) that would halve the programs.
+        # Not rounded to a power of two (just past one, 128K + a few tokens, that would halve the
+        # programs) nor to the tile (32K x 32 heads / 1056 is 993: rounded to 1024 it gives 1024 programs).
         want = pl.cdiv(total * num_kv_heads, self.target_programs)
-        split = pl.cdiv(want, tile) * tile
-        return jnp.maximum(split, self._min_split(block_size)).astype(jnp.int32)
+        return jnp.maximum(want, self._min_split(block_size)).astype(jnp.int32)
 
 
 # int8 KV at 128K on an H200 (scripts/check_ragged_decode_gpu.py --int8-sweep,
@@ -111,59 +114,112 @@ def default_block_sizes(kv_dtype) -> DecodeBlockSizes:
     return INT8_BLOCK_SIZES if jnp.dtype(kv_dtype) == jnp.int8 else DecodeBlockSizes()
 
 
+def _work_item(kv_lens_ref, item, *, num_seqs: int, seqs_pow2: int, block_sizes: DecodeBlockSizes, block_size: int,
+               num_kv_heads: int):
+    """Which KV tokens work item `item` covers, computed by the program itself from kv_lens.
+
+    Every program recomputes the whole (tiny) work list: the split from the total length, each
+    sequence's item count (at least 1, so an empty sequence still gets a program that writes its
+    zeros), their prefix sum, its own sequence, and its share of that sequence's tiles (dealt out
+    evenly, so a sequence's items differ by at most one tile). Nothing runs outside the kernel: a work
+    list built by XLA cost ~4 small kernels per call.
+
+    Returns (seq, start, count, first item of seq, items of seq); seq >= num_seqs past the last item.
+    """
+    tile = block_sizes.tile(block_size)
+    seq_ids = jnp.arange(seqs_pow2, dtype=jnp.int32)
+    in_batch = seq_ids < num_seqs
+    lens = compat.triton_masked_load(kv_lens_ref.at[pl.ds(0, seqs_pow2)], in_batch, 0)
+    split = block_sizes.split(block_size, lens, num_kv_heads)
+    chunks = jnp.where(in_batch, jnp.maximum((lens + split - 1) // split, 1), 0)
+    ends = jnp.cumsum(chunks)
+    # The sequence whose items span this one: the number of sequences ending at or before it.
+    seq = jnp.sum((ends <= item).astype(jnp.int32))
+    pick = lambda values: jnp.sum(jnp.where(seq_ids == seq, values, 0))
+    seq_items = pick(chunks)
+    first_item = pick(ends) - seq_items
+    length = pick(lens)
+    tiles = (length + tile - 1) // tile
+    i, n = item - first_item, jnp.maximum(seq_items, 1)  # n is 0 only past the batch, where nothing runs
+    start = (i * tiles // n) * tile
+    count = jnp.minimum(((i + 1) * tiles // n) * tile, length) - start
+    return seq, start, count, first_item, seq_items
+
+
 def _decode_kernel(
-    work_seq_ref,  # [num_items] int32
-    work_start_ref,  # [num_items] int32
-    work_count_ref,  # [num_items] int32, 0 for padding items
+    kv_lens_ref,  # [num_seqs] int32
     block_tables_ref,  # [num_seqs, max_blocks]
-    q_ref,  # [num_seqs, num_kv_heads, group_rows, head_dim]
+    q_ref,  # [num_seqs * q_heads_held, head_dim] (the first num_q_heads of each sequence's heads are used)
     k_ref,  # [num_blocks, num_kv_heads, block_size, head_dim]
     v_ref,  # [num_blocks, num_kv_heads, block_size, head_dim]
-    *refs,  # (k_scale_ref, v_scale_ref [num_blocks, num_kv_heads, block_size])?, o_ref [group_rows, head_dim],
-    #         m_ref [group_rows], l_ref [group_rows]
+    *refs,  # (k_scale_ref, v_scale_ref [num_blocks, num_kv_heads, block_size])?, counters_in_ref (aliased),
+    #         parts_o_ref [items, Hkv, group_rows, D], parts_m_ref, parts_l_ref [items, Hkv, group_rows],
+    #         out_ref [num_seqs * num_q_heads, head_dim], out_m_ref, out_l_ref [num_seqs * num_q_heads],
+    #         counters_ref [num_seqs, num_kv_heads] int32
     sm_scale: float,
     tile: int,
     block_size: int,
     quantized: bool,
     compute_dtype,
     group: int,
+    group_rows: int,
+    merged_rows: int,
+    num_seqs: int,
+    seqs_pow2: int,
+    q_heads_held: int,
+    block_sizes: DecodeBlockSizes,
+    interpret: bool,
 ):
     if quantized:
-        k_scale_ref, v_scale_ref, o_ref, m_ref, l_ref = refs
+        k_scale_ref, v_scale_ref, _, parts_o_ref, parts_m_ref, parts_l_ref, out_ref, out_m_ref, out_l_ref, counters_ref = refs
     else:
-        o_ref, m_ref, l_ref = refs
+        _, parts_o_ref, parts_m_ref, parts_l_ref, out_ref, out_m_ref, out_l_ref, counters_ref = refs
     item, head = pl.program_id(0), pl.program_id(1)
-    count = work_count_ref[item]
-    group_rows, head_dim = o_ref.shape
+    num_kv_heads = k_ref.shape[1]
+    head_dim = q_ref.shape[-1]
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    seq, start, count, first_item, seq_items = _work_item(
+        kv_lens_ref, item, num_seqs=num_seqs, seqs_pow2=seqs_pow2, block_sizes=block_sizes, block_size=block_size,
+        num_kv_heads=num_kv_heads)
+    rows = jnp.arange(group_rows, dtype=jnp.int32)
+    real = rows < group
+    # This group's query rows of q: tl.dot needs >= 16 rows, the rest are masked (never read).
+    first_q_row = seq * q_heads_held + head * group
+    first_row = (seq * num_kv_heads + head) * group  # of the outputs [S * Hq, ...]
 
-    @pl.when(count > 0)
+    def write_final(out, m, l, n_rows):  # out normalised [n_rows, D]; rows >= group are not this group's
+        out_rows = pl.ds(first_row, n_rows)
+        keep = jnp.arange(n_rows, dtype=jnp.int32) < group
+        compat.triton_masked_store(out_ref.at[out_rows, :], out.astype(out_ref.dtype), keep[:, None])
+        compat.triton_masked_store(out_m_ref.at[out_rows], m, keep)
+        compat.triton_masked_store(out_l_ref.at[out_rows], l, keep)
+
+    @pl.when(seq < num_seqs)
     def _():
-        seq = work_seq_ref[item]
-        start = work_start_ref[item]
-        q = q_ref[seq, head]  # [group_rows, head_dim]
+        q = compat.triton_masked_load(q_ref.at[pl.ds(first_q_row, group_rows), :], real[:, None], 0)
+        q = q.astype(compute_dtype)  # [group_rows, head_dim]
         offsets = jnp.arange(tile, dtype=jnp.int32)
 
         def body(j, carry):
             o, m, l = carry
             pos = start + j * tile
             block = block_tables_ref[seq, pos // block_size]
-            rows = pl.ds(pos % block_size, tile)
+            kv_rows = pl.ds(pos % block_size, tile)
             valid = j * tile + offsets < count  # [tile]
-            k = k_ref[block, head, rows, :].astype(compute_dtype)  # [tile, head_dim]
+            k = k_ref[block, head, kv_rows, :].astype(compute_dtype)  # [tile, head_dim]
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32)  # [group_rows, tile]
             if quantized:
-                s = s * k_scale_ref[block, head, rows][None, :]
+                s = s * k_scale_ref[block, head, kv_rows][None, :]
             s = jnp.where(valid[None, :], s * sm_scale, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             correction = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[:, None])  # [group_rows, tile]
             l = correction * l + jnp.sum(p, axis=1)
             # Rows past the end may hold anything (NaN included): 0 * NaN must not reach the sum.
-            v = jnp.where(valid[:, None], v_ref[block, head, rows, :], 0).astype(compute_dtype)  # [tile, head_dim]
+            v = jnp.where(valid[:, None], v_ref[block, head, kv_rows, :], 0).astype(compute_dtype)  # [tile, head_dim]
             if quantized:
-                p = p * jnp.where(valid, v_scale_ref[block, head, rows], 0.0)[None, :]
+                p = p * jnp.where(valid, v_scale_ref[block, head, kv_rows], 0.0)[None, :]
             pv = jax.lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)  # [group_rows, head_dim]
             return correction[:, None] * o + pv, m_new, l
@@ -172,88 +228,81 @@ def _decode_kernel(
                 jnp.full((group_rows,), -jnp.inf, jnp.float32),
                 jnp.zeros((group_rows,), jnp.float32))
         o, m, l = jax.lax.fori_loop(0, pl.cdiv(count, tile), body, init)
-        # Only the group's real rows: the padding rows of tl.dot would be 16x the bytes for MHA.
-        real = jnp.arange(group_rows, dtype=jnp.int32) < group
-        compat.triton_masked_store(o_ref, o / l[:, None], real[:, None])
-        compat.triton_masked_store(m_ref, m, real)
-        compat.triton_masked_store(l_ref, l, real)
+
+        @pl.when(seq_items == 1)
+        def _():  # the whole sequence in one program (or none of it: kv_len 0 gives out 0, max -inf, sum 0)
+            write_final(o / jnp.where(l > 0, l, 1.0)[:, None], m, l, group_rows)
+
+        @pl.when(seq_items > 1)
+        def _():
+            # Only the group's real rows: the padding rows of tl.dot would be 16x the bytes for MHA.
+            compat.triton_masked_store(parts_o_ref.at[item, head], o / l[:, None], real[:, None])
+            compat.triton_masked_store(parts_m_ref.at[item, head], m, real)
+            compat.triton_masked_store(parts_l_ref.at[item, head], l, real)
+            # Every thread's stores before the release; the program that arrives last for this
+            # (sequence, head) sees all of them after its acquire, merges, and re-arms the counter.
+            compat.triton_barrier(interpret)
+            arrived = compat.triton_atomic_add(counters_ref, (seq, head), 1)
+
+            @pl.when(arrived == seq_items - 1)
+            def _():
+                out, row_max, row_sum = merge_run(parts_o_ref, parts_m_ref, parts_l_ref, first_item, seq_items, head,
+                                                  rows=merged_rows, real_rows=group,
+                                                  chunk=parts_per_merge_load(merged_rows), coherent=True)
+                write_final(out, row_max, row_sum, merged_rows)
+                counters_ref[seq, head] = jnp.int32(0)
 
 
-def _work_list(kv_lens: jax.Array, num_items: int, split: jax.Array):
-    """Chunks of `split` tokens over each sequence's real KV, in sequence order, padded to num_items.
-
-    Returns (sequence [N], first token [N], token count [N] (0 past the real items), first item of
-    each sequence [S], items of each sequence [S]).
-    """
-    num_seqs = kv_lens.shape[0]
-    chunks = (kv_lens + split - 1) // split  # [S]
-    ends = jnp.cumsum(chunks)
-    j = jnp.arange(num_items, dtype=jnp.int32)
-    # Item j belongs to the sequence whose chunks span it: the number of sequences ending at or
-    # before j. A scatter and a prefix sum (searchsorted would be a loop on the device).
-    seq = jnp.cumsum(jnp.zeros(num_items, jnp.int32).at[ends].add(1, mode="drop"))
-    seq = jnp.minimum(seq, num_seqs - 1).astype(jnp.int32)
-    real = j < ends[-1]
-    start = (j - (ends[seq] - chunks[seq])) * split
-    count = jnp.where(real, jnp.minimum(split, kv_lens[seq] - start), 0).astype(jnp.int32)
-    start = jnp.where(real, start, 0).astype(jnp.int32)
-    return seq, start, count, (ends - chunks).astype(jnp.int32), chunks.astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "return_residuals", "block_sizes", "interpret"))
-def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *, sm_scale, return_residuals,
-                   block_sizes, interpret):
-    num_seqs, num_q_heads, head_dim = q.shape
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "sm_scale", "return_residuals", "block_sizes",
+                                             "interpret"))
+def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *, num_q_heads, sm_scale,
+                   return_residuals, block_sizes, interpret):
+    num_seqs, q_heads_held, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     group_rows = max(MIN_DOT_ROWS, 1 << (group - 1).bit_length())
+    merged_rows = 1 << (group - 1).bit_length()  # Triton loads power-of-two shapes
     quantized = k_pool.dtype == jnp.int8
     compute_dtype = q.dtype if quantized else jnp.promote_types(q.dtype, k_pool.dtype)
     tile = block_sizes.tile(block_size)
     num_items = block_sizes.num_items(block_size, num_seqs, block_tables.shape[1] * block_size, num_kv_heads)
-    split = block_sizes.split(block_size, kv_lens, num_kv_heads)
-
-    kv_lens = kv_lens.astype(jnp.int32)
-    seq, start, count, first_item, seq_items = _work_list(kv_lens, num_items, split)
-    q_groups = q.astype(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-    q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_rows - group), (0, 0)))  # [S, Hkv, rows, D]
 
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, tile=tile, block_size=block_size,
-                               quantized=quantized, compute_dtype=compute_dtype, group=group)
+                               quantized=quantized, compute_dtype=compute_dtype, group=group, group_rows=group_rows,
+                               merged_rows=merged_rows, num_seqs=num_seqs,
+                               seqs_pow2=1 << (num_seqs - 1).bit_length(), q_heads_held=q_heads_held,
+                               block_sizes=block_sizes,
+                               interpret=interpret)
     scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
-    merged_rows = 1 << (group - 1).bit_length()  # Triton loads power-of-two shapes
-    # Room past the last item for the merge's whole-chunk loads (never written, never used).
-    num_parts = num_items + parts_per_merge_load(merged_rows)
-    whole = pl.no_block_spec  # pools and tables are indexed inside the kernel, never sliced by a BlockSpec
-    o, m, l = pl.pallas_call(
+    # Arrivals per (sequence, kv head): zero on entry, and the kernel leaves them zero.
+    counters = jnp.zeros((num_seqs, num_kv_heads), jnp.int32)
+    rows = num_seqs * num_q_heads
+    whole = pl.no_block_spec  # everything is indexed inside the kernel, never sliced by a BlockSpec
+    _, _, _, out, row_max, row_sum, _ = pl.pallas_call(
         kernel,
         grid=(num_items, num_kv_heads),
-        in_specs=[whole] * (7 + len(scales)),
-        out_specs=[
-            pl.BlockSpec((None, None, group_rows, head_dim), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, group_rows), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((None, None, group_rows), lambda i, h: (i, h, 0)),
-        ],
+        in_specs=[whole] * (6 + len(scales)),
+        out_specs=[whole] * 7,
         out_shape=[
-            jax.ShapeDtypeStruct((num_parts, num_kv_heads, group_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_parts, num_kv_heads, group_rows), jnp.float32),
-            jax.ShapeDtypeStruct((num_parts, num_kv_heads, group_rows), jnp.float32),
+            # Split sequences' partials (only the group's real rows are written).
+            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32),
+            jax.ShapeDtypeStruct((rows, head_dim), q.dtype),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads), jnp.int32),
         ],
+        input_output_aliases={5 + len(scales): 6},
         compiler_params=compat.triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="ragged_decode",
-    )(seq, start, count, block_tables.astype(jnp.int32), q_groups, k_pool, v_pool, *scales)
+    )(kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q.reshape(num_seqs * q_heads_held, head_dim), k_pool,
+      v_pool, *scales, counters)
 
-    # Padding items and padding rows were never written; the merge reads neither.
-    out, row_max, row_sum = merge_partial_runs(o, m, l, first_item, seq_items, rows=merged_rows, out_dtype=q.dtype,
-                                               interpret=interpret)
-    if merged_rows != group:
-        out, row_max, row_sum = out[:, :, :group], row_max[:, :, :group], row_sum[:, :, :group]
     out = out.reshape(num_seqs, num_q_heads, head_dim)
-    row_max = row_max.reshape(num_seqs, num_q_heads)
-    row_sum = row_sum.reshape(num_seqs, num_q_heads)
     if return_residuals:
-        return out, (row_max, row_sum)
+        return out, (row_max.reshape(num_seqs, num_q_heads), row_sum.reshape(num_seqs, num_q_heads))
     return out
 
 
@@ -269,6 +318,7 @@ def ragged_decode(
     sm_scale: float | None = None,
     return_residuals: bool = False,
     block_sizes: DecodeBlockSizes | None = None,
+    num_q_heads: int | None = None,
     interpret: bool | None = None,
 ):
     """Decode attention of one query token per sequence over its KV in the rBlock pool.
@@ -283,18 +333,28 @@ def ragged_decode(
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       return_residuals: also return the row max and row sum of exponentials.
       block_sizes: kernel schedule (default: default_block_sizes(k_pool.dtype)).
+      num_q_heads: use only the first num_q_heads heads of q (default all): q may be the model's fused
+        q|k projection after RoPE, read in place.
       interpret: run the kernel in the Pallas interpreter; None means on unless on a GPU.
 
     Returns:
       out [num_seqs, num_q_heads, head_dim] in q.dtype, and with residuals
       `(out, (row_max, row_sum))`, each [num_seqs, num_q_heads] float32 (-inf and 0 where kv_len is 0).
     """
-    check_ragged_decode_args(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale)
+    heads_held = q.shape[1] if q.ndim == 3 else None
+    if num_q_heads is None:
+        num_q_heads = heads_held
+    elif heads_held is None or not 1 <= num_q_heads <= heads_held:
+        raise ValueError(f"num_q_heads {num_q_heads} must be in [1, heads of q]; q is {q.shape}")
+    # The checks see only the heads used (an eager slice would copy q).
+    used = q if heads_held is None else jax.ShapeDtypeStruct((q.shape[0], num_q_heads, q.shape[2]), q.dtype)
+    check_ragged_decode_args(used, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale)
     interpret = compat.default_interpret(interpret)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     block_sizes = block_sizes or default_block_sizes(k_pool.dtype)
-    return _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, sm_scale=float(sm_scale),
+    return _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, num_q_heads=num_q_heads,
+                          sm_scale=float(sm_scale),
                           return_residuals=return_residuals, block_sizes=block_sizes, interpret=interpret)
 
 

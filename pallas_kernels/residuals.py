@@ -7,8 +7,8 @@ into parts `i`, with `M = max_i row_max_i` and `w_i = row_sum_i * exp(row_max_i 
     out = sum_i w_i * out_i / sum_i w_i,   row_max = M,   row_sum = sum_i w_i.
 
 DistAttention (parts on other devices) merges with `merge_partials`; the decode kernel's split-K
-merges with `merge_partial_runs`, the same formula as one Pallas kernel over runs of consecutive
-parts (one XLA scatter per statistic would cost several small kernels per layer). An empty part (no
+merges inside the kernel with `merge_run` (the last program of a sequence to finish merges its
+consecutive parts), the same formula. An empty part (no
 keys: row_max -inf, row_sum 0, out anything, even NaN) has weight 0.
 """
 
@@ -82,82 +82,51 @@ def merge_partials(
     return out, total_max, total_sum
 
 
-# Parts a merge program loads at once: one dependent load per part would leave a long run
-# (a 32K sequence split 32 ways) waiting on memory latency 32 times over.
+# Parts merge_run loads at once: one dependent load per part would leave a long run (a 32K
+# sequence split 32 ways) waiting on memory latency 32 times over.
 MERGE_VALUES_PER_LOAD = 32
 
 
 def parts_per_merge_load(rows: int) -> int:
-    """How many consecutive parts merge_partial_runs loads at once for `rows` rows (a power of two)."""
+    """How many consecutive parts merge_run loads at once for `rows` rows (a power of two)."""
     return max(1, MERGE_VALUES_PER_LOAD // rows)
 
 
-def _merge_runs_kernel(first_ref, num_ref, outs_ref, max_ref, sum_ref, out_ref, out_max_ref, out_sum_ref, *,
-                       rows: int, chunk: int):
-    run, head = pl.program_id(0), pl.program_id(1)
-    first, num = first_ref[run], num_ref[run]
-    head_dim = out_ref.shape[-1]
+def merge_run(outs_ref, max_ref, sum_ref, first, num, head, *, rows: int, real_rows: int, chunk: int,
+              coherent: bool = False):
+    """Inside a Triton-lowered kernel: merge parts first .. first + num - 1 of `head` (refs [P, H, R(, D)]).
+
+    Rows >= real_rows and parts outside the run are never read (masked loads), so they may hold anything
+    and the run may end at the arrays' end. coherent=True reads past L1, for parts other programs of the
+    running kernel wrote (the decode kernel's last program of a sequence merges them).
+
+    Returns (out [rows, D] float32 normalised, row_max [rows], row_sum [rows]); out 0, max -inf, sum 0 where
+    no part has a key.
+    """
+    head_dim = outs_ref.shape[-1]
     offsets = jnp.arange(chunk, dtype=jnp.int32)
+    row_ok = jnp.arange(rows, dtype=jnp.int32) < real_rows
 
     def body(c, carry):
         acc, total_max, total_sum = carry
         parts = pl.ds(first + c * chunk, chunk)
-        in_run = (c * chunk + offsets < num)[:, None]  # [chunk, 1]: later parts belong to other runs
-        part_sum = sum_ref[parts, head, pl.ds(0, rows)]  # [chunk, rows]
-        live = in_run & (part_sum > 0)
-        part_max = jnp.where(live, max_ref[parts, head, pl.ds(0, rows)], -jnp.inf)
+        # Later parts belong to other runs (or lie past the arrays' end).
+        mask = (c * chunk + offsets < num)[:, None] & row_ok[None, :]  # [chunk, rows]
+        part_sum = compat.triton_masked_load(sum_ref.at[parts, head, pl.ds(0, rows)], mask, 0.0,
+                                             coherent=coherent)
+        live = mask & (part_sum > 0)
+        part_max = compat.triton_masked_load(max_ref.at[parts, head, pl.ds(0, rows)], live, -jnp.inf,
+                                             coherent=coherent)
         new_max = jnp.maximum(total_max, jnp.max(part_max, axis=0))
         safe_max = jnp.where(new_max > -jnp.inf, new_max, 0.0)
         rescale = jnp.exp(total_max - safe_max)  # 0 while total_max is still -inf
         weight = jnp.where(live, part_sum * jnp.exp(jnp.where(live, part_max, 0.0) - safe_max[None, :]), 0.0)
-        part_out = jnp.where(live[:, :, None], outs_ref[parts, head, pl.ds(0, rows), :], 0.0)  # [chunk, rows, D]
+        part_out = compat.triton_masked_load(outs_ref.at[parts, head, pl.ds(0, rows), :], live[:, :, None], 0.0,
+                                             coherent=coherent)  # [chunk, rows, D]
         acc = acc * rescale[:, None] + jnp.sum(part_out * weight[:, :, None], axis=0)
         return acc, new_max, total_sum * rescale + jnp.sum(weight, axis=0)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, total_max, total_sum = jax.lax.fori_loop(0, pl.cdiv(num, chunk), body, init)
-    out_ref[...] = (acc / jnp.where(total_sum > 0, total_sum, 1.0)[:, None]).astype(out_ref.dtype)
-    out_max_ref[...] = total_max
-    out_sum_ref[...] = total_sum
-
-
-@functools.partial(jax.jit, static_argnames=("rows", "out_dtype", "interpret"))
-def merge_partial_runs(outs: jax.Array, row_max: jax.Array, row_sum: jax.Array, first: jax.Array, num: jax.Array,
-                       *, rows: int, out_dtype, interpret: bool):
-    """`merge_partials` over runs of consecutive parts, as one Pallas kernel (the decode kernel's split-K).
-
-    Args:
-      outs: [P, H, R, D] float32 normalised partial outputs; row_max, row_sum: [P, H, R].
-      first, num: [S] int32: run s merges parts first[s] .. first[s] + num[s] - 1 (num 0: empty).
-        Parts are read `parts_per_merge_load(rows)` at a time, so P must leave that many parts of
-        room past the last run's end (their contents are ignored: unwritten memory is fine).
-      rows: static, how many of the R rows to merge (a power of two <= R; the rest are padding).
-      out_dtype: dtype of the merged output.
-
-    Returns:
-      (out [S, H, rows, D] out_dtype, row_max [S, H, rows], row_sum [S, H, rows]), float32 statistics,
-      with merge_partials' values (out 0, max -inf, sum 0 for an empty run).
-    """
-    num_parts, num_heads, padded_rows, head_dim = outs.shape
-    if row_max.shape != (num_parts, num_heads, padded_rows) or row_sum.shape != row_max.shape:
-        raise ValueError(f"row_max {row_max.shape} / row_sum {row_sum.shape} must be outs {outs.shape} minus head_dim")
-    if rows > padded_rows or rows & (rows - 1):
-        raise ValueError(f"rows {rows} must be a power of two <= {padded_rows}")
-    num_runs = first.shape[0]
-    whole = pl.no_block_spec
-    return pl.pallas_call(
-        functools.partial(_merge_runs_kernel, rows=rows, chunk=parts_per_merge_load(rows)),
-        grid=(num_runs, num_heads),
-        in_specs=[whole] * 5,
-        out_specs=[pl.BlockSpec((None, None, rows, head_dim), lambda s, h: (s, h, 0, 0)),
-                   pl.BlockSpec((None, None, rows), lambda s, h: (s, h, 0)),
-                   pl.BlockSpec((None, None, rows), lambda s, h: (s, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((num_runs, num_heads, rows, head_dim), out_dtype),
-                   jax.ShapeDtypeStruct((num_runs, num_heads, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((num_runs, num_heads, rows), jnp.float32)],
-        compiler_params=compat.triton_compiler_params(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="merge_partial_runs",
-    )(first.astype(jnp.int32), num.astype(jnp.int32), outs.astype(jnp.float32), row_max.astype(jnp.float32),
-      row_sum.astype(jnp.float32))
+    return acc / jnp.where(total_sum > 0, total_sum, 1.0)[:, None], total_max, total_sum

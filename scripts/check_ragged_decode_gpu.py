@@ -9,7 +9,9 @@ Usage (GPU machine, repo root): PYTHONPATH=$PWD python3 scripts/check_ragged_dec
    NUM_LAYERS separate KV buffers inside one jit (as a model step would), so dispatch is amortised;
    time per call = total / NUM_LAYERS. TB/s counts K and V bytes read.
    Also times kv_lens all 0 (every program exits at once): the wrapper's fixed cost (work list, merge).
-3. With --sweep: DecodeBlockSizes variants (programs, stages, warps, block_k) on MHA batch 1 at 32K and
+3. With --split-sweep: only target_programs 768..1536 at 32K / 128K / batch 8 x 32K, and
+   min_tokens_per_split 128..2048 at 1K / 4K (rBlock 256, as the engine), with cuDNN.
+4. With --sweep: DecodeBlockSizes variants (programs, stages, warps, block_k) on MHA batch 1 at 32K and
    128K, batch 8 at 32K, and a ragged batch (16 seqs, 64 q / 8 kv heads, 1K..256K).
 Prints a table and writes ragged_decode_gpu.json under --out.
 """
@@ -186,6 +188,9 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--int8-sweep", action="store_true", help="only time int8-KV decode per block size")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="only time target_programs 768..1536 (MHA batch 1 at 32K / 128K, batch 8 at 32K) and "
+                             "min_tokens_per_split 128..1024 (batch 1 at 1K / 4K), with cuDNN")
     args = parser.parse_args()
     compat.silence_triton_deprecation()
     print(jax.__version__, jax.devices(), flush=True)
@@ -198,6 +203,17 @@ def main():
                                            r(base, block_k=256, num_stages=3), r(base, block_k=256, num_stages=2),
                                            r(base, block_k=128, num_stages=4, num_warps=8)])
         with open(os.path.join(args.out, "ragged_decode_int8_sweep.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        return
+    if args.split_sweep:
+        base = DecodeBlockSizes()
+        configs = [dataclasses.replace(base, target_programs=t) for t in (1024, 768, 896, 1152, 1280, 1536)]
+        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
+            result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs)
+        configs = [dataclasses.replace(base, min_tokens_per_split=t) for t in (128, 256, 512, 1024, 2048)]
+        for name, length in (("mha_1k", 1024), ("mha_4k", 4096)):
+            result[name] = timing(rng, 1, 32, 32, [length], 256, configs)
+        with open(os.path.join(args.out, "ragged_decode_split_sweep.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return
     try:

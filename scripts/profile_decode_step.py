@@ -50,7 +50,7 @@ def _kernel_kind(name: str) -> str:
     return "attention" if "ragged" in lowered else "other"
 
 
-def device_kernels(fn, reps: int, top: int = 25) -> dict:
+def device_kernels(fn, reps: int, top: int = 60) -> dict:
     """Kernel time per step from a profiler trace of `reps` calls of fn (GPU planes only)."""
     from collections import defaultdict
 
@@ -67,12 +67,15 @@ def device_kernels(fn, reps: int, top: int = 25) -> dict:
     first = min(start for _, start, _ in events)
     last = max(start + duration for _, start, duration in events)
     heaviest = sorted(per_kernel_us(events, reps).items(), key=lambda kv: -kv[1])[:top]
+    calls = defaultdict(int)
+    for name, _, _ in events:
+        calls[name] += 1
     return {"kernels_per_step": len(events) / reps,
             "kernel_ms_per_step": sum(t for t, _ in by_kind.values()) / reps / 1e6,
             "span_ms_per_step": (last - first) / reps / 1e6,
             "by_kind": {k: {"us_per_step": t / reps / 1e3, "kernels_per_step": n / reps}
                         for k, (t, n) in by_kind.items()},
-            "top": [{"name": n[:120], "us_per_step": us} for n, us in heaviest]}
+            "top": [{"name": n[:120], "us_per_step": us, "calls_per_step": calls[n] / reps} for n, us in heaviest]}
 
 
 def profile(llm, context: int, reps: int) -> dict:
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
         for kind, v in trace["by_kind"].items():
             print(f"  {kind:>10}: {v['kernels_per_step']:.0f} kernels, {v['us_per_step']:.1f} us")
         for k in trace["top"]:
-            print(f"  {k['us_per_step']:>9.1f} us  {k['name']}")
+            print(f"  {k['us_per_step']:>9.1f} us  {k.get('calls_per_step', 0):>5.0f} x  {k['name']}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, result_stem(device, "decode-step-profile.json", result["date"]))
     with open(path, "w") as f:

@@ -48,13 +48,35 @@ def test_kernel_under_jit_with_donated_pools():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_heads_read_in_place_from_a_fused_projection(backend):
+    """k and v taken at head offsets of wider arrays (the model's qk after RoPE and its qkv) write
+    exactly what the same heads sliced out would."""
+    rng = np.random.default_rng()
+    k_pool, v_pool, k_new, v_new, slots = _case(rng, 6, heads=2)
+    noise = lambda n: jnp.asarray(rng.standard_normal((6, n, 64)), jnp.float32)
+    qk = jnp.concatenate([noise(4), k_new], axis=1)  # 4 "query" heads, then the 2 KV heads
+    qkv = jnp.concatenate([noise(4), noise(2), v_new], axis=1)
+    want = write_kv(k_pool, v_pool, k_new, v_new, slots)[:2]
+    if backend == "triton":
+        got = write_kv_kernel(k_pool, v_pool, qk, qkv, slots, k_first_head=4, v_first_head=6, interpret=True)
+    else:
+        got = dispatch.write_kv(k_pool, v_pool, qk, qkv, slots, k_first_head=4, v_first_head=6, backend=backend)[:2]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_bad_inputs_raise():
     rng = np.random.default_rng(0)
     k_pool, v_pool, k_new, v_new, slots = _case(rng, 4)
     with pytest.raises(ValueError, match="int8"):
         write_kv_kernel(k_pool.astype(jnp.int8), v_pool.astype(jnp.int8), k_new, v_new, slots)
-    with pytest.raises(ValueError, match="new K/V shape"):
+    with pytest.raises(ValueError, match=r"k_first_head 0 \+ 2 KV heads do not fit k_new \(4, 1, 64\)"):
         write_kv_kernel(k_pool, v_pool, k_new[:, :1], v_new[:, :1], slots)
+    with pytest.raises(ValueError, match="v_first_head 1 "):
+        write_kv_kernel(k_pool, v_pool, k_new, v_new, slots, v_first_head=1)
+    with pytest.raises(ValueError, match="new K/V shape"):
+        write_kv_kernel(k_pool, v_pool, k_new[..., :32], v_new[..., :32], slots)
     with pytest.raises(ValueError, match="slot_mapping shape"):
         write_kv_kernel(k_pool, v_pool, k_new, v_new, slots[:2])
 

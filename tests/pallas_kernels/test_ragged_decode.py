@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import compat
 from pallas_kernels.kv_write import quantize_int8
-from pallas_kernels.ragged_decode import (DecodeBlockSizes, _work_list, default_block_sizes, ragged_decode,
+from pallas_kernels.ragged_decode import (DecodeBlockSizes, _work_item, default_block_sizes, ragged_decode,
                                           ragged_decode_reference)
 from pallas_kernels.residuals import merge_partials
 
@@ -116,8 +116,8 @@ def test_batch_mixing_1_and_5000_splits_the_long_sequence():
     rng = np.random.default_rng(7)
     case = make_case(rng, [1, 5000], 2, 1, 64, 128, jnp.bfloat16, spare=1)
     bsz = DecodeBlockSizes(block_k=128, target_programs=8)
-    # 5001 real tokens x 1 KV head over ~8 programs -> 640-token chunks: 8 items for the long sequence.
-    assert int(bsz.split(128, jnp.asarray([1, 5000]), 1)) == 640
+    # 5001 real tokens x 1 KV head over ~8 programs -> items of at most 626 tokens: 8 for the long sequence.
+    assert int(bsz.split(128, jnp.asarray([1, 5000]), 1)) == 626
     got, want = run_both(*case, block_sizes=bsz)
     assert_matches(got, want, jnp.bfloat16)
 
@@ -153,8 +153,8 @@ def test_default_split_follows_the_real_lengths_not_the_table():
     # 128K of real KV: MHA (32 KV heads) -> 32 items x 32 heads, GQA (8 KV heads) -> 128 x 8: 1024 programs.
     assert int(bsz.split(1024, jnp.asarray([131072]), 32)) == 4096
     assert int(bsz.split(1024, jnp.asarray([131072]), 8)) == 1024
-    # Just past a power of two the split grows by one tile, not twice over.
-    assert int(bsz.split(1024, jnp.asarray([131072 + 5]), 32)) == 4096 + bsz.tile(1024)
+    # Just past a power of two the split grows by one token, not twice over.
+    assert int(bsz.split(1024, jnp.asarray([131072 + 5]), 32)) == 4097
     # A 32K sequence in a table sized for 512K still gets ~1024 programs.
     assert int(bsz.split(1024, jnp.asarray([32768]), 32)) == 1024
     assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 128  # short: never below min_tokens_per_split
@@ -164,26 +164,60 @@ def test_default_split_follows_the_real_lengths_not_the_table():
         lens = rng.integers(0, 1 << rng.integers(1, 20), size=int(rng.integers(1, 40)))
         heads = int(rng.choice([1, 8, 32]))
         split = int(bsz.split(16, jnp.asarray(lens, jnp.int32), heads))
-        items = int(np.sum(-(-lens // split)))
+        items = int(np.sum(np.maximum(-(-lens // split), 1)))  # an empty sequence still gets one item
         assert items <= bsz.num_items(16, len(lens), 1 << 20, heads), (lens, heads, split)
 
 
-def test_work_list_covers_each_sequence_once_and_pads_with_empty_items():
-    kv_lens = jnp.asarray([0, 5, 64, 65, 0, 200], jnp.int32)
-    split, num_items = 64, 6 * 4
-    seq, start, count, first, items = (np.asarray(x) for x in _work_list(kv_lens, num_items, split))
-    real = count > 0
-    assert real.sum() == sum(-(-n // split) for n in [0, 5, 64, 65, 0, 200])
-    assert np.all(~real[real.sum():])  # real items first, then padding
-    assert np.all(start[~real] == 0)
-    # Each sequence's items are the run first[s] .. first[s] + items[s] - 1 (what the merge reads).
-    for s in range(6):
-        run = np.arange(first[s], first[s] + items[s])
-        np.testing.assert_array_equal(np.flatnonzero(real & (seq == s)), run)
-    for s, n in enumerate(np.asarray(kv_lens)):
-        covered = np.concatenate([np.arange(st, st + c) for st, c in zip(start[real & (seq == s)],
-                                                                         count[real & (seq == s)])] + [[]])
+def _work_items(kv_lens, num_items, block_sizes, block_size=16, num_kv_heads=2):
+    """Each program's (seq, start, count, first item, items) from the kernel's own `_work_item`."""
+    from jax.experimental import pallas as pl
+
+    num_seqs = kv_lens.shape[0]
+
+    def kernel(lens_ref, out_ref):
+        item = pl.program_id(0)
+        values = _work_item(lens_ref, item, num_seqs=num_seqs, seqs_pow2=1 << (num_seqs - 1).bit_length(),
+                            block_sizes=block_sizes, block_size=block_size, num_kv_heads=num_kv_heads)
+        for i, v in enumerate(values):
+            out_ref[item, i] = v.astype(jnp.int32)
+
+    out = pl.pallas_call(kernel, grid=(num_items,), in_specs=[pl.no_block_spec], out_specs=pl.no_block_spec,
+                         out_shape=jax.ShapeDtypeStruct((num_items, 5), jnp.int32), interpret=True)(kv_lens)
+    return np.asarray(out).T
+
+
+@pytest.mark.parametrize("lens,split", [([0, 5, 64, 65, 0, 200], 64), ([3000], None), ([1, 0, 129, 7], None)])
+def test_work_items_cover_each_sequence_once_then_run_past_the_batch(lens, split):
+    kv_lens = jnp.asarray(lens, jnp.int32)
+    block_sizes = DecodeBlockSizes(block_k=16, tokens_per_split=split, min_tokens_per_split=32, target_programs=16)
+    num_items = block_sizes.num_items(16, len(lens), 4096, 2)
+    seq, start, count, first, items = _work_items(kv_lens, num_items, block_sizes)
+    real = seq < len(lens)
+    split = int(block_sizes.split(16, kv_lens, 2))
+    assert real.sum() == sum(max(1, -(-n // split)) for n in lens)  # kv_len 0 still gets its one program
+    assert np.all(real[:real.sum()]) and not np.any(real[real.sum():])  # real items first, then past the batch
+    for s, n in enumerate(lens):
+        # Each sequence's items are the run first .. first + items - 1 (what its last program merges).
+        mine = np.flatnonzero(real & (seq == s))
+        np.testing.assert_array_equal(mine, np.arange(first[mine[0]], first[mine[0]] + items[mine[0]]))
+        assert np.all(first[mine] == first[mine[0]]) and np.all(items[mine] == len(mine))
+        covered = np.concatenate([np.arange(st, st + c) for st, c in zip(start[mine], count[mine])])
         np.testing.assert_array_equal(np.sort(covered), np.arange(n))
+
+
+def test_query_heads_read_in_place_from_a_wider_array():
+    """num_q_heads: the first heads of a wider q (the model's q|k after RoPE) give what those heads
+    alone give; the extra heads hold NaN and must not be read."""
+    rng = np.random.default_rng()
+    q, pools, clean, tables, kv_lens = make_case(rng, [5, 0, 70, 33], 8, 2, 64, 16, jnp.bfloat16)
+    wide = jnp.concatenate([q, jnp.full((4, 2, 64), jnp.nan, q.dtype)], axis=1)  # 8 q heads, then 2 more
+    bsz = DecodeBlockSizes(block_k=16, tokens_per_split=32)
+    got = ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=8, block_sizes=bsz)
+    want = ragged_decode(q, pools["k"], pools["v"], tables, kv_lens, block_sizes=bsz)
+    assert got.shape == (4, 8, 64)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="num_q_heads 11"):
+        ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=11)
 
 
 def test_under_jit():

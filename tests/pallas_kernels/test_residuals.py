@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels.residuals import merge_partial_runs, merge_partials, parts_per_merge_load
+from pallas_kernels.residuals import merge_partials, merge_run, parts_per_merge_load
 
 
 def _attention(scores, values):
@@ -106,30 +107,55 @@ def test_bad_shapes_raise():
         merge_partials(jnp.zeros((2, 3, 8)), jnp.zeros((2, 3)), jnp.zeros((2, 3)), segment_ids=jnp.zeros(2, jnp.int32))
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_merge_partial_runs_kernel_matches_merge_partials(rows):
-    """The decode kernel's merge (runs of consecutive parts, one Pallas kernel) agrees with merge_partials;
-    padding rows, padding parts and parts outside every run hold NaN and must not leak in."""
+def merge_runs(outs, maxes, sums, first, num, *, rows, real_rows):
+    """merge_run (the decode kernel's in-kernel merge) over every run, one program per (run, head)."""
+    from jax.experimental import pallas as pl
+
+    num_runs, heads, dim = first.shape[0], outs.shape[1], outs.shape[-1]
+
+    def kernel(first_ref, num_ref, outs_ref, max_ref, sum_ref, out_ref, out_max_ref, out_sum_ref):
+        run, head = pl.program_id(0), pl.program_id(1)
+        out, m, s = merge_run(outs_ref, max_ref, sum_ref, first_ref[run], num_ref[run], head, rows=rows,
+                              real_rows=real_rows, chunk=parts_per_merge_load(rows))
+        out_ref[...], out_max_ref[...], out_sum_ref[...] = out, m, s
+
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        kernel, grid=(num_runs, heads), in_specs=[whole] * 5,
+        out_specs=[pl.BlockSpec((None, None, rows, dim), lambda r, h: (r, h, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda r, h: (r, h, 0)),
+                   pl.BlockSpec((None, None, rows), lambda r, h: (r, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_runs, heads, rows, dim), jnp.float32),
+                   jax.ShapeDtypeStruct((num_runs, heads, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((num_runs, heads, rows), jnp.float32)],
+        interpret=True)(first, num, outs, maxes, sums)
+
+
+@pytest.mark.parametrize("rows,real_rows", [(1, 1), (4, 4), (8, 6)])
+def test_merge_run_matches_merge_partials(rows, real_rows):
+    """The decode kernel's in-kernel merge of runs of consecutive parts agrees with merge_partials;
+    padding rows, parts past the last run and every unread slot hold NaN and must not leak in."""
     rng = np.random.default_rng()
     heads, padded_rows, dim = 3, 8, 16
     # Parts per run; a run of 0 parts is an empty sequence; runs longer than one load (32 // rows parts).
     runs = [3, 0, 1, 40, 2, 9]
-    num_parts = sum(runs) + parts_per_merge_load(rows)  # room for the last run's whole-chunk loads
+    num_parts = sum(runs) + 2  # two unused parts past the last run
     outs = np.full((num_parts, heads, padded_rows, dim), np.nan, np.float32)
     maxes = np.full((num_parts, heads, padded_rows), np.nan, np.float32)
     sums = np.full((num_parts, heads, padded_rows), np.nan, np.float32)
     real = sum(runs)
-    outs[:real, :, :rows] = rng.standard_normal((real, heads, rows, dim))
-    maxes[:real, :, :rows] = rng.standard_normal((real, heads, rows)) * 5
-    sums[:real, :, :rows] = rng.uniform(0.5, 3, (real, heads, rows))
+    outs[:real, :, :real_rows] = rng.standard_normal((real, heads, real_rows, dim))
+    maxes[:real, :, :real_rows] = rng.standard_normal((real, heads, real_rows)) * 5
+    sums[:real, :, :real_rows] = rng.uniform(0.5, 3, (real, heads, real_rows))
     sums[1, 0, 0] = 0.0  # an empty part inside a run: no weight whatever it holds
     maxes[1, 0, 0] = -np.inf
     first = np.concatenate([[0], np.cumsum(runs)[:-1]]).astype(np.int32)
-    out, m, s = merge_partial_runs(jnp.asarray(outs), jnp.asarray(maxes), jnp.asarray(sums), jnp.asarray(first),
-                                   jnp.asarray(runs, np.int32), rows=rows, out_dtype=jnp.float32, interpret=True)
+    out, m, s = merge_runs(jnp.asarray(outs), jnp.asarray(maxes), jnp.asarray(sums), jnp.asarray(first),
+                           jnp.asarray(runs, np.int32), rows=rows, real_rows=real_rows)
+    out, m, s = out[:, :, :real_rows], m[:, :, :real_rows], s[:, :, :real_rows]
     segment = np.concatenate([np.full(n, i) for i, n in enumerate(runs)] + [np.full(num_parts - sum(runs), len(runs))]).astype(np.int32)
-    clean = lambda x: jnp.asarray(np.nan_to_num(x[:, :, :rows], nan=0.0))
-    want = merge_partials(clean(outs), jnp.asarray(np.where(np.isnan(maxes), -np.inf, maxes)[:, :, :rows]),
+    clean = lambda x: jnp.asarray(np.nan_to_num(x[:, :, :real_rows], nan=0.0))
+    want = merge_partials(clean(outs), jnp.asarray(np.where(np.isnan(maxes), -np.inf, maxes)[:, :, :real_rows]),
                           clean(sums), segment_ids=jnp.asarray(segment), num_segments=len(runs))
     for got, ref in zip((out, m, s), want):
         assert not np.any(np.isnan(np.asarray(got)))

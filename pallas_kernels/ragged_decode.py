@@ -46,21 +46,22 @@ class DecodeBlockSizes:
       2 per head when the table was sized for 128K), and a ragged batch is cut into equal chunks. On
       an H200 a ragged batch of 16 (1K..256K) read 4.05 TB/s with ~1000 programs and 2.90 with ~256
       (benchmarks/results/nvidia-h200-2026-11-22-attention*.json).
-    target_programs: about how many programs (work items x KV heads) a call aims for. On an H200
-      (tmp sweep, 2026-11-22, 32K / 128K / batch 8 x 32K MHA) 1024 was best: 768 +12%, 896 +2%,
-      1152 +12%, 1280 +8%, 1536 +2% at 32K.
+    target_programs: about how many programs (work items x KV heads) a call aims for.
+    min_tokens_per_split: no item shorter than this (a power of two).
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
 
-    Defaults from an H200 sweep (scripts/check_ragged_decode_gpu.py --sweep, 2026-11-22): block_k 64
-    with 4 stages matched or beat 128 x 2 stages at 32K / 128K / batch 8 (137 vs 141 us at 32K); a
-    minimum split of 128 tokens gives a 1K sequence 8 programs per head instead of 2 (512), which
-    were too few to fill the GPU.
+    Defaults from H200 sweeps (scripts/check_ragged_decode_gpu.py, 2026-11-22): block_k 64 with 4
+    stages matched or beat 128 x 2 stages at 32K / 128K / batch 8 (137 vs 141 us at 32K, --sweep);
+    target_programs 1024 beat 768..1536 at 32K / 128K / batch 8 (1152 and 1280 by 7-12%, 1536 by
+    1-2%), and a minimum item of 256 tokens beat 128 / 512 / 1024 at 1K (16.0 vs 18.6 / 20.1 / 30.0 us)
+    and 4K (26.2 vs 29.0 / 27.7 / 36.5 us) (--split-sweep,
+    benchmarks/results/nvidia-h200-2026-11-22-0345-ragged-decode-split-sweep.json).
     """
 
     block_k: int = 64
     tokens_per_split: int | None = None
     target_programs: int = 1024
-    min_tokens_per_split: int = 128
+    min_tokens_per_split: int = 256
     num_warps: int = 4
     num_stages: int = 4
 

@@ -157,7 +157,7 @@ def test_default_split_follows_the_real_lengths_not_the_table():
     assert int(bsz.split(1024, jnp.asarray([131072 + 5]), 32)) == 4097
     # A 32K sequence in a table sized for 512K still gets ~1024 programs.
     assert int(bsz.split(1024, jnp.asarray([32768]), 32)) == 1024
-    assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 128  # short: never below min_tokens_per_split
+    assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 256  # short: never below min_tokens_per_split
     # The static bound holds for any lengths: target / heads + num_seqs items.
     rng = np.random.default_rng()
     for _ in range(200):

@@ -305,26 +305,31 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
 
         steps_per_rblock = block_size // block_kv
 
-        def kv_tile(pool, j):
+        def kv_tiles(j):
+            """Step j's K and V tiles [block_kv, D]: one block-table read for both."""
             rblock = tables_ref[seq, lax.div(j, i32(steps_per_rblock))]
             # row = (j % steps_per_rblock) * block_kv, written so Mosaic sees a multiple of the
             # SMEM tiling (it must, to TMA into tiled SMEM).
             row = lax.rem(j, i32(steps_per_rblock)) * block_kv
-            return pool.at[rblock, kv_head, pl.ds(row, block_kv)]  # [block_kv, D]
+            return tuple(pool.at[rblock, kv_head, pl.ds(row, block_kv)] for pool in (k_ref, v_ref))
 
         for i in range(steps):
             @pl.when(i < nblk)
             def _():
-                plgpu.copy_gmem_to_smem(kv_tile(k_ref, i), k_smem.at[i], k_bars.at[i])
-                plgpu.copy_gmem_to_smem(kv_tile(v_ref, i), v_smem.at[i], v_bars.at[i])
+                k_tile, v_tile = kv_tiles(i)
+                plgpu.copy_gmem_to_smem(k_tile, k_smem.at[i], k_bars.at[i])
+                plgpu.copy_gmem_to_smem(v_tile, v_smem.at[i], v_bars.at[i])
 
         @pl.loop(steps, jnp.maximum(nblk, steps))
         def _(j):
             slot = lax.rem(j, i32(steps))
+            # The block-table read goes before the waits, so its latency hides behind them instead
+            # of delaying the copy once the slot frees.
+            k_tile, v_tile = kv_tiles(j)
             plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(kv_tile(k_ref, j), k_smem.at[slot], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(k_tile, k_smem.at[slot], k_bars.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(kv_tile(v_ref, j), v_smem.at[slot], v_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_tile, v_smem.at[slot], v_bars.at[slot])
 
         for i in range(steps):  # observe the last release of every slot used
             @pl.when(i < nblk)

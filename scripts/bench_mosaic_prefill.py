@@ -57,8 +57,11 @@ def _attention_mgpu(q, k, v):
     return am.attention(q, k, v, config=config)
 
 
-def run_case(bench, case, groups, heads, block, config):
-    """Time every implementation on one problem; errors vs cuDNN's output (max |diff| over all tokens)."""
+def run_case(bench, case, groups, heads, block, config, extra_configs=()):
+    """Time every implementation on one problem; errors vs cuDNN's output (max |diff| over all tokens).
+
+    extra_configs: more Mosaic schedules to time on the same inputs (rows `mosaic <block_kv>x<steps>`,
+    kept out of the table), so a sweep and the peers share one run."""
     dense, packed, rows, flops = ba._prefill_problem(bench, groups, heads, block)
     bench.rows["prefill"].append(dict(case=case, query_tokens=sum(c * q for c, q, _ in groups), causal_flops=flops,
                                       groups=[list(g) for g in groups]))
@@ -68,6 +71,10 @@ def run_case(bench, case, groups, heads, block, config):
     ours = lambda s, _: ragged_prefill_mgpu(*s, config=config)
     bench.measure("prefill", case, "mosaic", ours, packed, [()], flops=flops, ref=refs, err_of=packed_err,
                   note=f"one call over the packed batch, rBlock {block}, {config}")
+    for extra in extra_configs:
+        bench.measure("prefill", case, _config_label(extra),
+                      lambda s, _, c=extra: ragged_prefill_mgpu(*s, config=c), packed, [()], flops=flops, ref=refs,
+                      err_of=packed_err, note=f"schedule sweep: {extra}")
     bench.measure("prefill", case, "cudnn", ba._peer_prefill(ba._sdpa_part("cudnn")), dense, [()], flops=flops,
                   ref=refs, err_of=group_err, note="dense batch per group of equal lengths; after a prefix 2 calls merged by lse")
     bench.measure("prefill", case, "triton", lambda s, _: ragged_prefill(*s), packed, [()], flops=flops, ref=refs,
@@ -82,6 +89,25 @@ def run_case(bench, case, groups, heads, block, config):
     else:
         bench.skip("prefill", case, "attention_mgpu", "no variable lengths or cached prefix")
     del dense, packed
+
+
+_CONFIG_FLAGS = ("inorder", "tilesfirst")  # --extra-configs words after BLOCK_KV:STEPS
+
+
+def _parse_config(text: str) -> MosaicPrefillConfig:
+    """BLOCK_KV:STEPS[:FLAG...], FLAG one of _CONFIG_FLAGS: e.g. 128:2:inorder:tilesfirst."""
+    parts = text.split(":")
+    flags = parts[2:]
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or any(f not in _CONFIG_FLAGS for f in flags):
+        raise SystemExit(f"--extra-configs entry {text!r} is not BLOCK_KV:STEPS[:FLAG...], FLAG in {_CONFIG_FLAGS}")
+    return MosaicPrefillConfig(block_kv=int(parts[0]), steps=int(parts[1]), heaviest_first="inorder" not in flags,
+                               tiles_fastest="tilesfirst" in flags)
+
+
+def _config_label(c: MosaicPrefillConfig) -> str:
+    """Row name of an extra config: `mosaic 128x2`, then ` in order` / ` tiles first` where set."""
+    flags = [("in order", not c.heaviest_first), ("tiles first", c.tiles_fastest)]
+    return f"mosaic {c.block_kv}x{c.steps}" + "".join(f" {name}" for name, on in flags if on)
 
 
 def table(rows) -> str:
@@ -105,7 +131,11 @@ def main(argv=None) -> int:
     parser.add_argument("--singles", type=int, nargs="*", default=[4 * K, 16 * K, 64 * K, 128 * K])
     parser.add_argument("--no-ragged", action="store_true")
     parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--extra-configs", nargs="*", default=[], metavar="BLOCK_KV:STEPS[:FLAG...]",
+                        help="more Mosaic schedules to time beside the default, e.g. 64:4 128:2:inorder:tilesfirst "
+                             "(flags: inorder, tilesfirst)")
     args = parser.parse_args(argv)
+    extra_configs = [_parse_config(c) for c in args.extra_configs]
     compat.silence_triton_deprecation()
     plan = ba.Plan(ref_rows=64, reps=5, target_s=0.4, budget_s=args.budget_s)
     bench = ba.Bench(plan, interpret=False)
@@ -126,7 +156,7 @@ def main(argv=None) -> int:
         if bench.over_budget():
             bench.skip("prefill", case, "all", "time budget")
         else:
-            run_case(bench, case, groups, heads, block, config)
+            run_case(bench, case, groups, heads, block, config, extra_configs)
         with open(path, "w") as f:  # after each case, so a killed run still leaves its numbers
             json.dump(dict(script="scripts/bench_mosaic_prefill.py", argv=sys.argv[1:], device=device, date=date,
                            jax=jax.__version__, python=platform.python_version(), seed=bench.seed, heads=heads,

@@ -1,15 +1,16 @@
 """Ragged decode: one query token per sequence attending to its whole KV in the rBlock pool.
 
-Sequences of any lengths share one call. The wrapper cuts every sequence's real KV into chunks of
-`tokens_per_split` tokens and lists them as work items `(sequence, first token, token count)`;
-the kernel grid runs over `(work item, kv_head)`, so a batch of one 500K sequence and a batch of
-mixed 1K..500K lengths both spread evenly over the GPU, and no program touches padding. Each
-program reads its rBlocks straight from the pool through the block table (nothing is gathered,
-copied or transposed), processes all query heads of one KV head's group together (one read of
-K and V per group), and writes a partial `(out, row_max, row_sum)`; `residuals.merge_partial_runs`
-(one more small kernel) then merges each sequence's consecutive partials exactly and writes the
-output in the layout the output projection reads. Nothing else runs per call but a few tiny
-fusions building the work list from kv_lens, which XLA computes once for all layers of a step.
+Sequences of any lengths share one call, and one call is one kernel. Every sequence's real KV is
+cut into work items of about `split` tokens (the split chosen from the batch's total length, so a
+batch of one 500K sequence and a batch of mixed 1K..500K lengths both spread evenly over the GPU
+and no program touches padding); the grid runs over `(work item, kv_head)` and each program works
+out its own item from kv_lens. Each program reads its rBlocks straight from the pool through the
+block table (nothing is gathered, copied or transposed), processes all query heads of one KV head's
+group together (one read of K and V per group; the query rows are read in place, from a q that may
+hold more heads than it uses), and either writes the result (a sequence with one item) or a
+partial `(out, row_max, row_sum)`; the last program of a sequence and head to finish (an atomic
+arrival counter) merges that sequence's partials exactly with `residuals.merge_run` and writes the
+output in the layout the output projection reads.
 """
 
 from __future__ import annotations

@@ -93,8 +93,9 @@ SMOKE = Plan(
 class Bench:
     """Runs measurements, prints a progress line each, keeps the rows."""
 
-    def __init__(self, plan: Plan, interpret: bool):
+    def __init__(self, plan: Plan, interpret: bool, decode_sizes: DecodeBlockSizes | None = None):
         self.plan, self.interpret = plan, interpret
+        self.decode_sizes = decode_sizes  # our decode kernel's schedule (None: its default)
         self.t0 = time.time()
         self.rows: dict[str, list[dict]] = {"decode": [], "ragged": [], "fragmented": [], "prefill": []}
         self.seed = int(time.time())  # fresh inputs every run; recorded in the JSON
@@ -238,9 +239,10 @@ def decode_section(bench: Bench):
             kp, tables = pool_from_dense(k, lens, block)
             pools.append((kp, pool_from_dense(v, lens, block)[0]))
         del dense
-        ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], interpret=bench.interpret)
+        ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], block_sizes=bench.decode_sizes,
+                                          interpret=bench.interpret)
         bench.measure("decode", case, "ours", ours, (q, tables, lens), pools, kv_bytes=kv_bytes, ref=ref,
-                      note=f"rBlock {block}, consecutive tables, {DecodeBlockSizes()}")
+                      note=f"rBlock {block}, consecutive tables, {bench.decode_sizes or DecodeBlockSizes()}")
         del pools
 
 
@@ -281,7 +283,7 @@ def ragged_section(bench: Bench):
     kp, tables = pool_from_dense(k, lens_np, plan.decode_block)
     vp = pool_from_dense(v, lens_np, plan.decode_block)[0]
     del k, v
-    ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], interpret=bench.interpret)
+    ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], block_sizes=bench.decode_sizes, interpret=bench.interpret)
     bench.measure("ragged", case, "ours", ours, (q, tables, lens), [(kp, vp)], kv_bytes=real_bytes, ref=ref,
                   note=f"rBlock {plan.decode_block}, consecutive tables; real KV only in the pool")
 
@@ -301,7 +303,7 @@ def fragmented_section(bench: Bench):
             continue
         nb = batch * ctx // block
         pool = (bench.normal((nb, hkv, block, d)), bench.normal((nb, hkv, block, d)))
-        ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], interpret=bench.interpret)
+        ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], block_sizes=bench.decode_sizes, interpret=bench.interpret)
         for name, ids in (("consecutive", np.arange(nb)), ("fragmented", rng.permutation(nb))):
             tables = jnp.asarray(ids.reshape(batch, -1), jnp.int32)
             ref = ragged_decode_reference(q, *pool, tables, lens)
@@ -525,7 +527,15 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU the kernels run interpreted")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS),
                         help="run only these parts (the file name then says which)")
+    parser.add_argument("--decode-option", action="append", default=[], metavar="FIELD=INT",
+                        help="a DecodeBlockSizes field for our decode kernel, e.g. num_stages=3 (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        decode_sizes = dataclasses.replace(DecodeBlockSizes(), **{
+            field: type(getattr(DecodeBlockSizes(), field))(int(value))
+            for field, value in (o.split("=", 1) for o in args.decode_option)}) if args.decode_option else None
+    except (AttributeError, TypeError, ValueError) as e:
+        parser.error(f"--decode-option {args.decode_option}: {e}")
     compat.silence_triton_deprecation()
     plan = SMOKE if args.smoke else Plan()
     interpret = not compat.on_gpu()
@@ -536,7 +546,7 @@ def main(argv=None) -> int:
     if set(args.sections) != set(SECTIONS):
         stem += "-" + "-".join(args.sections)
     os.makedirs(args.out, exist_ok=True)
-    bench = Bench(plan, interpret)
+    bench = Bench(plan, interpret, decode_sizes)
     result = dict(script="scripts/bench_attention.py", argv=sys.argv[1:], device=device, date=date,
                   jax=jax.__version__, python=platform.python_version(), smoke=args.smoke, seed=bench.seed,
                   command="XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/bench_attention.py"

@@ -99,7 +99,7 @@ class DecodeBlockSizes:
             return jnp.int32(self.tokens_per_split)
         total = jnp.sum(kv_lens.astype(jnp.int32))
         # Not rounded to a power of two (just past one, 128K + a few tokens, that would halve the
-        # programs) nor to the tile (32K x 32 heads / 1056 is 993: rounded to 1024 it gives 1024 programs).
+        # programs) nor to the tile (each sequence's tiles are dealt evenly among its items).
         want = pl.cdiv(total * num_kv_heads, self.target_programs)
         return jnp.maximum(want, self._min_split(block_size)).astype(jnp.int32)
 

@@ -50,6 +50,8 @@ class DecodeBlockSizes:
     target_programs: about how many programs (work items x KV heads) a call aims for.
     min_tokens_per_split: no item shorter than this (a power of two).
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
+    int8_via_fp16: int8 KV is turned into float16 with integer ops (x + 128 in the mantissa of
+      1024.0, minus 1152: exact) instead of int-to-float conversions, and the dots run in float16.
 
     Defaults from H200 sweeps (scripts/check_ragged_decode_gpu.py, 2026-11-22): block_k 64 with 4
     stages matched or beat 128 x 2 stages at 32K / 128K / batch 8 (137 vs 141 us at 32K, --sweep);
@@ -65,6 +67,7 @@ class DecodeBlockSizes:
     min_tokens_per_split: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    int8_via_fp16: bool = False
 
     def __post_init__(self):
         check_dot_tile("block_k", self.block_k)
@@ -104,11 +107,13 @@ class DecodeBlockSizes:
         return jnp.maximum(want, self._min_split(block_size)).astype(jnp.int32)
 
 
-# int8 KV at 128K on an H200 (scripts/check_ragged_decode_gpu.py --int8-sweep,
-# benchmarks/results/nvidia-h200-2026-11-22-0236-ragged-decode-int8-sweep.json): 128-token tiles x 3
-# stages 497 us, the bf16 default (64 x 4) 535, 256-token tiles 740-764, 8 warps 605. The int8 kernel
-# is bound by dequantising, not by bytes (2.2 TB/s of int8 KV + scales).
-INT8_BLOCK_SIZES = DecodeBlockSizes(block_k=128, num_stages=3)
+# int8 KV at 128K on an H200 (scripts/check_ragged_decode_gpu.py --int8-sweep): 128-token tiles x 3
+# stages 497 us, the bf16 default (64 x 4) 515-535, 256-token tiles 740-764, 8 warps 605
+# (benchmarks/results/nvidia-h200-2026-11-22-0236-ragged-decode-int8-sweep.json); with the int8 ->
+# float16 integer trick 468 (3 stages) and 464 (4 stages) vs 497 in one run (...-0433-...json). Still
+# 2.4 TB/s of int8 KV + scales: bound by more than the conversions (per-tile scale loads and products).
+# The dots then run in float16: q must fit its range (|q| < 65504), as in any float16 attention.
+INT8_BLOCK_SIZES = DecodeBlockSizes(block_k=128, num_stages=4, int8_via_fp16=True)
 
 
 def default_block_sizes(kv_dtype) -> DecodeBlockSizes:
@@ -146,6 +151,13 @@ def _work_item(kv_lens_ref, item, *, num_seqs: int, seqs_pow2: int, block_sizes:
     start = (i * tiles // n) * tile
     count = jnp.minimum(((i + 1) * tiles // n) * tile, length) - start
     return seq, start, count, first_item, seq_items
+
+
+def _int8_to_float16(x: jax.Array) -> jax.Array:
+    """int8 -> float16, exactly, with an integer add and a bitcast: 0x6400 is 1024.0 in float16 and
+    x + 128 (0..255) fills its mantissa, so the bits read as 1024 + x + 128."""
+    bits = x.astype(jnp.int16) + jnp.int16(0x6400 + 128)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1152.0)
 
 
 def _decode_kernel(
@@ -201,6 +213,8 @@ def _decode_kernel(
         q = compat.triton_masked_load(q_ref.at[pl.ds(first_q_row, group_rows), :], real[:, None], 0)
         q = q.astype(compute_dtype)  # [group_rows, head_dim]
         offsets = jnp.arange(tile, dtype=jnp.int32)
+        fast_int8 = quantized and block_sizes.int8_via_fp16
+        to_compute = _int8_to_float16 if fast_int8 else (lambda x: x.astype(compute_dtype))
 
         def body(j, carry):
             o, m, l = carry
@@ -208,7 +222,7 @@ def _decode_kernel(
             block = block_tables_ref[seq, pos // block_size]
             kv_rows = pl.ds(pos % block_size, tile)
             valid = j * tile + offsets < count  # [tile]
-            k = k_ref[block, head, kv_rows, :].astype(compute_dtype)  # [tile, head_dim]
+            k = to_compute(k_ref[block, head, kv_rows, :])  # [tile, head_dim]
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32)  # [group_rows, tile]
             if quantized:
@@ -219,7 +233,7 @@ def _decode_kernel(
             p = jnp.exp(s - m_new[:, None])  # [group_rows, tile]
             l = correction * l + jnp.sum(p, axis=1)
             # Rows past the end may hold anything (NaN included): 0 * NaN must not reach the sum.
-            v = jnp.where(valid[:, None], v_ref[block, head, kv_rows, :], 0).astype(compute_dtype)  # [tile, head_dim]
+            v = to_compute(jnp.where(valid[:, None], v_ref[block, head, kv_rows, :], 0))  # [tile, head_dim]
             if quantized:
                 p = p * jnp.where(valid, v_scale_ref[block, head, kv_rows], 0.0)[None, :]
             pv = jax.lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())), precision=precision,
@@ -266,6 +280,8 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
     merged_rows = 1 << (group - 1).bit_length()  # Triton loads power-of-two shapes
     quantized = k_pool.dtype == jnp.int8
     compute_dtype = q.dtype if quantized else jnp.promote_types(q.dtype, k_pool.dtype)
+    if quantized and block_sizes.int8_via_fp16:
+        compute_dtype = jnp.float16
     tile = block_sizes.tile(block_size)
     num_items = block_sizes.num_items(block_size, num_seqs, block_tables.shape[1] * block_size, num_kv_heads)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import compat
-from pallas_kernels.ragged_decode import DecodeBlockSizes, ragged_decode, ragged_decode_reference
+from pallas_kernels.ragged_decode import DecodeBlockSizes, default_block_sizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.kv_write import quantize_int8
 from bench_attention import consecutive_tables
 
@@ -45,7 +45,7 @@ def _pool(rng, num_blocks, heads, block_size, head_dim, dtype):
     return x.astype(dtype), None
 
 
-def correctness(rng) -> list[dict]:
+def correctness(rng, block_sizes=None) -> list[dict]:
     rows = []
     cases = [  # (hq, hkv, head_dim, kv dtype, block_size)
         (8, 8, 128, jnp.bfloat16, 64), (16, 4, 128, jnp.bfloat16, 256), (8, 1, 64, jnp.float16, 32),
@@ -62,7 +62,7 @@ def correctness(rng) -> list[dict]:
         q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), qdt)
         kv = jnp.asarray(lens, jnp.int32)
         out, (m, l) = ragged_decode(q, k, v, tables, kv, k_scale=ks, v_scale=vs, return_residuals=True,
-                                    interpret=None)
+                                    block_sizes=block_sizes, interpret=None)
         with jax.default_matmul_precision("highest"):  # the reference in full f32, not TF32
             ref, (rm, rl) = ragged_decode_reference(q, k, v, tables, kv, k_scale=ks, v_scale=vs,
                                                     return_residuals=True)
@@ -198,10 +198,11 @@ def main():
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__}
     if args.int8_sweep:
         r = dataclasses.replace
-        base = DecodeBlockSizes()
-        result["int8_128k"] = int8_timing([base, r(base, block_k=128, num_stages=4), r(base, block_k=128, num_stages=3),
-                                           r(base, block_k=256, num_stages=3), r(base, block_k=256, num_stages=2),
-                                           r(base, block_k=128, num_stages=4, num_warps=8)])
+        base = default_block_sizes(jnp.int8)
+        fp16 = r(base, int8_via_fp16=True)
+        result["correctness_int8_via_fp16"] = correctness(rng, fp16)
+        result["int8_128k"] = int8_timing([base, fp16, r(fp16, block_k=64, num_stages=4), r(fp16, num_stages=4),
+                                           r(base, block_k=64, num_stages=4)])
         with open(os.path.join(args.out, "ragged_decode_int8_sweep.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return

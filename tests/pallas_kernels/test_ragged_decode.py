@@ -105,6 +105,19 @@ def test_int8_default_schedule_matches_reference():
     assert_matches(got, want, case[0].dtype)
 
 
+def test_int8_via_fp16_matches_reference():
+    """int8 KV turned into float16 by the integer trick (every int8 value exactly), split and unsplit."""
+    from pallas_kernels.ragged_decode import _int8_to_float16
+
+    every = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    np.testing.assert_array_equal(np.asarray(_int8_to_float16(every), np.float32), np.arange(-128, 128))
+    rng = np.random.default_rng()
+    case = make_case(rng, [1, 200, 0, 77], 8, 2, 64, 32, "int8")
+    bsz = DecodeBlockSizes(block_k=16, tokens_per_split=64, int8_via_fp16=True)
+    got, want = run_both(*case, block_sizes=bsz)
+    assert_matches(got, want, jnp.bfloat16)
+
+
 def test_float32_query_with_bf16_kv():
     rng = np.random.default_rng(5)
     case = make_case(rng, [40, 7], 4, 4, 64, 16, jnp.bfloat16, q_dtype=jnp.float32)

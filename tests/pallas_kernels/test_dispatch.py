@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import jax.numpy as jnp
 
@@ -39,3 +40,23 @@ def test_gpu_before_hopper_keeps_the_triton_prefill(monkeypatch):
     q = jnp.zeros((512, 8, 128), jnp.bfloat16)
     pool = jnp.zeros((4, 8, 256, 128), jnp.bfloat16)
     assert dispatch.prefill_kernel(q, pool, dispatch.resolve_backend("auto", 128)) == "triton"
+
+
+@pytest.mark.parametrize("backend,decode", [("reference", False), ("reference", True), ("triton", False),
+                                            ("triton", True)])
+def test_num_q_heads_attends_with_the_first_heads_only(backend, decode):
+    """q holding more heads than it uses (the model's q|k after RoPE): every backend and path (decode
+    kernel in place, the others on a slice) gives what those heads alone give; the extra heads are NaN."""
+    rng = np.random.default_rng()
+    lens = [1, 1, 1] if decode else [5, 9, 2]
+    kv_lens = jnp.asarray([17, 40, 3], jnp.int32)
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    pool = jnp.asarray(rng.standard_normal((8, 2, 16, 64)), jnp.float32)
+    tables = jnp.asarray([[0, 1, 2], [3, 4, 5], [6, 7, 0]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((sum(lens), 4, 64)), jnp.float32)
+    wide = jnp.concatenate([q, jnp.full((sum(lens), 2, 64), jnp.nan, jnp.float32)], axis=1)
+    args = (pool, pool, tables, kv_lens, cu_q_lens)
+    got = dispatch.ragged_attention(wide, *args, decode=decode, num_q_heads=4, backend=backend)
+    want = dispatch.ragged_attention(q, *args, decode=decode, backend="reference")
+    assert got.shape == q.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)

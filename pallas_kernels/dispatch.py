@@ -31,7 +31,7 @@ def resolve_backend(backend: Backend | None = "auto", head_dim: int | None = Non
     On the CPU the Pallas kernels run only in interpret mode, far slower than the reference,
     so the CPU uses them in kernel tests, not in the model. Shapes the kernels do not support
     (head_dim outside SUPPORTED_HEAD_DIMS) also take the reference under 'auto'; naming
-    'triton' for them raises. Which kernel a GPU prefill takes ('mosaic' on Hopper where it
+    'triton' or 'mosaic' for them raises. Which kernel a GPU prefill takes ('mosaic' on Hopper where it
     applies, else 'triton') is `prefill_kernel`'s choice; decode is always the Triton kernel.
     """
     backend = backend or "auto"
@@ -106,9 +106,9 @@ def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=N
     """Append new tokens' K/V to the pool: `kv_write.write_kv`'s meaning and results.
 
     k_new / v_new may hold more heads than the pool (the model's fused projection): heads
-    k_first_head .. + kv_heads and v_first_head .. are written. Float pools on the Triton backend take
-    the one-kernel writer (reading those heads in place); int8 pools and the reference backend take
-    XLA scatters.
+    k_first_head .. + kv_heads and v_first_head .. are written. Float pools on the kernel backends
+    ('triton', 'mosaic') take the one-kernel writer (reading those heads in place); int8 pools and the
+    reference backend take XLA scatters.
     """
     from pallas_kernels import kv_write
 

@@ -25,8 +25,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
-from pallas_kernels.residuals import merge_run, parts_per_merge_load
-# check_ragged_decode_args is re-exported: callers import it from here.
+from pallas_kernels.residuals import merge_run
 from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch, check_ragged_decode_args, is_pow2
 
 # Scores of keys past the end: finite, so no exp(-inf - -inf) NaN, and exp(mask - max) is 0.
@@ -266,8 +265,7 @@ def _decode_kernel(
             @pl.when(arrived == seq_items - 1)
             def _():
                 out, row_max, row_sum = merge_run(parts_o_ref, parts_m_ref, parts_l_ref, first_item, seq_items, head,
-                                                  rows=merged_rows, real_rows=group,
-                                                  chunk=parts_per_merge_load(merged_rows), coherent=True)
+                                                  rows=merged_rows, real_rows=group, coherent=True)
                 write_final(out, row_max, row_sum, merged_rows)
                 counters_ref[seq, head] = jnp.int32(0)
 
@@ -345,7 +343,7 @@ def ragged_decode(
     """Decode attention of one query token per sequence over its KV in the rBlock pool.
 
     Args:
-      q: [num_seqs, num_q_heads, head_dim] (float32, bfloat16 or float16).
+      q: [num_seqs, heads, head_dim] (float32, bfloat16 or float16), heads >= num_q_heads.
       k_pool, v_pool: [num_blocks, num_kv_heads, block_size, head_dim] (float, or int8 with scales);
         block_size a multiple of 16; num_q_heads a multiple of num_kv_heads (MHA, GQA, MQA).
       block_tables: [num_seqs, max_blocks_per_seq] int32 rBlock ids.

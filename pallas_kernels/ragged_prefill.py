@@ -21,7 +21,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat, kv_layout
-# check_ragged_prefill_args is re-exported: callers import it from here.
 from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch, check_ragged_prefill_args
 
 # Fewer token rows at a time keeps the reference's memory at O(chunk * context) on long prompts.
@@ -123,12 +122,10 @@ def _compute_dtype(q_dtype, kv_dtype):
     return jnp.dtype(q_dtype) if jnp.dtype(kv_dtype) == jnp.int8 else jnp.promote_types(q_dtype, kv_dtype)
 
 
-def _default_block_sizes(compute_dtype, num_tokens: int) -> PrefillBlockSizes:
+def _default_block_sizes(compute_dtype) -> PrefillBlockSizes:
     """Best of a sweep on an H200 (bf16, causal 4K and 16K tokens, packed and single, 32 x 128 heads,
-    rBlocks of 256): 128 x 128 tiles, 8 warps, 3 stages at every length measured (num_tokens is kept
-    for shapes that may want their own). float32 tiles are smaller so that the pipelined K and V
-    tiles still fit in shared memory; before Hopper, two stages fit."""
-    del num_tokens
+    rBlocks of 256): 128 x 128 tiles, 8 warps, 3 stages at every length measured. float32 tiles are
+    smaller so that the pipelined K and V tiles still fit in shared memory; before Hopper, two stages fit."""
     if jnp.dtype(compute_dtype).itemsize >= 4:
         return PrefillBlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2)
     cc = compat.gpu_compute_capability()
@@ -319,7 +316,7 @@ def ragged_prefill(
     """
     check_ragged_prefill_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale)
     if block_sizes is None:
-        block_sizes = _default_block_sizes(_compute_dtype(q.dtype, k_pool.dtype), q.shape[0])
+        block_sizes = _default_block_sizes(_compute_dtype(q.dtype, k_pool.dtype))
     _effective_block_k(block_sizes.block_k, k_pool.shape[2])  # raise here, not inside jit
     interpret = compat.default_interpret(interpret)
     scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5

@@ -8,13 +8,11 @@ into parts `i`, with `M = max_i row_max_i` and `w_i = row_sum_i * exp(row_max_i 
 
 DistAttention (parts on other devices) merges with `merge_partials`; the decode kernel's split-K
 merges inside the kernel with `merge_run` (the last program of a sequence to finish merges its
-consecutive parts), the same formula. An empty part (no
-keys: row_max -inf, row_sum 0, out anything, even NaN) has weight 0.
+consecutive parts), the same formula. An empty part (no keys: row_max -inf, row_sum 0, out
+anything, even NaN) has weight 0.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +35,8 @@ def merge_partials(
       outs: [P, ..., head_dim] normalised partial outputs (any float dtype).
       row_max: [P, ...] max score of each part (-inf for an empty part).
       row_sum: [P, ...] sum of exp(score - row_max) of each part (0 for an empty part).
-      segment_ids: optional [P] int: merge parts per segment instead of all together (the
-        kernel's split-K merges per sequence). Parts whose id is outside [0, num_segments) are
-        ignored, whatever they hold.
+      segment_ids: optional [P] int: merge parts per segment instead of all together (e.g. per
+        sequence). Parts whose id is outside [0, num_segments) are ignored, whatever they hold.
       num_segments: static number of segments; required with segment_ids.
 
     Returns:
@@ -92,8 +89,7 @@ def parts_per_merge_load(rows: int) -> int:
     return max(1, MERGE_VALUES_PER_LOAD // rows)
 
 
-def merge_run(outs_ref, max_ref, sum_ref, first, num, head, *, rows: int, real_rows: int, chunk: int,
-              coherent: bool = False):
+def merge_run(outs_ref, max_ref, sum_ref, first, num, head, *, rows: int, real_rows: int, coherent: bool = False):
     """Inside a Triton-lowered kernel: merge parts first .. first + num - 1 of `head` (refs [P, H, R(, D)]).
 
     Rows >= real_rows and parts outside the run are never read (masked loads), so they may hold anything
@@ -103,6 +99,7 @@ def merge_run(outs_ref, max_ref, sum_ref, first, num, head, *, rows: int, real_r
     Returns (out [rows, D] float32 normalised, row_max [rows], row_sum [rows]); out 0, max -inf, sum 0 where
     no part has a key.
     """
+    chunk = parts_per_merge_load(rows)
     head_dim = outs_ref.shape[-1]
     offsets = jnp.arange(chunk, dtype=jnp.int32)
     row_ok = jnp.arange(rows, dtype=jnp.int32) < real_rows

@@ -18,7 +18,7 @@ bf16 throughout, fresh random inputs, Llama-2-7B heads unless said otherwise:
     for every implementation.
 Each timed function runs attention over up to 4 separate KV buffers inside one jit (like layers of a
 model step), so dispatch is amortised and every buffer exceeds L2; time per call = median over reps of
-(elapsed / calls / buffers). Writes `<device>-<date>-attention.json` and `.md` under --out
+(elapsed / calls / buffers). Writes `<device>-<date>-<HHMM>-attention[-sections].json` and `.md` under --out
 (default benchmarks/results/).
 """
 

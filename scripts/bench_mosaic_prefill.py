@@ -91,23 +91,21 @@ def run_case(bench, case, groups, heads, block, config, extra_configs=()):
     del dense, packed
 
 
-_CONFIG_FLAGS = ("inorder", "tilesfirst")  # --extra-configs words after BLOCK_KV:STEPS
+_CONFIG_FLAGS = ("inorder",)  # --extra-configs words after BLOCK_KV:STEPS
 
 
 def _parse_config(text: str) -> MosaicPrefillConfig:
-    """BLOCK_KV:STEPS[:FLAG...], FLAG one of _CONFIG_FLAGS: e.g. 128:2:inorder:tilesfirst."""
+    """BLOCK_KV:STEPS[:FLAG...], FLAG one of _CONFIG_FLAGS: e.g. 128:2:inorder."""
     parts = text.split(":")
     flags = parts[2:]
     if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or any(f not in _CONFIG_FLAGS for f in flags):
         raise SystemExit(f"--extra-configs entry {text!r} is not BLOCK_KV:STEPS[:FLAG...], FLAG in {_CONFIG_FLAGS}")
-    return MosaicPrefillConfig(block_kv=int(parts[0]), steps=int(parts[1]), heaviest_first="inorder" not in flags,
-                               tiles_fastest="tilesfirst" in flags)
+    return MosaicPrefillConfig(block_kv=int(parts[0]), steps=int(parts[1]), heaviest_first="inorder" not in flags)
 
 
 def _config_label(c: MosaicPrefillConfig) -> str:
-    """Row name of an extra config: `mosaic 128x2`, then ` in order` / ` tiles first` where set."""
-    flags = [("in order", not c.heaviest_first), ("tiles first", c.tiles_fastest)]
-    return f"mosaic {c.block_kv}x{c.steps}" + "".join(f" {name}" for name, on in flags if on)
+    """Row name of an extra config: `mosaic 128x2`, then ` in order` where set."""
+    return f"mosaic {c.block_kv}x{c.steps}" + ("" if c.heaviest_first else " in order")
 
 
 def table(rows) -> str:
@@ -132,8 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-ragged", action="store_true")
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--extra-configs", nargs="*", default=[], metavar="BLOCK_KV:STEPS[:FLAG...]",
-                        help="more Mosaic schedules to time beside the default, e.g. 64:4 128:2:inorder:tilesfirst "
-                             "(flags: inorder, tilesfirst)")
+                        help="more Mosaic schedules to time beside the default, e.g. 64:4 128:2:inorder")
     args = parser.parse_args(argv)
     extra_configs = [_parse_config(c) for c in args.extra_configs]
     compat.silence_triton_deprecation()

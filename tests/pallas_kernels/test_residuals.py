@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.residuals import merge_partials, merge_run, parts_per_merge_load
+from pallas_kernels.residuals import merge_partials, merge_run
 
 
 def _attention(scores, values):
@@ -116,7 +116,7 @@ def merge_runs(outs, maxes, sums, first, num, *, rows, real_rows):
     def kernel(first_ref, num_ref, outs_ref, max_ref, sum_ref, out_ref, out_max_ref, out_sum_ref):
         run, head = pl.program_id(0), pl.program_id(1)
         out, m, s = merge_run(outs_ref, max_ref, sum_ref, first_ref[run], num_ref[run], head, rows=rows,
-                              real_rows=real_rows, chunk=parts_per_merge_load(rows))
+                              real_rows=real_rows)
         out_ref[...], out_max_ref[...], out_sum_ref[...] = out, m, s
 
     whole = pl.no_block_spec

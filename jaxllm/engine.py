@@ -116,8 +116,10 @@ class Engine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; raises ValueError for bad input, QueueFull, EngineStopped."""
-        ids = self.llm._encode(prompt, 0) if isinstance(prompt, str) else list(prompt)
-        if not isinstance(prompt, str):
+        if isinstance(prompt, str):
+            ids = self.llm._encode(prompt, 0)
+        else:
+            ids = list(prompt)
             self.llm._check_ids(ids, "prompt")
         with self._lock:
             if not self._accepting:

@@ -16,6 +16,7 @@ from jaxllm.sampling import SamplingParams
 from jaxllm.scheduler import Scheduler, Sequence, Status, StepPlan
 from jaxllm.tokenizer import StreamDecoder, load_tokenizer
 from jaxllm.weights import load_model
+from pallas_kernels.dispatch import BACKENDS
 
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
 
@@ -51,8 +52,6 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_seqs <= 0:
             raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
-        from pallas_kernels.dispatch import BACKENDS
-
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of {BACKENDS}")
 

@@ -101,8 +101,8 @@ class Runner:
     def _padded_sizes(self, decode: bool, size: int) -> tuple[int, int]:
         """(tokens, sequences) a step is padded to: `size` is its sequence count (decode) or token count.
 
-        The one bucket rule: _pad, bucket_shapes and warm-up all follow it, so warm-up compiles exactly
-        the shapes serving meets.
+        The one bucket rule: _pad follows it, and bucket_shapes (which warm-up compiles) lists the sizes
+        it rounds to, so warm-up compiles exactly the shapes serving meets.
         """
         if decode:
             s_pad = bucket(size, 1)

@@ -177,13 +177,13 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, planned: list[tuple[Sequence, int]]) -> bool:
         """Grow seq's rBlocks to hold num_tokens, preempting the youngest other sequences if needed
         (never one already planned for this step)."""
+        protect = {s for s, _ in planned}  # Sequence hashes by identity
         while True:
             try:
                 self.allocator.grow(seq.seq_id, self._blocks_for(num_tokens))
                 return True
             except OutOfBlocks:
-                protect = {id(s) for s, _ in planned}
-                victims = [s for s in reversed(self.running) if s is not seq and id(s) not in protect]
+                victims = [s for s in reversed(self.running) if s is not seq and s not in protect]
                 if not victims:
                     # Nothing left to evict: this sequence itself goes back to wait.
                     self._preempt(seq)

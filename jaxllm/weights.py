@@ -263,9 +263,7 @@ def _read_hf_config(model_dir: str) -> tuple[dict, LlamaConfig]:
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is malformed: {e}") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} is malformed: expected a JSON object, got {type(raw).__name__}")
-    try:
+    try:  # from_hf checks the contents (a JSON object, a Llama); the error gains the file's path here
         return raw, LlamaConfig.from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from e

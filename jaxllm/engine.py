@@ -107,7 +107,6 @@ class Engine:
         self._ids = itertools.count()
         self._accepting = True
         self._stop = False
-        self._inflight: InFlight | None = None  # engine thread only: dispatched, tokens not yet recorded
         self._by_seq: dict[int, _Request] = {}  # engine thread only: admitted requests by sequence id
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
@@ -181,7 +180,7 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._stop or self._incoming or self._cancels or scheduler.has_work()
-                           or self._inflight is not None):
+                           or self.llm._inflight is not None):
                     self._lock.wait()
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, set()
@@ -197,38 +196,34 @@ class Engine:
                     scheduler.cancel(request.seq)
                     self._finish(request, "cancelled")
             if stop and not scheduler.has_work():
-                self._inflight = None  # only finished sequences' steps can be left: nothing to record
+                self.llm._inflight = None  # only finished sequences' steps can be left: nothing to record
                 return
-            if not (scheduler.has_work() or self._inflight is not None):
+            if not (scheduler.has_work() or self.llm._inflight is not None):
                 continue
             try:
                 self._step()
             except Exception as e:  # a failed step fails its requests, not the server
-                self._inflight = None  # dropped unrecorded: harmless (LLM._advance says why)
+                self.llm._inflight = None  # dropped unrecorded: harmless (LLM._advance says why)
                 for request in list(self._by_seq.values()):
                     if request.seq is not None:
                         scheduler.cancel(request.seq)
                         self._finish(request, "error", error=f"{type(e).__name__}: {e}")
 
+    @property
+    def _inflight(self) -> InFlight | None:
+        """The step dispatched and not yet recorded (the LLM's: one pipeline for both front ends)."""
+        return self.llm._inflight
+
     def _step(self) -> None:
-        """Record one step's tokens; as LLM._advance, the next decode step is queued before they are read."""
+        """Record one step's tokens with LLM._advance (the next decode step queued before they are read),
+        then stream them to their requests."""
         llm = self.llm
-        inflight, self._inflight = self._inflight, None
-        if inflight is None:
-            plan = llm.scheduler.plan()
-            if plan is None:
-                return
-            inflight = llm.runner.dispatch(plan)
-        plan = inflight.plan
         # Requests or cancels that arrived meanwhile are taken in before the next step instead: a
         # continuation would delay admission by a step, or run a step for a sequence about to go.
         # (An unlocked peek: a stale answer costs at most one step of latency, never correctness.)
-        if llm.options.pipeline and not (self._incoming or self._cancels):
-            continuation = llm.scheduler.plan_continuation(plan)
-            if continuation is not None:
-                self._inflight = llm.runner.dispatch(continuation, token_source=inflight)
-        sampled = inflight.tokens()
-        llm.scheduler.update(plan, sampled, llm.tokenizer.eos_id)
+        plan = llm._advance(run_ahead=not (self._incoming or self._cancels), idle_ok=True)
+        if plan is None:
+            return
         self.stats.steps_total += 1
         now = time.monotonic()
         for seq in plan.seqs:

@@ -198,15 +198,20 @@ class LLM:
     # (Scheduler.plan_continuation), which takes its input tokens from the device. A step dropped
     # unrecorded (an exception, an abandoned stream) is harmless: the scheduler never moved past it.
 
-    def _advance(self, run_ahead: bool = True) -> StepPlan:
+    def _advance(self, run_ahead: bool = True, idle_ok: bool = False) -> StepPlan | None:
         """Record one step's tokens (dispatching it first if none is in flight); returns its plan.
 
         With run_ahead (and options.pipeline), the step after it is dispatched before its tokens are read.
+        When no step is in flight and the scheduler plans none: None with idle_ok (the server's engine,
+        between requests), else RuntimeError. Only this LLM's own generate/stream sequences get their
+        stop strings checked here; the engine checks its requests'.
         """
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             plan = self.scheduler.plan()
             if plan is None:
+                if idle_ok:
+                    return None
                 raise RuntimeError("scheduler has waiting work but could plan no step (pool too small?)")
             inflight = self.runner.dispatch(plan)
         following = None

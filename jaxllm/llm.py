@@ -62,6 +62,7 @@ class _TextTracker:
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.decoder = StreamDecoder(tokenizer)
         self.stop = stop
+        self.longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""
         self.emitted = 0  # characters already handed to a streaming caller
         self.stopped = False
@@ -70,8 +71,7 @@ class _TextTracker:
         before = len(self.text)
         self.text += self.decoder.push(token_id)
         if self.stop:
-            longest = max(len(s) for s in self.stop)
-            window_start = max(0, before - longest + 1)
+            window_start = max(0, before - self.longest_stop + 1)
             hits = [i for i in (self.text.find(s, window_start) for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[:min(hits)]
@@ -85,7 +85,7 @@ class _TextTracker:
         """Text not yet emitted; holds back a tail that might still grow into a stop string."""
         end = len(self.text)
         if not final and self.stop:
-            end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
+            end = max(self.emitted, end - (self.longest_stop - 1))
         piece = self.text[self.emitted:end]
         self.emitted = end
         return piece

@@ -18,7 +18,9 @@ bf16 throughout, fresh random inputs, Llama-2-7B heads unless said otherwise:
     for every implementation.
 Each timed function runs attention over up to 4 separate KV buffers inside one jit (like layers of a
 model step), so dispatch is amortised and every buffer exceeds L2; time per call = median over reps of
-(elapsed / calls / buffers). Writes `<device>-<date>-<HHMM>-attention[-sections].json` and `.md` under --out
+(elapsed / calls / buffers). The implementations of one case are timed in turns (each rep runs every one
+once, in rotated order), not one after another: on an H200 the same kernel measured 3-5% faster when it
+ran first after a pause than after the others' runs, which favoured whichever went first. Writes `<device>-<date>-<HHMM>-attention[-sections].json` and `.md` under --out
 (default benchmarks/results/).
 """
 
@@ -110,64 +112,99 @@ class Bench:
     def measure(self, section, case, impl, fn, shared, layers, *, kv_bytes=None, flops=None, ref=None,
                 err_of=None, note=None):
         """Time fn(shared, layer) over the layers inside one jit; returns the first layer's output or None."""
-        row = dict(case=case, impl=impl)
-        if note:
-            row["note"] = note
-        out = None
-        try:
-            step = jax.jit(lambda s, ls: [fn(s, layer) for layer in ls])
-            start = time.perf_counter()
-            outs = jax.block_until_ready(step(shared, layers))
-            row["compile_s"] = round(time.perf_counter() - start, 2)
-            out = outs[0]
-            del outs
-            if not all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(out)):
-                row["nonfinite"] = True
-            if ref is not None:
-                row["max_abs_err"] = float(err_of(out, ref) if err_of else
-                                           jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-            times, n = time_calls(step, (shared, layers), reps=self.plan.reps, target_s=self.plan.target_s,
-                                  max_calls=100, per=len(layers))
-            t = float(np.median(times))
-            row.update(us=round(t * 1e6, 1), calls=n * self.plan.reps, buffers=len(layers),
-                       spread=round((max(times) - min(times)) / t, 3))
-            if kv_bytes is not None:
-                row.update(tbps=round(kv_bytes / t / 1e12, 3), frac_hbm=round(kv_bytes / t / 1e12 / HBM_TBPS, 3))
-            if flops is not None:
-                row.update(tflops=round(flops / t / 1e12, 1), ms=round(t * 1e3, 3))
-        except Exception as e:  # one failing implementation must not hide the others
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            traceback.print_exc()
-            out = None
-        self.rows[section].append(row)
-        shown = {k: v for k, v in row.items() if k not in ("case", "impl")}
-        print(f"[{time.time() - self.t0:6.1f}s] {section} | {case} | {impl} | {shown}", flush=True)
-        return out
+        return self.measure_interleaved(section, case, [dict(impl=impl, fn=fn, shared=shared, layers=layers,
+                                                             ref=ref, err_of=err_of, note=note)],
+                                        kv_bytes=kv_bytes, flops=flops)[0]
+
+    def measure_interleaved(self, section, case, entries, *, kv_bytes=None, flops=None):
+        """Time several implementations of one case in turns: rep r times every entry once, starting at
+        entry r mod n, so a drift of the card's speed over the run (seen: 3-5% between the first and
+        the last of back-to-back measurements) is shared by all of them instead of favouring whichever
+        runs first. entries: dicts of impl, fn, shared, layers, and optional ref (an output to compare
+        with, or the string "first": the first entry's output), err_of, note. Returns each entry's first
+        layer's output (None where it failed)."""
+        prepared, outs = [], []
+        for e in entries:
+            row = dict(case=case, impl=e["impl"])
+            if e.get("note"):
+                row["note"] = e["note"]
+            ref = outs[0] if isinstance(e.get("ref"), str) else e.get("ref")
+            out, timed = None, None
+            try:
+                step = jax.jit(lambda s, ls, fn=e["fn"]: [fn(s, layer) for layer in ls])
+                args = (e["shared"], e["layers"])
+                start = time.perf_counter()
+                outs_all = jax.block_until_ready(step(*args))
+                row["compile_s"] = round(time.perf_counter() - start, 2)
+                out = outs_all[0]
+                del outs_all
+                if not all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(out)):
+                    row["nonfinite"] = True
+                if ref is not None:
+                    err_of = e.get("err_of")
+                    row["max_abs_err"] = float(err_of(out, ref) if err_of else
+                                               jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+                start = time.perf_counter()
+                jax.block_until_ready(step(*args))
+                once = time.perf_counter() - start
+                calls = int(np.clip(self.plan.target_s / self.plan.reps / max(once, 1e-6), 1, 100))
+                timed = (step, args, calls, len(e["layers"]))
+            except Exception as exc:  # one failing implementation must not hide the others
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                traceback.print_exc()
+                out = None
+            prepared.append((row, timed, []))
+            outs.append(out)
+        live = [p for p in prepared if p[1] is not None]
+        for rep in range(self.plan.reps):
+            for i in range(len(live)):
+                _, (step, args, calls, per), times = live[(rep + i) % len(live)]
+                try:
+                    times.append(time_batch(step, args, calls=calls, per=per))
+                except Exception as exc:
+                    live[(rep + i) % len(live)][0]["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        for row, timed, times in prepared:
+            if timed is not None and times and "error" not in row:
+                t = float(np.median(times))
+                row.update(us=round(t * 1e6, 1), calls=timed[2] * len(times), buffers=timed[3],
+                           spread=round((max(times) - min(times)) / t, 3))
+                if len(entries) > 1:
+                    row["timing"] = "interleaved with " + ", ".join(e["impl"] for e in entries if e["impl"] != row["impl"])
+                if kv_bytes is not None:
+                    row.update(tbps=round(kv_bytes / t / 1e12, 3), frac_hbm=round(kv_bytes / t / 1e12 / HBM_TBPS, 3))
+                if flops is not None:
+                    row.update(tflops=round(flops / t / 1e12, 1), ms=round(t * 1e3, 3))
+            self.rows[section].append(row)
+            shown = {k: v for k, v in row.items() if k not in ("case", "impl")}
+            print(f"[{time.time() - self.t0:6.1f}s] {section} | {case} | {row['impl']} | {shown}", flush=True)
+        return outs
 
     def skip(self, section, case, impl, why):
         self.rows[section].append(dict(case=case, impl=impl, skipped=why))
         print(f"[{time.time() - self.t0:6.1f}s] {section} | {case} | {impl} | skipped: {why}", flush=True)
 
 
+def time_batch(step, args: tuple, *, calls: int, per: int) -> float:
+    """Seconds per call / per of step(*args) (compiled and warm): `calls` calls dispatched back to back,
+    one wait at the end, so dispatch overlaps the device work. `per` divides out the layers inside one call."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        r = step(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - start) / calls / per
+
+
 def time_calls(step, args: tuple, *, reps: int, target_s: float, max_calls: int, per: int) -> tuple[list[float], int]:
     """Times step(*args), compiled already: (seconds per call / per, one value per rep; calls per rep).
 
     A first call, not counted, sizes the reps: calls per rep = target_s / reps / its time, clipped
-    to [1, max_calls]. Each rep dispatches its calls back to back and waits once
-    at the end, so dispatch overlaps the device work. `per` divides out the layers inside one call.
+    to [1, max_calls]; each rep is one time_batch.
     """
     start = time.perf_counter()
     jax.block_until_ready(step(*args))
     once = time.perf_counter() - start
     calls = int(np.clip(target_s / reps / max(once, 1e-6), 1, max_calls))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            r = step(*args)
-        jax.block_until_ready(r)
-        times.append((time.perf_counter() - start) / calls / per)
-    return times, calls
+    return [time_batch(step, args, calls=calls, per=per) for _ in range(reps)], calls
 
 
 def consecutive_tables(blocks_per_seq, width: int) -> np.ndarray:
@@ -200,24 +237,22 @@ def _sdpa(impl, with_lengths):
     return fn
 
 
-def _decode_peers(bench: Bench, section, case, q, lens, dense_layers, kv_bytes, with_lengths):
-    """cuDNN (the reference on a GPU), XLA and Pallas gqa on seq-major KV; returns (reference out, cuDNN us)."""
+def _decode_peers(bench: Bench, with_lengths) -> list[dict]:
+    """Entries for measure_interleaved: cuDNN (the reference on a GPU), XLA and Pallas gqa on seq-major KV,
+    shared = (q, lens), layers = [(k, v)] seq-major. The first entry's output is the others' reference."""
     from jax.experimental.pallas.ops.gpu import decode_attention as da
 
-    ref, t_cudnn = None, None
+    entries = []
     if compat.on_gpu():
-        ref = bench.measure(section, case, "cudnn", _sdpa("cudnn", with_lengths), (q, lens), dense_layers,
-                            kv_bytes=kv_bytes)
-        t_cudnn = bench.rows[section][-1].get("us")
-    else:
-        bench.skip(section, case, "cudnn", "needs a GPU")
-    out = bench.measure(section, case, "xla", _sdpa("xla", with_lengths), (q, lens), dense_layers,
-                        kv_bytes=kv_bytes, ref=ref)
-    ref = out if ref is None else ref
+        entries.append(dict(impl="cudnn", fn=_sdpa("cudnn", with_lengths)))
+    entries.append(dict(impl="xla", fn=_sdpa("xla", with_lengths)))
     gqa = lambda s, l: da.gqa(s[0], *l, kv_seq_len=s[1], interpret=bench.interpret)
-    bench.measure(section, case, "pallas_gqa", gqa, (q, lens), dense_layers, kv_bytes=kv_bytes, ref=ref,
-                  note="seq-major KV; the wrapper transposes it to head-major on every call")
-    return ref, t_cudnn
+    entries.append(dict(impl="pallas_gqa", fn=gqa,
+                        note="seq-major KV; the wrapper transposes it to head-major on every call"))
+    for i, e in enumerate(entries):
+        if i:
+            e["ref"] = "first"
+    return entries
 
 
 def decode_section(bench: Bench):
@@ -228,22 +263,24 @@ def decode_section(bench: Bench):
         if bench.over_budget():
             bench.skip("decode", case, "all", "time budget")
             continue
+        if not compat.on_gpu():
+            bench.skip("decode", case, "cudnn", "needs a GPU")
         kv_bytes = 2 * batch * ctx * hkv * d * 2
         layers = int(np.clip(bench.plan.layer_bytes // kv_bytes, 1, bench.plan.max_layers))
         q = bench.normal((batch, hq, d))
         lens = jnp.full((batch,), ctx, jnp.int32)
         dense = [(bench.normal((batch, ctx, hkv, d)), bench.normal((batch, ctx, hkv, d))) for _ in range(layers)]
-        ref, t_cudnn = _decode_peers(bench, "decode", case, q, lens, dense, kv_bytes, with_lengths=False)
         pools = []
         for k, v in dense:
             kp, tables = pool_from_dense(k, lens, block)
             pools.append((kp, pool_from_dense(v, lens, block)[0]))
-        del dense
+        entries = [dict(e, shared=(q, lens), layers=dense) for e in _decode_peers(bench, with_lengths=False)]
         ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], block_sizes=bench.decode_sizes,
                                           interpret=bench.interpret)
-        bench.measure("decode", case, "ours", ours, (q, tables, lens), pools, kv_bytes=kv_bytes, ref=ref,
-                      note=f"rBlock {block}, consecutive tables, {bench.decode_sizes or DecodeBlockSizes()}")
-        del pools
+        entries.append(dict(impl="ours", fn=ours, shared=(q, tables, lens), layers=pools, ref="first",
+                            note=f"rBlock {block}, consecutive tables, {bench.decode_sizes or DecodeBlockSizes()}"))
+        bench.measure_interleaved("decode", case, entries, kv_bytes=kv_bytes)
+        del dense, pools, entries
 
 
 def ragged_section(bench: Bench):
@@ -265,7 +302,9 @@ def ragged_section(bench: Bench):
     q = bench.normal((n, hq, d))
     lens = jnp.asarray(lens_np)
     k, v = bench.normal((n, hi, hkv, d)), bench.normal((n, hi, hkv, d))  # padded; rows past a length are random
-    ref, _ = _decode_peers(bench, "ragged", case, q, lens, [(k, v)], real_bytes, with_lengths=True)
+    entries = [dict(e, shared=(q, lens), layers=[(k, v)]) for e in _decode_peers(bench, with_lengths=True)]
+    if not compat.on_gpu():
+        bench.skip("ragged", case, "cudnn", "needs a GPU")
 
     def head_major(s, l, k_splits=32):
         inner = functools.partial(da.decode_attn_unbatched, sm_scale=1 / math.sqrt(d), block_h=16, block_k=128,
@@ -277,15 +316,15 @@ def ragged_section(bench: Bench):
         return out.reshape(n, hq, d)
 
     hm = [(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))]  # [B, Hkv, S, D], built outside the timing
-    bench.measure("ragged", case, "pallas_headmajor", head_major, (q, lens), hm, kv_bytes=real_bytes, ref=ref,
-                  note="JAX's decode kernel vmapped over padded head-major KV (block_k 128, k_splits 32)")
-    del hm
+    entries.append(dict(impl="pallas_headmajor", fn=head_major, shared=(q, lens), layers=hm, ref="first",
+                        note="JAX's decode kernel vmapped over padded head-major KV (block_k 128, k_splits 32)"))
     kp, tables = pool_from_dense(k, lens_np, plan.decode_block)
     vp = pool_from_dense(v, lens_np, plan.decode_block)[0]
-    del k, v
     ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], block_sizes=bench.decode_sizes, interpret=bench.interpret)
-    bench.measure("ragged", case, "ours", ours, (q, tables, lens), [(kp, vp)], kv_bytes=real_bytes, ref=ref,
-                  note=f"rBlock {plan.decode_block}, consecutive tables; real KV only in the pool")
+    entries.append(dict(impl="ours", fn=ours, shared=(q, tables, lens), layers=[(kp, vp)], ref="first",
+                        note=f"rBlock {plan.decode_block}, consecutive tables; real KV only in the pool"))
+    bench.measure_interleaved("ragged", case, entries, kv_bytes=real_bytes)
+    del entries, hm, k, v, kp, vp
 
 
 def fragmented_section(bench: Bench):
@@ -304,12 +343,14 @@ def fragmented_section(bench: Bench):
         nb = batch * ctx // block
         pool = (bench.normal((nb, hkv, block, d)), bench.normal((nb, hkv, block, d)))
         ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], block_sizes=bench.decode_sizes, interpret=bench.interpret)
+        entries = []
         for name, ids in (("consecutive", np.arange(nb)), ("fragmented", rng.permutation(nb))):
             tables = jnp.asarray(ids.reshape(batch, -1), jnp.int32)
-            ref = ragged_decode_reference(q, *pool, tables, lens)
-            bench.measure("fragmented", case, name, ours, (q, tables, lens), [pool], kv_bytes=kv_bytes, ref=ref,
-                          note="error vs ragged_decode_reference (float32 gather through the table)")
-            del ref
+            entries.append(dict(impl=name, fn=ours, shared=(q, tables, lens), layers=[pool],
+                                ref=ragged_decode_reference(q, *pool, tables, lens),
+                                note="error vs ragged_decode_reference (float32 gather through the table)"))
+        bench.measure_interleaved("fragmented", case, entries, kv_bytes=kv_bytes)
+        del entries
 
 
 def _prefill_problem(bench: Bench, groups, heads, block):
@@ -424,19 +465,19 @@ def prefill_section(bench: Bench):
         packed_err, group_err = _prefill_errors(groups, plan.ref_rows)
         peer_note = "dense causal batch per group; after a prefix: 2 calls merged by log-sum-exp"
         ours = lambda s, _: ragged_prefill(*s, interpret=bench.interpret)
-        bench.measure("prefill", case, "ours", ours, packed, [()], flops=flops, ref=refs, err_of=packed_err,
-                      note=f"one call over the packed batch, rBlock {plan.prefill_block}, consecutive tables")
-        del packed
-        bench.measure("prefill", case, "pallas_mha", _peer_prefill(_mha_part(bench.interpret)), dense, [()],
-                      flops=flops, ref=refs, err_of=group_err, note=peer_note)
+        entries = [dict(impl="ours", fn=ours, shared=packed, layers=[()], ref=refs, err_of=packed_err,
+                        note=f"one call over the packed batch, rBlock {plan.prefill_block}, consecutive tables"),
+                   dict(impl="pallas_mha", fn=_peer_prefill(_mha_part(bench.interpret)), shared=dense, layers=[()],
+                        ref=refs, err_of=group_err, note=peer_note)]
         if compat.on_gpu():
-            bench.measure("prefill", case, "cudnn", _peer_prefill(_sdpa_part("cudnn")), dense, [()], flops=flops,
-                          ref=refs, err_of=group_err, note=peer_note + " (cuDNN returns the lse in bf16)")
+            entries.append(dict(impl="cudnn", fn=_peer_prefill(_sdpa_part("cudnn")), shared=dense, layers=[()],
+                                ref=refs, err_of=group_err, note=peer_note + " (cuDNN returns the lse in bf16)"))
         else:  # the same code path through XLA, so the merge is checked without a GPU
             bench.skip("prefill", case, "cudnn", "needs a GPU")
-            bench.measure("prefill", case, "xla", _peer_prefill(_sdpa_part("xla")), dense, [()], flops=flops,
-                          ref=refs, err_of=group_err, note=peer_note + "; stands in for cuDNN on a CPU")
-        del dense
+            entries.append(dict(impl="xla", fn=_peer_prefill(_sdpa_part("xla")), shared=dense, layers=[()],
+                                ref=refs, err_of=group_err, note=peer_note + "; stands in for cuDNN on a CPU"))
+        bench.measure_interleaved("prefill", case, entries, flops=flops)
+        del dense, packed, entries
 
 
 def _get(rows, case, impl, key):

@@ -39,7 +39,7 @@ class DecodeBlockSizes:
     block_k: KV tokens per kernel iteration (clipped to the rBlock size's largest power-of-two factor).
     tokens_per_split: about how many KV tokens a work item takes (a power of two, fixed); None (the
       default) picks it on the device from the real lengths of each call: total real KV x KV heads /
-      target_programs (>= min_tokens_per_split). Sequence s gets ceil(len_s / split) items (at least 1)
+      target_programs (>= min_tokens_per_split, see short_target_programs). Sequence s gets ceil(len_s / split) items (at least 1)
       and its tiles are dealt out evenly among them (sizes differ by at most one tile). The grid is
       then bounded by target_programs / kv_heads + num_seqs items whatever the table width, a lone
       32K sequence still gets ~target_programs programs (a split fixed by the table's capacity gave it
@@ -47,7 +47,14 @@ class DecodeBlockSizes:
       an H200 a ragged batch of 16 (1K..256K) read 4.05 TB/s with ~1000 programs and 2.90 with ~256
       (benchmarks/results/nvidia-h200-2026-11-22-attention*.json).
     target_programs: about how many programs (work items x KV heads) a call aims for.
-    min_tokens_per_split: no item shorter than this (a power of two).
+    min_tokens_per_split: no item shorter than this (a power of two), unless the call is short: then
+      items shrink, down to one tile, so that about short_target_programs programs still run.
+    short_target_programs: programs a short call (total KV x heads < target_programs x
+      min_tokens_per_split, e.g. one sequence under 8K with 32 KV heads) aims for. On an H200, with
+      32 heads and a table 128K wide as in the engine, 1K ran 11.5 us a call with 64-token items
+      (512 programs) vs 15.8 with 256-token ones, 2K 15.4 vs 17.9; at 4K 256-token items (512
+      programs) beat 128-token ones, 24.1 vs 26.1 (check_ragged_decode_gpu.py --short-sweep, kernel
+      times from a trace: benchmarks/results/nvidia-h200-2026-11-22-0806-ragged-decode-short-sweep.json).
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
     int8_via_fp16: int8 KV is turned into float16 with integer ops (x + 128 in the mantissa of
       1024.0, minus 1152: exact) instead of int-to-float conversions, and the dots run in float16.
@@ -64,6 +71,7 @@ class DecodeBlockSizes:
     tokens_per_split: int | None = None
     target_programs: int = 1024
     min_tokens_per_split: int = 256
+    short_target_programs: int = 512
     num_warps: int = 4
     num_stages: int = 4
     int8_via_fp16: bool = False
@@ -74,8 +82,9 @@ class DecodeBlockSizes:
                                                   or self.tokens_per_split < self.block_k):
             raise ValueError(f"tokens_per_split {self.tokens_per_split} must be a power of two >= block_k "
                              f"{self.block_k}")
-        if self.target_programs < 1:
-            raise ValueError(f"target_programs {self.target_programs} must be >= 1")
+        for name in ("target_programs", "short_target_programs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if not is_pow2(self.min_tokens_per_split):
             raise ValueError(f"min_tokens_per_split {self.min_tokens_per_split} must be a power of two")
         check_launch(self.num_warps, self.num_stages)
@@ -88,22 +97,22 @@ class DecodeBlockSizes:
         """Static bound on work items: every chunk of every sequence fits."""
         if self.tokens_per_split is not None:
             return num_seqs * pl.cdiv(capacity, self.tokens_per_split)
-        # sum_i max(ceil(len_i / split), 1) <= total / split + num_seqs, and split >= total * heads / target.
-        return min(num_seqs * pl.cdiv(capacity, self._min_split(block_size)),
-                   pl.cdiv(self.target_programs, num_kv_heads) + num_seqs)
-
-    def _min_split(self, block_size: int) -> int:
-        return max(self.tile(block_size), self.min_tokens_per_split)
+        # sum_i max(ceil(len_i / split), 1) <= total / split + num_seqs, and split >= total * heads / target
+        # (both targets), and split >= one tile.
+        target = max(self.target_programs, self.short_target_programs)
+        return min(num_seqs * pl.cdiv(capacity, self.tile(block_size)), pl.cdiv(target, num_kv_heads) + num_seqs)
 
     def split(self, block_size: int, kv_lens: jax.Array, num_kv_heads: int) -> jax.Array:
         """Most tokens per work item before a sequence takes one more (int32 scalar, >= one tile)."""
         if self.tokens_per_split is not None:
             return jnp.int32(self.tokens_per_split)
-        total = jnp.sum(kv_lens.astype(jnp.int32))
+        work = jnp.sum(kv_lens.astype(jnp.int32)) * num_kv_heads
         # Not rounded to a power of two (just past one, 128K + a few tokens, that would halve the
         # programs) nor to the tile (each sequence's tiles are dealt evenly among its items).
-        want = pl.cdiv(total * num_kv_heads, self.target_programs)
-        return jnp.maximum(want, self._min_split(block_size)).astype(jnp.int32)
+        want = pl.cdiv(work, self.target_programs)
+        short = jnp.maximum(pl.cdiv(work, self.short_target_programs), self.tile(block_size))
+        floor = jnp.minimum(jnp.maximum(self.min_tokens_per_split, self.tile(block_size)), short)
+        return jnp.maximum(want, floor).astype(jnp.int32)
 
 
 # int8 KV at 128K on an H200 (scripts/check_ragged_decode_gpu.py --int8-sweep): 128-token tiles x 3

@@ -9,7 +9,9 @@ Usage (GPU machine, repo root): PYTHONPATH=$PWD python3 scripts/check_ragged_dec
    NUM_LAYERS separate KV buffers inside one jit (as a model step would), so dispatch is amortised;
    time per call = total / NUM_LAYERS. TB/s counts K and V bytes read.
    Also times kv_lens all 0 (every program exits at once): the fixed cost of a call (launch, counters, prologue).
-3. With --split-sweep: only target_programs 768..1536 at 32K / 128K / batch 8 x 32K, and
+3. With --short-sweep: only kernel times from a trace at 1K..8K (batch 1, 32 heads, a table 128K wide
+   as the engine's), per short-call split rule (DecodeBlockSizes.short_target_programs).
+3b. With --split-sweep: only target_programs 768..1536 at 32K / 128K / batch 8 x 32K, and
    min_tokens_per_split 128..2048 at 1K / 4K (rBlock 256, as the engine), with cuDNN.
 4. With --sweep: DecodeBlockSizes variants (programs, stages, warps, block_k) on MHA batch 1 at 32K and
    128K, batch 8 at 32K, and a ragged batch (16 seqs, 64 q / 8 kv heads, 1K..256K).
@@ -183,6 +185,43 @@ def int8_timing(configs, length: int = 131072, heads: int = 32, block_size: int 
     return rows
 
 
+def short_trace_timing(configs: dict, cases=((1024, 131072), (2048, 131072), (4096, 131072), (8192, 131072)),
+                       heads: int = 32, block_size: int = 256, layers: int = 32) -> list[dict]:
+    """Kernel time (from a profiler trace, so no launch gaps or timer noise) of batch-1 MHA decode at short
+    contexts, `layers` calls chained as in a model step, with a table `width` tokens wide as the engine
+    sizes it (for its context limit) though only `length` tokens are real. configs: name -> DecodeBlockSizes."""
+    from device_trace import kernel_times
+
+    rows = []
+    for length, width in cases:
+        used = -(-length // block_size)
+        keys = jax.random.split(jax.random.key(2), 2 * layers)
+        shape = (used, heads, block_size, 128)
+        pools = [(jax.random.normal(keys[2 * i], shape, jnp.bfloat16),
+                  jax.random.normal(keys[2 * i + 1], shape, jnp.bfloat16)) for i in range(layers)]
+        tables = jnp.zeros((1, width // block_size), jnp.int32).at[0, :used].set(jnp.arange(used, dtype=jnp.int32))
+        lens = jnp.asarray([length], jnp.int32)
+        q = jax.random.normal(keys[0], (1, heads, 128), jnp.bfloat16)
+        for name, bsz in configs.items():
+            try:
+                @jax.jit
+                def step(q, pools):
+                    for k, v in pools:  # chained like layers: each call waits for the previous
+                        q = ragged_decode(q, k, v, tables, lens, block_sizes=bsz, interpret=None).astype(q.dtype)
+                    return q
+                times = kernel_times(lambda: step(q, pools), 10)
+                us = sum(t for n, t in times.items() if "ragged_decode" in n) / layers
+                row = dict(case=f"batch 1, {heads}x128, {length} tokens, table {width} wide", config=name,
+                           split=int(bsz.split(block_size, lens, heads)), kernel_us=round(us, 2),
+                           tb_s=round(2 * length * heads * 128 * 2 / us / 1e6, 3))
+            except Exception as e:
+                row = dict(case=f"{length}", config=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+            print(row, flush=True)
+            rows.append(row)
+        del pools
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -191,6 +230,8 @@ def main():
     parser.add_argument("--split-sweep", action="store_true",
                         help="only time target_programs 768..1536 (MHA batch 1 at 32K / 128K, batch 8 at 32K) and "
                              "min_tokens_per_split 128..1024 (batch 1 at 1K / 4K), with cuDNN")
+    parser.add_argument("--short-sweep", action="store_true",
+                        help="only kernel times (trace) at 1K..8K, batch 1, table 128K wide: the short-call split rule")
     args = parser.parse_args()
     compat.silence_triton_deprecation()
     print(jax.__version__, jax.devices(), flush=True)
@@ -203,6 +244,16 @@ def main():
         result["int8_128k"] = int8_timing([base, r(base, int8_via_fp16=False), r(base, block_k=64),
                                            r(base, num_stages=3)])
         with open(os.path.join(args.out, "ragged_decode_int8_sweep.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        return
+    if args.short_sweep:
+        r = dataclasses.replace
+        base = DecodeBlockSizes()
+        configs = {"default": base, "no short rule (256-token floor)": r(base, short_target_programs=1),
+                   "64-token floor": r(base, min_tokens_per_split=64), "short target 1024": r(base, short_target_programs=1024),
+                   "short target 256": r(base, short_target_programs=256)}
+        result["short"] = short_trace_timing(configs)
+        with open(os.path.join(args.out, "ragged_decode_short_sweep.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return
     if args.split_sweep:

@@ -170,7 +170,14 @@ def test_default_split_follows_the_real_lengths_not_the_table():
     assert int(bsz.split(1024, jnp.asarray([131072 + 5]), 32)) == 4097
     # A 32K sequence in a table sized for 512K still gets ~1024 programs.
     assert int(bsz.split(1024, jnp.asarray([32768]), 32)) == 1024
-    assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 256  # short: never below min_tokens_per_split
+    # Short calls aim for short_target_programs (512) items x heads, never below one tile, and never
+    # below min_tokens_per_split (256) where that still gives them as many.
+    assert int(bsz.split(256, jnp.asarray([1024]), 32)) == 64  # 16 items x 32 heads
+    assert int(bsz.split(256, jnp.asarray([2048]), 32)) == 128
+    assert int(bsz.split(256, jnp.asarray([4096]), 32)) == 256
+    assert int(bsz.split(256, jnp.asarray([8192]), 32)) == 256  # 32 items: the long rule's 1024 programs
+    assert int(bsz.split(256, jnp.asarray([100]), 1)) == 64  # one tile
+    assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 16
     # The static bound holds for any lengths: target / heads + num_seqs items.
     rng = np.random.default_rng()
     for _ in range(200):

@@ -14,6 +14,10 @@ q/k/v and gate/up are stored fused so a decode step reads each group of weights 
 batch 1 on an H200 one 4096 x 12288 matmul streams 3.8 TB/s where three 4096 x 4096 ones stream
 3.0, and one 4096 x 22016 streams 4.2 where two 4096 x 11008 stream 3.5
 (benchmarks/results/nvidia-h200-2026-11-22-0158-skinny-matmul.json, XLA's kernels).
+Each residual add is done by the next RMSNorm (RMSNorm(x, delta) returns the normalised sum and the
+sum), so a decode step runs add + norm as one kernel, and the o and down projections hand over their
+split-K partials unreduced for that kernel to sum (dispatch.matmul_unreduced): 355 kernels a 1K
+decode step instead of 483 (benchmarks/NOTES.md).
   layers[i].input_norm, layers[i].post_attention_norm, final_norm   [hidden]
   lm_head                   [hidden, vocab]   (absent when tie_word_embeddings)
 """
@@ -27,7 +31,7 @@ from flax import nnx
 from jaxllm.config import LlamaConfig
 from jaxllm.kv_cache import AttentionBatch, KVCache, LayerKV
 from jaxllm.rope import apply_rope, inverse_frequencies, rope_tables
-from pallas_kernels.dispatch import ragged_attention, write_kv
+from pallas_kernels.dispatch import add_rms_norm, matmul_unreduced, ragged_attention, write_kv
 
 _INIT_STD = 0.02
 
@@ -43,11 +47,14 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # As HF Llama: normalise in float32, cast back, then scale.
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+    def __call__(self, x: jax.Array, delta: jax.Array | None = None, backend: str = "auto"
+                 ) -> tuple[jax.Array, jax.Array]:
+        """(RMSNorm(x + delta), x + delta) for x, delta [T, D] (delta None: nothing added).
+
+        As HF Llama: the residual add in the activation dtype, normalise in float32, cast back, then
+        scale. Adding the previous block's output here lets a decode step do add + norm in one kernel.
+        """
+        return add_rms_norm(x, delta, self.weight[...], eps=self.eps, backend=backend)
 
 
 class Attention(nnx.Module):
@@ -68,7 +75,10 @@ class Attention(nnx.Module):
         out = ragged_attention(qk, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
                                decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=q_end,
                                backend=backend)
-        out = jnp.einsum("TNH,NHD->TD", out.astype(x.dtype), self.o[...])
+        # Left unreduced where it can be: the next norm adds it to the residual stream.
+        o = self.o[...]
+        out = matmul_unreduced(out.astype(x.dtype).reshape(out.shape[0], -1), o.reshape(-1, o.shape[-1]),
+                               backend=backend)
         return out, LayerKV(k_pool, v_pool, k_scale, v_scale)
 
 
@@ -77,9 +87,10 @@ class MLP(nnx.Module):
         self.gate_up = _param(rngs, (hidden, 2, intermediate), dtype, fan_in=hidden)
         self.down = _param(rngs, (intermediate, hidden), dtype, fan_in=intermediate)
 
-    def __call__(self, x):
+    def __call__(self, x, backend: str):
+        """x [T, D] normalised -> the MLP's output, [T, D] or unreduced (see matmul_unreduced)."""
         gate_up = jnp.einsum("TD,DGF->TGF", x, self.gate_up[...])  # [T, 2, F]
-        return jnp.einsum("TF,FD->TD", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...])
+        return matmul_unreduced(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], backend=backend)
 
 
 class DecoderLayer(nnx.Module):
@@ -90,11 +101,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos, sin, layer_kv, batch, backend):
-        attn_out, layer_kv = self.attention(self.input_norm(x), cos, sin, layer_kv, batch, backend)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_norm(x))
-        return x, layer_kv
+    def __call__(self, x, delta, cos, sin, layer_kv, batch, backend):
+        """(x, delta): the residual stream and the previous layer's MLP output, not yet added (None
+        for the first layer). Returns this layer's (x, MLP output, KV): each add is done by the next norm."""
+        normed, x = self.input_norm(x, delta, backend)
+        attn_out, layer_kv = self.attention(normed, cos, sin, layer_kv, batch, backend)
+        normed, x = self.post_attention_norm(x, attn_out, backend)
+        return x, self.mlp(normed, backend), layer_kv
 
 
 class Llama(nnx.Module):
@@ -113,13 +126,13 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, batch: AttentionBatch,
                  *, backend: str = "auto") -> tuple[jax.Array, KVCache]:
         """tokens, positions [T] int32 -> (final hidden states [T, hidden], updated KV pool)."""
-        x = self.embedding[...][tokens]  # [T, D]
+        x, delta = self.embedding[...][tokens], None  # [T, D]
         cos, sin = rope_tables(self.inv_freq[...], positions)
         new_layers = []
         for layer, layer_kv in zip(self.layers, kv_cache.layers):
-            x, layer_kv = layer(x, cos, sin, layer_kv, batch, backend)
+            x, delta, layer_kv = layer(x, delta, cos, sin, layer_kv, batch, backend)
             new_layers.append(layer_kv)
-        return self.final_norm(x), KVCache(new_layers)
+        return self.final_norm(x, delta, backend)[0], KVCache(new_layers)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, D] -> logits [N, vocab] in float32."""

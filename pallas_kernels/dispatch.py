@@ -121,3 +121,46 @@ def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=N
     k_new = k_new[:, k_first_head:k_first_head + num_kv_heads]
     v_new = v_new[:, v_first_head:v_first_head + num_kv_heads]
     return kv_write.write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale, v_scale)
+
+
+# Steps up to this many tokens (decode) take the one-kernel add + RMSNorm and the weight-streaming
+# matmul on the kernel backends.
+FUSED_NORM_MAX_TOKENS = 64
+
+
+def matmul_unreduced(x: jax.Array, w: jax.Array, *, backend: Backend | None = "auto") -> jax.Array:
+    """x [T, K] @ w [K, N] for a block output that add_rms_norm adds to the residual stream next.
+
+    Decode steps (T <= FUSED_NORM_MAX_TOKENS) on the kernel backends return the skinny matmul's
+    unreduced split-K partials [S, T, N] float32: add_rms_norm sums them in its one pass, so the sum,
+    the residual add and the norm are one kernel (XLA's own split-K GEMM runs its sum as a separate
+    ~1.3 us kernel). Otherwise XLA's matmul: [T, N] in x.dtype.
+    """
+    backend = resolve_backend(backend)
+    if backend in ("triton", "mosaic") and x.shape[0] <= FUSED_NORM_MAX_TOKENS:
+        from pallas_kernels.skinny_matmul import skinny_matmul_partials
+
+        return skinny_matmul_partials(x, w)
+    return jnp.dot(x, w)
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float,
+                 backend: Backend | None = "auto") -> tuple[jax.Array, jax.Array]:
+    """(RMSNorm(x + delta) * weight, x + delta) for x, delta [T, D] (delta None: x itself, not added;
+    delta [S, T, D] float32: matmul_unreduced's partials, summed first).
+
+    `rms_norm.add_rms_norm`'s meaning (HF Llama's rounding points). Decode steps (T <=
+    FUSED_NORM_MAX_TOKENS) on the kernel backends take the one-pass Pallas kernel, one launch where
+    XLA runs three (the add, the reduction and the scale, each ~1.4 us on an H200 at batch 1); longer
+    steps and the CPU take the reference, which XLA fuses.
+    """
+    from pallas_kernels import rms_norm
+
+    backend = resolve_backend(backend)
+    if backend in ("triton", "mosaic") and x.shape[0] <= FUSED_NORM_MAX_TOKENS:
+        if delta is None:
+            return rms_norm.rms_norm(x, weight, eps=eps), x
+        return rms_norm.add_rms_norm(x, delta, weight, eps=eps)
+    if delta is None:
+        return rms_norm.rms_norm_reference(x, weight, eps=eps), x
+    return rms_norm.add_rms_norm_reference(x, delta, weight, eps=eps)

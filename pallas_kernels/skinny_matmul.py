@@ -141,13 +141,14 @@ def _skinny_kernel(
         compat.triton_masked_store(o_ref.at[pl.ds(0, rows), pl.ds(n0, block_n)], acc.astype(o_ref.dtype), out_mask)
 
 
-def _skinny_call(x, w, *, out_dtype, block_sizes: SkinnyBlockSizes, interpret: bool):
-    """The kernel alone: [splits, M, N] float32 partials, or [M, N] out_dtype when K is not split."""
+def _skinny_call(x, w, *, out_dtype, block_sizes: SkinnyBlockSizes, interpret: bool, partials: bool = False):
+    """The kernel alone: [splits, M, N] float32 partials (always with `partials`), or [M, N] out_dtype
+    when K is not split."""
     m, k = x.shape
     n = w.shape[1]
     rows = max(MIN_DOT_ROWS, 1 << (m - 1).bit_length())  # token rows padded by masked loads for tl.dot
     chunks, per_split, splits = block_sizes.plan(k)
-    split_out = splits > 1
+    split_out = partials or splits > 1
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_skinny_kernel, m=m, k=k, n=n, rows=rows, block_n=block_sizes.block_n,
                                block_k=block_sizes.block_k, chunks=chunks, per_split=per_split,
@@ -173,6 +174,11 @@ def _skinny_matmul(x, w, *, out_dtype, block_sizes: SkinnyBlockSizes, interpret:
     if out.ndim == 3:
         out = jnp.sum(out, axis=0).astype(out_dtype)  # [m, n]; one XLA reduction fusion
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _skinny_partials(x, w, *, block_sizes: SkinnyBlockSizes, interpret: bool):
+    return _skinny_call(x, w, out_dtype=jnp.float32, block_sizes=block_sizes, interpret=interpret, partials=True)
 
 
 def check_skinny_matmul_args(x, w, out_dtype=None) -> None:
@@ -227,3 +233,19 @@ def skinny_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> ja
     """jnp.dot with float32 accumulation (full-precision float32 products): [M, K] @ [K, N] -> [M, N]."""
     out = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)
+
+
+def skinny_matmul_partials(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    block_sizes: SkinnyBlockSizes | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """x @ w as the kernel's unreduced split-K partials: [splits, M, N] float32 (splits >= 1), summing to
+    the product. For a consumer that adds them itself (rms_norm.add_rms_norm, the next layer's residual
+    add) instead of paying one more kernel for the sum. Arguments as `skinny_matmul`."""
+    check_skinny_matmul_args(x, w)
+    if block_sizes is None:
+        block_sizes = default_block_sizes(x.shape[0], x.shape[1], w.shape[1])
+    return _skinny_partials(x, w, block_sizes=block_sizes, interpret=compat.default_interpret(interpret))

@@ -32,7 +32,7 @@ def load_hf_tensors_into(model, tensors, config):
         put(layer.post_attention_norm.weight, tensors[p + "post_attention_layernorm.weight"])
 
 
-def run_full(model, config, ids, block_size=8, shuffle_seed=None):
+def run_full(model, config, ids, block_size=8, shuffle_seed=None, backend="auto"):
     """Logits of one sequence in one prefill step, through the rBlock pool (optionally fragmented)."""
     T = len(ids)
     nb = -(-T // block_size)
@@ -44,7 +44,7 @@ def run_full(model, config, ids, block_size=8, shuffle_seed=None):
     pos = np.arange(T)
     batch = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
                            jnp.asarray(blocks[pos // block_size] * block_size + pos % block_size, jnp.int32))
-    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), kv, batch)
+    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), kv, batch, backend=backend)
     return np.asarray(model.logits(hidden), np.float64)
 
 
@@ -110,3 +110,18 @@ def test_rope_scaling_changes_logits():
         outs.append(run_full(model, config, ids))
     assert not np.allclose(outs[0], outs[1], atol=1e-3)
     assert not np.allclose(outs[0], outs[2], atol=1e-3)
+
+
+def test_kernel_backend_matches_oracle():
+    """A step of <= 64 tokens on the kernel backend (interpret mode here): the output projections as
+    skinny-matmul split-K partials, summed by the add + RMSNorm kernel, Triton attention."""
+    config = LlamaConfig(**dict(SMALL, num_heads=2), num_kv_heads=2, rope_theta=500.0)  # head_dim 64
+    seed = np.random.SeedSequence().entropy % 2**31
+    tensors = random_hf_tensors(config.to_hf(), seed)
+    model = init_model(config)
+    load_hf_tensors_into(model, tensors, config)
+    ids = np.random.default_rng(seed).integers(0, config.vocab_size, size=21)
+    ours = run_full(model, config, ids, block_size=16, shuffle_seed=seed, backend="triton")
+    ref = numpy_llama_logits(tensors, config.to_hf(), ids)
+    rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5, f"seed {seed}: relative error {rel}"

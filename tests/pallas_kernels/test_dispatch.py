@@ -60,3 +60,21 @@ def test_num_q_heads_attends_with_the_first_heads_only(backend, decode):
     want = dispatch.ragged_attention(q, *args, decode=decode, backend="reference")
     assert got.shape == q.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [3, 65])
+def test_unreduced_matmul_and_norm_agree_across_backends(tokens):
+    """matmul_unreduced's output, whatever its form (partials on a decode-sized kernel step, a plain
+    product otherwise), gives the same add + norm as the reference backend's."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.float32)
+    resid = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.float32)
+    g = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.float32)
+    want = dispatch.add_rms_norm(resid, dispatch.matmul_unreduced(x, w, backend="reference"), g, eps=1e-6,
+                                 backend="reference")
+    delta = dispatch.matmul_unreduced(x, w, backend="triton")
+    assert delta.ndim == (3 if tokens <= dispatch.FUSED_NORM_MAX_TOKENS else 2)
+    got = dispatch.add_rms_norm(resid, delta, g, eps=1e-6, backend="triton")
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import compat
 from pallas_kernels.skinny_matmul import (SkinnyBlockSizes, _skinny_call, default_block_sizes, skinny_matmul,
-                                          skinny_matmul_reference)
+                                          skinny_matmul_partials, skinny_matmul_reference)
 
 # Per-dtype tolerance relative to sqrt(K) * max|x| * max|w| (the size of a sum of K products):
 # the kernel and the oracle differ only by the output rounding and float32 summation order.
@@ -132,3 +132,14 @@ def test_bad_block_sizes():
 def test_gpu_matches_oracle(m, k, n):
     x, w = _inputs(m + k + n, m, k, n, jnp.bfloat16)
     _check(skinny_matmul(x, w), x, w, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m, k, n, block_sizes, splits", [
+    (3, 448, 80, SkinnyBlockSizes(block_n=64, block_k=64, k_splits=3), 3),
+    (2, 128, 64, SkinnyBlockSizes(block_n=64, block_k=64, k_splits=1), 1),  # one split: still [1, M, N] float32
+])
+def test_unreduced_partials_sum_to_the_product(m, k, n, block_sizes, splits):
+    x, w = _inputs(int(np.random.SeedSequence().entropy % 2**31), m, k, n, jnp.bfloat16)
+    parts = skinny_matmul_partials(x, w, block_sizes=block_sizes, interpret=True)
+    assert parts.shape == (splits, m, n) and parts.dtype == jnp.float32
+    _check(jnp.sum(parts, axis=0), x, w, jnp.float32)

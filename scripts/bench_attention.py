@@ -20,7 +20,10 @@ Each timed function runs attention over up to 4 separate KV buffers inside one j
 model step), so dispatch is amortised and every buffer exceeds L2; time per call = median over reps of
 (elapsed / calls / buffers). The implementations of one case are timed in turns (each rep runs every one
 once, in rotated order), not one after another: on an H200 the same kernel measured 3-5% faster when it
-ran first after a pause than after the others' runs, which favoured whichever went first. Writes `<device>-<date>-<HHMM>-attention[-sections].json` and `.md` under --out
+ran first after a pause than after the others' runs, which favoured whichever went first; and each
+timed batch follows an untimed batch of the same implementation, so none is timed in the clock and power
+state another left behind (see Bench.measure_interleaved). Writes `<device>-<date>-<HHMM>-attention[-sections].json`
+and `.md` under --out
 (default benchmarks/results/).
 """
 
@@ -80,6 +83,7 @@ class Plan:
     reps: int = 7
     target_s: float = 0.35  # timed seconds per measurement, all reps together
     budget_s: float = 430.0  # skip what is left past this, so the run ends inside its device limit
+    settle: bool = True  # an untimed batch before each timed one in measure_interleaved
 
 
 SMOKE = Plan(
@@ -120,7 +124,11 @@ class Bench:
         """Time several implementations of one case in turns: rep r times every entry once, starting at
         entry r mod n, so a drift of the card's speed over the run (seen: 3-5% between the first and
         the last of back-to-back measurements) is shared by all of them instead of favouring whichever
-        runs first. entries: dicts of impl, fn, shared, layers, and optional ref (an output to compare
+        runs first. With plan.settle each timed batch follows an untimed one of the same
+        implementation: without it, a kernel timed right after another inherits that one's clock and
+        power state (on the H200, causal prefill in plain turns timed the Mosaic kernel 6% faster and
+        the Triton one 7% slower than in sustained blocks, the heavy kernel borrowing the light one's
+        cool-down). entries: dicts of impl, fn, shared, layers, and optional ref (an output to compare
         with, or the string "first": the first entry's output), err_of, note. Returns each entry's first
         layer's output (None where it failed)."""
         prepared, outs = [], []
@@ -160,6 +168,10 @@ class Bench:
             for i in range(len(live)):
                 _, (step, args, calls, per), times = live[(rep + i) % len(live)]
                 try:
+                    if self.plan.settle and len(live) > 1:
+                        # Untimed first: the card's clocks and power settle to this kernel's own steady
+                        # state instead of carrying over the previous implementation's.
+                        time_batch(step, args, calls=calls, per=per)
                     times.append(time_batch(step, args, calls=calls, per=per))
                 except Exception as exc:
                     live[(rep + i) % len(live)][0]["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"

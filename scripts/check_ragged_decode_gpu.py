@@ -15,7 +15,7 @@ Usage (GPU machine, repo root): PYTHONPATH=$PWD python3 scripts/check_ragged_dec
    min_tokens_per_split 128..2048 at 1K / 4K (rBlock 256, as the engine), with cuDNN.
 4. With --sweep: DecodeBlockSizes variants (programs, stages, warps, block_k) on MHA batch 1 at 32K and
    128K, batch 8 at 32K, and a ragged batch (16 seqs, 64 q / 8 kv heads, 1K..256K).
-Prints a table and writes ragged_decode_gpu.json under --out.
+Prints a table and writes `<device>-<date>-<HHMM>-ragged-decode-<check|...-sweep>.json` under --out.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import numpy as np
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, default_block_sizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.kv_write import quantize_int8
-from bench_attention import consecutive_tables
+from bench_attention import consecutive_tables, time_calls
+from results import result_stem
 
 NUM_LAYERS = 4
 
@@ -80,14 +81,11 @@ def correctness(rng) -> list[dict]:
     return rows
 
 
-def _time(fn, *args, iters=20) -> float:
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        r = fn(*args)
-    jax.block_until_ready(r)
-    return (time.perf_counter() - t0) / iters
+def _time(fn, *args) -> float:
+    """Seconds per call of fn(*args): the median of bench_attention's reps (calls back to back)."""
+    jax.block_until_ready(fn(*args))  # compile
+    times, _ = time_calls(fn, args, reps=5, target_s=0.25, max_calls=100, per=1)
+    return float(np.median(times))
 
 
 def timing(rng, batch, hq, hkv, lens, block_size, configs, with_cudnn=True, overhead=False) -> list[dict]:
@@ -236,14 +234,15 @@ def main():
     compat.silence_triton_deprecation()
     print(jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
-    result = {"device": str(jax.devices()[0]), "jax": jax.__version__}
+    result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "script": "scripts/check_ragged_decode_gpu.py", "argv": sys.argv[1:]}
     if args.int8_sweep:
         r = dataclasses.replace
         base = default_block_sizes(jnp.int8)  # int8 -> float16 by the integer trick, 128-token tiles, 4 stages
         result["correctness"] = correctness(rng)
         result["int8_128k"] = int8_timing([base, r(base, int8_via_fp16=False), r(base, block_k=64),
                                            r(base, num_stages=3)])
-        with open(os.path.join(args.out, "ragged_decode_int8_sweep.json"), "w") as f:
+        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-int8-sweep") + ".json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return
     if args.short_sweep:
@@ -253,7 +252,7 @@ def main():
                    "64-token floor": r(base, min_tokens_per_split=64), "short target 1024": r(base, short_target_programs=1024),
                    "short target 256": r(base, short_target_programs=256)}
         result["short"] = short_trace_timing(configs)
-        with open(os.path.join(args.out, "ragged_decode_short_sweep.json"), "w") as f:
+        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-short-sweep") + ".json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return
     if args.split_sweep:
@@ -264,7 +263,7 @@ def main():
         configs = [dataclasses.replace(base, min_tokens_per_split=t) for t in (128, 256, 512, 1024, 2048)]
         for name, length in (("mha_1k", 1024), ("mha_4k", 4096)):
             result[name] = timing(rng, 1, 32, 32, [length], 256, configs)
-        with open(os.path.join(args.out, "ragged_decode_split_sweep.json"), "w") as f:
+        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-split-sweep") + ".json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return
     try:
@@ -287,7 +286,7 @@ def main():
         lens = np.concatenate([lens, [262144]])
         result["ragged_16"] = timing(rng, len(lens), 64, 8, lens, 1024, configs[:4], with_cudnn=False)
     print(f"timing {time.time() - t0:.0f}s", flush=True)
-    path = os.path.join(args.out, "ragged_decode_gpu.json")
+    path = os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-check") + ".json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print("wrote", path)

@@ -1,7 +1,8 @@
-"""The one place that chooses an attention backend (reference, Triton-lowered Pallas, Mosaic GPU).
+"""The one place that chooses a kernel backend (reference, Triton-lowered Pallas, Mosaic GPU).
 
-Callers name what they want computed (ragged attention over the rBlock pool); this module picks
-the implementation for the device. Nothing else branches on backends.
+Callers name what they want computed (ragged attention over the rBlock pool, the KV write, a decode
+layer's add + RMSNorm and unreduced output projections); this module picks the implementation for
+the device and the step's size. Nothing else branches on backends.
 """
 
 from __future__ import annotations

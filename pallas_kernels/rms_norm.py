@@ -5,7 +5,9 @@ the RMSNorm scale as three XLA kernels of ~1.4 us each, all launch latency. This
 three in one launch and one pass: the grid runs over blocks of `block_rows` token rows; each program
 loads its rows' whole hidden dimension (D padded to a power of two by masked loads), adds, reduces and
 scales in registers, and stores h and normed. No loop over D: a program holds block_rows x D_pow2
-elements, so D is limited to MAX_DIM.
+elements, so D is limited to MAX_DIM. delta may also come as a matmul's unreduced [S, T, D] float32
+split-K partials (skinny_matmul_partials), which the kernel sums first: the o and down projections'
+sums then cost no kernel of their own.
 
 Rounding points are HF Llama's (and jaxllm.model.RMSNorm's): h = x + delta rounded to x.dtype;
 n = h * rsqrt(mean(h^2) + eps) in float32, rounded to x.dtype; normed = weight * n rounded to x.dtype.

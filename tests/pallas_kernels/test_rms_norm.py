@@ -243,13 +243,22 @@ def test_split_k_partials_as_delta(t, d, parts, dtype):
     what = f"seed={seed} t={t} d={d} parts={parts} {jnp.dtype(dtype).name}"
     normed, h = add_rms_norm(x, partials, weight, eps=EPS, interpret=True)
     want_normed, want_h = add_rms_norm_reference(x, partials, weight, eps=EPS)
-    # The float32 sums may run in another order: a rare 1-ulp difference of the rounded delta.
-    _assert_close(h, want_h, dtype, what + " h")
-    _assert_close(normed, want_normed, dtype, what + " normed")
-    # The reference against float64: the partials' sum rounded to dtype, the add rounded to dtype.
-    delta64 = np.asarray(partials, np.float64).sum(axis=0)
-    want64 = (_f64(x) + _f64(jnp.asarray(delta64, jnp.float32).astype(dtype))).astype(np.float32)
-    np.testing.assert_allclose(_f64(want_h), _f64(jnp.asarray(want64).astype(dtype)), rtol=RTOL[dtype], err_msg=what)
+    # The partials' float32 sum runs in another order in the kernel, the reference and float64: where
+    # x and the partials nearly cancel they differ by a few ulps of the operands' size, not of the
+    # result's, so h is bounded by sum |operands|; normed inherits that through its row (looser check).
+    p64 = np.asarray(partials, np.float64)
+    operands = np.abs(_f64(x)) + np.abs(p64).sum(axis=0)
+
+    def check_h(got, ref, name):
+        limit = RTOL[dtype] * np.abs(ref) + 4 * float(jnp.finfo(dtype).eps) * operands
+        err = np.abs(_f64(got) - ref)
+        assert np.all(err <= limit), f"{what} {name}: off by {float((err - limit).max())} past the bound"
+
+    oracle = (_f64(x) + _f64(jnp.asarray(p64.sum(axis=0), jnp.float32).astype(dtype))).astype(np.float32)
+    check_h(want_h, _f64(jnp.asarray(oracle).astype(dtype)), "reference h vs float64")
+    check_h(h, _f64(want_h), "kernel h vs reference")
+    assert h.dtype == want_h.dtype and normed.dtype == want_normed.dtype
+    np.testing.assert_allclose(_f64(normed), _f64(want_normed), rtol=4 * RTOL[dtype], atol=1e-3, err_msg=what + " normed")
 
 
 def test_bad_partials():

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import compat, validation
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
+from pallas_kernels.skinny_matmul import MAX_ROWS as SKINNY_MAX_ROWS
 
 Backend = Literal["auto", "reference", "triton", "mosaic"]
 BACKENDS = ("auto", "reference", "triton", "mosaic")
@@ -125,8 +126,13 @@ def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=N
 
 
 # Steps up to this many tokens (decode) take the one-kernel add + RMSNorm and the weight-streaming
-# matmul on the kernel backends.
-FUSED_NORM_MAX_TOKENS = 64
+# matmul on the kernel backends: as many rows as the skinny matmul takes.
+FUSED_NORM_MAX_TOKENS = SKINNY_MAX_ROWS
+
+
+def _decode_sized_kernel_step(backend: Backend | None, tokens: int) -> bool:
+    """Whether a step of `tokens` rows takes the decode-layer kernels (add + norm, unreduced matmul)."""
+    return resolve_backend(backend) in ("triton", "mosaic") and tokens <= FUSED_NORM_MAX_TOKENS
 
 
 def matmul_unreduced(x: jax.Array, w: jax.Array, *, backend: Backend | None = "auto") -> jax.Array:
@@ -137,8 +143,7 @@ def matmul_unreduced(x: jax.Array, w: jax.Array, *, backend: Backend | None = "a
     the residual add and the norm are one kernel (XLA's own split-K GEMM runs its sum as a separate
     ~1.3 us kernel). Otherwise XLA's matmul: [T, N] in x.dtype.
     """
-    backend = resolve_backend(backend)
-    if backend in ("triton", "mosaic") and x.shape[0] <= FUSED_NORM_MAX_TOKENS:
+    if _decode_sized_kernel_step(backend, x.shape[0]):
         from pallas_kernels.skinny_matmul import skinny_matmul_partials
 
         return skinny_matmul_partials(x, w)
@@ -157,8 +162,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, ep
     """
     from pallas_kernels import rms_norm
 
-    backend = resolve_backend(backend)
-    if backend in ("triton", "mosaic") and x.shape[0] <= FUSED_NORM_MAX_TOKENS:
+    if _decode_sized_kernel_step(backend, x.shape[0]):
         if delta is None:
             return rms_norm.rms_norm(x, weight, eps=eps), x
         return rms_norm.add_rms_norm(x, delta, weight, eps=eps)

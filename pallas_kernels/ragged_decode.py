@@ -39,8 +39,9 @@ class DecodeBlockSizes:
     block_k: KV tokens per kernel iteration (clipped to the rBlock size's largest power-of-two factor).
     tokens_per_split: about how many KV tokens a work item takes (a power of two, fixed); None (the
       default) picks it on the device from the real lengths of each call: total real KV x KV heads /
-      target_programs (>= min_tokens_per_split, see short_target_programs). Sequence s gets ceil(len_s / split) items (at least 1)
-      and its tiles are dealt out evenly among them (sizes differ by at most one tile). The grid is
+      target_programs (>= min_tokens_per_split, see short_target_programs). Sequence s gets
+      ceil(len_s / split) items (at least 1) and its tiles are dealt out evenly among them (sizes
+      differ by at most one tile). The grid is
       then bounded by target_programs / kv_heads + num_seqs items whatever the table width, a lone
       32K sequence still gets ~target_programs programs (a split fixed by the table's capacity gave it
       2 per head when the table was sized for 128K), and a ragged batch is cut into equal chunks. On

@@ -152,10 +152,7 @@ class Bench:
                     err_of = e.get("err_of")
                     row["max_abs_err"] = float(err_of(out, ref) if err_of else
                                                jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-                start = time.perf_counter()
-                jax.block_until_ready(step(*args))
-                once = time.perf_counter() - start
-                calls = int(np.clip(self.plan.target_s / self.plan.reps / max(once, 1e-6), 1, 100))
+                calls = size_calls(step, args, reps=self.plan.reps, target_s=self.plan.target_s, max_calls=100)
                 timed = (step, args, calls, len(e["layers"]))
             except Exception as exc:  # one failing implementation must not hide the others
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -206,16 +203,19 @@ def time_batch(step, args: tuple, *, calls: int, per: int) -> float:
     return (time.perf_counter() - start) / calls / per
 
 
-def time_calls(step, args: tuple, *, reps: int, target_s: float, max_calls: int, per: int) -> tuple[list[float], int]:
-    """Times step(*args), compiled already: (seconds per call / per, one value per rep; calls per rep).
-
-    A first call, not counted, sizes the reps: calls per rep = target_s / reps / its time, clipped
-    to [1, max_calls]; each rep is one time_batch.
-    """
+def size_calls(step, args: tuple, *, reps: int, target_s: float, max_calls: int) -> int:
+    """Calls per rep so that `reps` reps take about target_s: one call, not counted, times step(*args)
+    (compiled already); clipped to [1, max_calls]."""
     start = time.perf_counter()
     jax.block_until_ready(step(*args))
     once = time.perf_counter() - start
-    calls = int(np.clip(target_s / reps / max(once, 1e-6), 1, max_calls))
+    return int(np.clip(target_s / reps / max(once, 1e-6), 1, max_calls))
+
+
+def time_calls(step, args: tuple, *, reps: int, target_s: float, max_calls: int, per: int) -> tuple[list[float], int]:
+    """Times step(*args), compiled already: (seconds per call / per, one value per rep; calls per rep),
+    the calls sized by size_calls, each rep one time_batch."""
+    calls = size_calls(step, args, reps=reps, target_s=target_s, max_calls=max_calls)
     return [time_batch(step, args, calls=calls, per=per) for _ in range(reps)], calls
 
 
@@ -249,14 +249,17 @@ def _sdpa(impl, with_lengths):
     return fn
 
 
-def _decode_peers(bench: Bench, with_lengths) -> list[dict]:
-    """Entries for measure_interleaved: cuDNN (the reference on a GPU), XLA and Pallas gqa on seq-major KV,
-    shared = (q, lens), layers = [(k, v)] seq-major. The first entry's output is the others' reference."""
+def _decode_peers(bench: Bench, section, case, with_lengths) -> list[dict]:
+    """Entries for measure_interleaved: cuDNN (the reference on a GPU; a skip row elsewhere), XLA and
+    Pallas gqa on seq-major KV, shared = (q, lens), layers = [(k, v)] seq-major. The first entry's
+    output is the others' reference."""
     from jax.experimental.pallas.ops.gpu import decode_attention as da
 
     entries = []
     if compat.on_gpu():
         entries.append(dict(impl="cudnn", fn=_sdpa("cudnn", with_lengths)))
+    else:
+        bench.skip(section, case, "cudnn", "needs a GPU")
     entries.append(dict(impl="xla", fn=_sdpa("xla", with_lengths)))
     gqa = lambda s, l: da.gqa(s[0], *l, kv_seq_len=s[1], interpret=bench.interpret)
     entries.append(dict(impl="pallas_gqa", fn=gqa,
@@ -275,8 +278,6 @@ def decode_section(bench: Bench):
         if bench.over_budget():
             bench.skip("decode", case, "all", "time budget")
             continue
-        if not compat.on_gpu():
-            bench.skip("decode", case, "cudnn", "needs a GPU")
         kv_bytes = 2 * batch * ctx * hkv * d * 2
         layers = int(np.clip(bench.plan.layer_bytes // kv_bytes, 1, bench.plan.max_layers))
         q = bench.normal((batch, hq, d))
@@ -286,7 +287,7 @@ def decode_section(bench: Bench):
         for k, v in dense:
             kp, tables = pool_from_dense(k, lens, block)
             pools.append((kp, pool_from_dense(v, lens, block)[0]))
-        entries = [dict(e, shared=(q, lens), layers=dense) for e in _decode_peers(bench, with_lengths=False)]
+        entries = [dict(e, shared=(q, lens), layers=dense) for e in _decode_peers(bench, "decode", case, False)]
         ours = lambda s, l: ragged_decode(s[0], *l, s[1], s[2], block_sizes=bench.decode_sizes,
                                           interpret=bench.interpret)
         entries.append(dict(impl="ours", fn=ours, shared=(q, tables, lens), layers=pools, ref="first",
@@ -314,9 +315,7 @@ def ragged_section(bench: Bench):
     q = bench.normal((n, hq, d))
     lens = jnp.asarray(lens_np)
     k, v = bench.normal((n, hi, hkv, d)), bench.normal((n, hi, hkv, d))  # padded; rows past a length are random
-    entries = [dict(e, shared=(q, lens), layers=[(k, v)]) for e in _decode_peers(bench, with_lengths=True)]
-    if not compat.on_gpu():
-        bench.skip("ragged", case, "cudnn", "needs a GPU")
+    entries = [dict(e, shared=(q, lens), layers=[(k, v)]) for e in _decode_peers(bench, "ragged", case, True)]
 
     def head_major(s, l, k_splits=32):
         inner = functools.partial(da.decode_attn_unbatched, sm_scale=1 / math.sqrt(d), block_h=16, block_k=128,

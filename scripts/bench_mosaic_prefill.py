@@ -91,8 +91,7 @@ def run_case(bench, case, groups, heads, block, config, extra_configs=()):
     else:
         bench.skip("prefill", case, "attention_mgpu", "no variable lengths or cached prefix")
     bench.measure_interleaved("prefill", case, entries, flops=flops)
-    del entries
-    del dense, packed
+    del entries, dense, packed
 
 
 _CONFIG_FLAGS = ("inorder",)  # --extra-configs words after BLOCK_KV:STEPS

@@ -4,11 +4,20 @@ Each sequence gets a list of rBlock ids. The allocator keeps a sequence's rBlock
 consecutive where it can (BladeLLM's contiguous layout: the kernel then reads one long run)
 and falls back to any free rBlock when it cannot: a fragmented table costs a little speed,
 never a failure.
+
+Prefix cache: a full rBlock whose KV is computed can be registered under a key naming its
+content (the scheduler's chain of token hashes, so a key names the whole prefix up to the
+block's end). A later sequence whose prompt starts with the same tokens shares those rBlocks
+(reference-counted) instead of recomputing them. Shared rBlocks are full and never written
+again: a sequence writes only past its shared prefix. When no sequence holds a registered
+rBlock it stays cached (evictable) until a request needs the room; the least recently
+released go first. Evictable rBlocks count as free.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 
 
 class OutOfBlocks(RuntimeError):
@@ -20,12 +29,21 @@ class BlockAllocator:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))  # sorted ascending
+        self._free = list(range(num_blocks))  # sorted ascending; neither owned nor cached
         self._owned: dict[int, list[int]] = {}
+        self._holders: dict[int, int] = {}  # rBlock -> how many sequences hold it (> 1: a shared prefix)
+        self._cached: dict[bytes, int] = {}  # content key -> registered rBlock
+        self._key_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody; oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered rBlocks (held or evictable)."""
+        return len(self._cached)
 
     def blocks(self, seq_id: int) -> list[int]:
         return self._owned.get(seq_id, [])
@@ -33,22 +51,83 @@ class BlockAllocator:
     def owners(self) -> dict[int, list[int]]:
         return {k: list(v) for k, v in self._owned.items()}
 
+    def holders(self, block: int) -> int:
+        """How many sequences hold `block`."""
+        return self._holders.get(block, 0)
+
+    def is_registered(self, block: int) -> bool:
+        return block in self._key_of
+
     def grow(self, seq_id: int, num_blocks_total: int) -> list[int]:
         """Make `seq_id` own `num_blocks_total` rBlocks, adding new ones; returns its full list."""
         owned = self._owned.setdefault(seq_id, [])
         need = num_blocks_total - len(owned)
         if need <= 0:
             return owned
-        if need > len(self._free):
+        if need > self.num_free:
             if not owned:
                 del self._owned[seq_id]
-            raise OutOfBlocks(f"need {need} free rBlocks, have {len(self._free)}")
-        owned.extend(self._take(need, after=owned[-1] if owned else None))
+            raise OutOfBlocks(f"need {need} free rBlocks, have {self.num_free}")
+        if need > len(self._free):
+            self._evict(need - len(self._free))
+        new = self._take(need, after=owned[-1] if owned else None)
+        for block in new:
+            self._holders[block] = 1
+        owned.extend(new)
         return owned
 
     def free(self, seq_id: int) -> None:
         for block in self._owned.pop(seq_id, []):
+            self._holders[block] -= 1
+            if self._holders[block]:
+                continue
+            del self._holders[block]
+            if block in self._key_of:
+                self._evictable[block] = None  # newest last
+            else:
+                bisect.insort(self._free, block)
+
+    # ----- prefix cache -----
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The registered rBlocks of the longest run of `keys` from the first (stops at the first miss)."""
+        found = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def share(self, seq_id: int, blocks: list[int]) -> None:
+        """Give `seq_id`, which holds nothing yet, these registered rBlocks as the start of its table."""
+        if self._owned.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds rBlocks; a shared prefix must come first")
+        for block in blocks:
+            if block not in self._key_of:
+                raise ValueError(f"rBlock {block} is not registered in the prefix cache")
+            self._evictable.pop(block, None)
+            self._holders[block] = self._holders.get(block, 0) + 1
+        self._owned[seq_id] = list(blocks)
+
+    def register(self, block: int, key: bytes) -> None:
+        """Record that held rBlock `block` is full and holds the KV that `key` names. A key already
+        cached (another rBlock computed the same prefix) keeps its rBlock; so does a registered one."""
+        if block not in self._holders:
+            raise ValueError(f"rBlock {block} is not held by any sequence")
+        if key in self._cached or block in self._key_of:
+            return
+        self._cached[key] = block
+        self._key_of[block] = key
+
+    def _evict(self, count: int) -> None:
+        """Turn the `count` least recently released cached rBlocks into free ones."""
+        for _ in range(count):
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._key_of.pop(block)]
             bisect.insort(self._free, block)
+
+    # ----- layout -----
 
     def fragmentation(self) -> float:
         """Fraction of owned rBlocks that do not follow their predecessor in their sequence's table."""

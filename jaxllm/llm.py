@@ -42,6 +42,10 @@ class EngineOptions:
     # Queue the next decode step before reading this one's tokens, so host dispatch overlaps device
     # work; the tokens are the same either way. False waits for every step (for A/B timing).
     pipeline: bool = True
+    # Reuse the KV of full rBlocks of identical prompt prefixes (shared system prompts, resumed
+    # preemptions). Greedy tokens are the same either way up to rounding: cached KV was computed in
+    # another step, whose batch shape may round the matmuls differently.
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if not (0.0 < self.kv_memory_fraction <= 1.0):
@@ -124,7 +128,7 @@ class LLM:
                              table_width=-(-longest // block_size), backend=self.options.attention_backend)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
-                                   max_seqs=self.options.max_seqs)
+                                   max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
         self._inflight: InFlight | None = None  # dispatched, its tokens not yet recorded
         self._trackers: dict[int, _TextTracker] = {}  # seq_id -> text of every live generate/stream sequence
 
@@ -320,7 +324,8 @@ class LLM:
         if self.scheduler.has_work() or self._inflight is not None:
             raise RuntimeError("logits() cannot run while generation is in progress")
         # One sequence, prefilled chunk by chunk; max_new_tokens=1 so the scheduler never samples past it.
-        seq = self.scheduler.add(ids, SamplingParams(max_new_tokens=1), max_len=len(ids) + 1)
+        # Every position's logits are wanted: nothing may come from the prefix cache.
+        seq = self.scheduler.add(ids, SamplingParams(max_new_tokens=1), max_len=len(ids) + 1, reuse_prefix=False)
         chunks = []
         try:
             while seq.num_computed < len(ids):

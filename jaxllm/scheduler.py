@@ -4,12 +4,19 @@ Every step has one token budget shared by decodes (one token per running sequenc
 chunks of sequences still reading their prompt. When the pool runs out, the youngest running
 sequence is preempted: its rBlocks are freed and it is re-queued at the front to recompute its
 prompt and the tokens it had produced, so no accepted request is ever lost.
+
+Prefix caching (on by default): each full rBlock a sequence computes is registered under a hash
+chained over the tokens up to its end; a sequence admitted later whose tokens start with the same
+full rBlocks shares them and prefills only the rest (at least its last token, whose logits it
+samples from). A preempted sequence finds its own rBlocks still cached when it resumes, unless
+the pool needed them meanwhile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import itertools
 
 import numpy as np
@@ -38,6 +45,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    reuse_prefix: bool = True  # may start from cached rBlocks (False: every position is computed)
+    num_cached_prompt: int = 0  # prompt tokens whose KV came from the prefix cache (last admission)
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its first full rBlocks
 
     @property
     def token_ids(self) -> list[int]:
@@ -83,22 +93,34 @@ class StepPlan:
         return len(self.token_ids)
 
 
+def block_key(previous: bytes, tokens: list[int]) -> bytes:
+    """Key of a full rBlock holding `tokens`, after the rBlock keyed `previous` (b"" for the first):
+    a hash of the whole prefix up to the block's end, so equal keys mean equal KV."""
+    digest = hashlib.blake2b(previous, digest_size=16)
+    digest.update(np.asarray(tokens, np.int64).tobytes())
+    return digest.digest()
+
+
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_tokens_per_step: int, max_seqs: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_tokens_per_step: int, max_seqs: int,
+                 prefix_caching: bool = True):
         if max_tokens_per_step <= 0 or max_seqs <= 0:
             raise ValueError("max_tokens_per_step and max_seqs must be positive")
         self.allocator = allocator
         self.block_size = block_size
         self.max_tokens_per_step = max_tokens_per_step
         self.max_seqs = max_seqs
+        self.prefix_caching = prefix_caching
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # oldest first
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache, all admissions together
         self._ids = itertools.count()
 
     # ----- requests -----
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, max_len: int) -> Sequence:
-        seq = Sequence(next(self._ids), list(prompt_ids), params, max_len)
+    def add(self, prompt_ids: list[int], params: SamplingParams, max_len: int, *, reuse_prefix: bool = True
+            ) -> Sequence:
+        seq = Sequence(next(self._ids), list(prompt_ids), params, max_len, reuse_prefix=reuse_prefix)
         self.waiting.append(seq)
         return seq
 
@@ -127,11 +149,15 @@ class Scheduler:
         # Then admit waiting sequences while budget, slots and rBlocks allow (no preemption for them).
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
+            self._share_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             try:
                 self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + n))
             except OutOfBlocks:
+                self.allocator.free(seq.seq_id)  # the shared prefix goes back to the cache
+                seq.num_computed = seq.num_cached_prompt = 0
                 break
+            self.cached_tokens += seq.num_cached_prompt
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -170,6 +196,36 @@ class Scheduler:
         for seq in seqs:
             self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
         return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs])
+
+    def _share_cached_prefix(self, seq: Sequence) -> None:
+        """Admission: take the longest run of cached full rBlocks that starts seq's tokens, leaving at
+        least its last token to compute (its logits give the next token)."""
+        if not (self.prefix_caching and seq.reuse_prefix):
+            return
+        usable = (seq.num_tokens - 1) // self.block_size
+        keys = self._block_keys(seq, usable)
+        blocks = self.allocator.lookup(keys)
+        if blocks:
+            self.allocator.share(seq.seq_id, blocks)
+            seq.num_computed = len(blocks) * self.block_size
+        seq.num_cached_prompt = seq.num_computed
+
+    def _block_keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """Keys of seq's first `count` full rBlocks (their tokens must be known), computed once."""
+        keys, bs = seq.block_keys, self.block_size
+        while len(keys) < count:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else b"", seq.token_slice(i * bs, (i + 1) * bs)))
+        return keys[:count]
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: record the rBlocks seq has filled with computed KV, for later sequences."""
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        blocks = self.allocator.blocks(seq.seq_id)
+        for i, key in enumerate(self._block_keys(seq, full)):
+            self.allocator.register(blocks[i], key)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -246,6 +302,7 @@ class Scheduler:
                 # overwritten before anyone reads it.
                 continue
             seq.num_computed = int(plan.kv_lens[i])
+            self._register_full_blocks(seq)
             if not plan.sample[i]:
                 continue
             token = int(sampled[i])

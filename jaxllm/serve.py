@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock")
     p.add_argument("--num-blocks", type=int, default=None, help="KV rBlocks per layer (default: from memory)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None, help="KV pool dtype (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute every prompt instead of reusing the KV of identical prompt prefixes")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_message_bytes=args.max_message_bytes, default_max_tokens=args.default_max_tokens,
                               grace_period_s=args.grace_period)
         options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                                max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running)
+                                max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
+                                prefix_caching=not args.no_prefix_caching)
         server = Server(config)
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

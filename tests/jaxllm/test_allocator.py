@@ -210,3 +210,87 @@ def test_grow_never_shrinks_and_free_is_idempotent():
 def test_bad_num_blocks(num_blocks):
     with pytest.raises(ValueError, match="num_blocks"):
         BlockAllocator(num_blocks)
+
+
+def _check_cache_invariants(alloc: BlockAllocator, ctx: str) -> None:
+    """With sharing: holders count the tables that list an rBlock; every rBlock is held, free or
+    evictable (cached and held by nobody), exactly one of them; keys and rBlocks map one to one."""
+    tables = [b for blocks in alloc.owners().values() for b in blocks]
+    held = set(tables)
+    for block in held:
+        assert alloc.holders(block) == tables.count(block), ctx
+    for seq_blocks in alloc.owners().values():
+        assert len(seq_blocks) == len(set(seq_blocks)), f"{ctx}: a table lists an rBlock twice"
+    free, evictable = set(alloc._free), set(alloc._evictable)
+    assert len(free) == len(alloc._free) and alloc._free == sorted(alloc._free), ctx
+    assert held.isdisjoint(free) and held.isdisjoint(evictable) and free.isdisjoint(evictable), ctx
+    assert held | free | evictable == set(range(alloc.num_blocks)), f"{ctx}: rBlocks leaked"
+    assert alloc.num_free == len(free) + len(evictable)
+    assert {b: k for k, b in alloc._cached.items()} == alloc._key_of, f"{ctx}: key map not one to one"
+    assert evictable <= set(alloc._key_of) and set(alloc._key_of) <= held | evictable, ctx
+
+
+@pytest.mark.parametrize("num_blocks", [3, 16, 64])
+def test_random_prefix_sharing(num_blocks):
+    """Sequences grow, register full rBlocks, share cached prefixes, free and get evicted at random;
+    a lookup only ever returns rBlocks registered under those keys, and evicted keys disappear."""
+    seed = _seed()
+    rng = random.Random(seed)
+    alloc = BlockAllocator(num_blocks)
+    keys_of: dict[int, list[bytes]] = {}  # seq id -> the key of each of its rBlocks (its content, by position)
+    next_id, shared = 0, 0
+    for step in range(3000):
+        ctx = f"seed={seed} step={step}"
+        op = rng.random()
+        live = list(alloc.owners())
+        if op < 0.35 or not live:
+            # A new sequence: its content is one of a few prefixes, so cached rBlocks are often found.
+            seq_id, next_id = next_id, next_id + 1
+            family = rng.randrange(3)
+            keys = [bytes([family, i]) for i in range(rng.randrange(1, 6))]
+            hit = alloc.lookup(keys)
+            for block, key in zip(hit, keys):
+                assert alloc._key_of[block] == key, f"{ctx}: lookup returned an rBlock of other content"
+            if hit:
+                alloc.share(seq_id, hit)
+                shared += 1
+            try:
+                alloc.grow(seq_id, len(keys))
+            except OutOfBlocks:
+                alloc.free(seq_id)
+                continue
+            keys_of[seq_id] = keys
+        elif op < 0.6:
+            # A step filled some rBlocks: register them (shared prefixes are registered already).
+            seq_id = rng.choice(live)
+            blocks = alloc.blocks(seq_id)
+            for block, key in list(zip(blocks, keys_of[seq_id]))[:rng.randrange(len(blocks) + 1)]:
+                alloc.register(block, key)
+                # Registered, unless another rBlock computed the same content first (that one stays).
+                assert alloc._key_of.get(block) == key or alloc._cached[key] != block, ctx
+        else:
+            seq_id = rng.choice(live)
+            alloc.free(seq_id)
+            keys_of.pop(seq_id)
+            assert not alloc.blocks(seq_id), ctx
+        _check_cache_invariants(alloc, ctx)
+    for seq_id in list(alloc.owners()):
+        alloc.free(seq_id)
+    _check_cache_invariants(alloc, f"seed={seed} end")
+    assert alloc.num_free == num_blocks and shared > 0
+
+
+def test_share_and_register_reject_misuse():
+    alloc = BlockAllocator(4)
+    alloc.grow(0, 2)
+    with pytest.raises(ValueError, match="not registered"):
+        alloc.share(1, [0])
+    alloc.register(0, b"a")
+    with pytest.raises(ValueError, match="already holds"):
+        alloc.share(0, [0])
+    with pytest.raises(ValueError, match="not held"):
+        alloc.register(3, b"b")
+    alloc.free(0)
+    assert alloc.num_free == 4 and alloc.lookup([b"a"]) == [0]  # evictable: free, and still found
+    alloc.grow(1, 4)  # needs every rBlock: the cached one is evicted
+    assert alloc.lookup([b"a"]) == [] and alloc.num_cached == 0

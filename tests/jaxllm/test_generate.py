@@ -161,3 +161,28 @@ def test_no_new_compiles_after_warm_up():
         llm.generate(prompts, max_new_tokens=int(rng.integers(1, 20)), temperature=float(rng.uniform(0, 1)),
                      top_k=int(rng.integers(0, 5)), seed=int(rng.integers(0, 1000)))
     assert llm.compile_count == warm
+
+
+def test_shared_prompt_prefix_is_reused_and_changes_no_token():
+    """A second prompt with the same long prefix prefills only past the cached full rBlocks, and its
+    greedy tokens equal a full recompute (teacher-forced logits) and a run without the cache."""
+    options = dict(block_size=4, max_tokens_per_step=24)
+    cached = LLM("tiny", max_context=256, options=EngineOptions(**options), progress=False)
+    plain = LLM("tiny", max_context=256, options=EngineOptions(**options, prefix_caching=False), progress=False)
+    system = "You are a careful assistant. Answer briefly and cite nothing. "
+    first, second = system + "Q: what is 2+2?", system + "Q: name a colour."
+    cached.generate([first], max_new_tokens=6)
+    before = cached.scheduler.cached_tokens
+    out = cached.generate([second], max_new_tokens=12)[0]
+    shared = len(cached.tokenizer.encode(system)) // 4 * 4  # whole rBlocks of the common prefix
+    assert cached.scheduler.cached_tokens - before >= shared > 0
+    assert out.token_ids == plain.generate([second], max_new_tokens=12)[0].token_ids
+    assert plain.scheduler.cached_tokens == 0 and plain.allocator.num_cached == 0
+    prompt_ids = cached.tokenizer.encode(second)
+    full = prompt_ids + out.token_ids
+    predicted = cached.logits(full)[len(prompt_ids) - 1:len(full) - 1].argmax(-1)
+    assert predicted.tolist() == out.token_ids
+    # The same prompt again: everything but its last token comes from the cache.
+    again = cached.generate([second], max_new_tokens=12)[0]
+    assert again.token_ids == out.token_ids
+    assert cached.allocator.num_free == cached.allocator.num_blocks  # cached rBlocks count as free

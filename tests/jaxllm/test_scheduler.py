@@ -55,7 +55,13 @@ def _check_plan(plan, sched: Scheduler, alloc: BlockAllocator, ctx: str) -> None
     # Every rBlock owned by a sequence: all blocks in use are the running sequences', nothing leaks.
     owners = {k: v for k, v in alloc.owners().items() if v}
     assert set(owners) <= {s.seq_id for s in sched.running}, f"{ctx}: a non-running sequence owns rBlocks"
-    assert sum(len(v) for v in owners.values()) == alloc.num_blocks - alloc.num_free <= alloc.num_blocks
+    held = [b for v in owners.values() for b in v]
+    assert len(set(held)) == alloc.num_blocks - alloc.num_free <= alloc.num_blocks, f"{ctx}: rBlocks leaked"
+    for block in set(held):  # shared prefix rBlocks: one holder per table that lists them
+        assert alloc.holders(block) == held.count(block), ctx
+    # A step writes only rBlocks its sequence holds alone, and never one in the prefix cache.
+    written = set((plan.slot_mapping // bs).tolist())
+    assert all(alloc.holders(b) == 1 and not alloc.is_registered(b) for b in written), f"{ctx}: writes a shared rBlock"
     for s in sched.waiting:
         assert s.status is Status.WAITING and s.num_computed == 0 and not alloc.blocks(s.seq_id), ctx
     for i, seq in enumerate(plan.seqs):
@@ -151,8 +157,11 @@ def test_random_workload(pool):
             last_preemptions[seq.seq_id] = seq.num_preemptions
             preemptions += 1
             preempted_outputs[seq.seq_id] = list(seq.output_ids)
-            # Resumed in this very step or waiting with no rBlocks: either way it recomputes from 0.
-            assert seq.num_computed == 0, ctx
+            # Waiting with no rBlocks, or resumed in this very step: from 0 or from what the prefix cache
+            # still held of it (whole rBlocks, never its last token).
+            resumed_from = seq.num_cached_prompt if seq.status is Status.RUNNING else 0
+            assert seq.num_computed == resumed_from and resumed_from % pool.block_size == 0, ctx
+            assert resumed_from < seq.num_tokens, ctx
         for seq_id, outputs in list(preempted_outputs.items()):
             seq = seqs[seq_id]
             assert seq.output_ids == outputs, f"{ctx}: a preempted sequence lost its outputs"
@@ -185,10 +194,12 @@ def test_random_workload(pool):
         else:
             assert (seq.output_ids, seq.finish_reason) == (want_ids, want_reason), f"seed={seed} seq={seq.seq_id}"
         reasons[seq.finish_reason] += 1
-    print(dict(steps=steps, preemptions=preemptions, resumed_with_outputs=resumed_with_outputs, **reasons))
+    print(dict(steps=steps, preemptions=preemptions, resumed_with_outputs=resumed_with_outputs,
+               cached_tokens=sched.cached_tokens, **reasons))
     # The workload must actually exercise what it checks.
     assert reasons["length"] > 0 and reasons["stop"] > 0, reasons
     assert preemptions > 0 and resumed_with_outputs > 0, (preemptions, resumed_with_outputs)
+    assert sched.cached_tokens > 0  # admissions and resumes that found their prefix cached
 
 
 def test_youngest_is_preempted_and_recomputes_prompt_plus_outputs():

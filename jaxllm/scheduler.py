@@ -48,6 +48,7 @@ class Sequence:
     reuse_prefix: bool = True  # may start from cached rBlocks (False: every position is computed)
     num_cached_prompt: int = 0  # prompt tokens whose KV came from the prefix cache (last admission)
     block_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its first full rBlocks
+    num_registered: int = 0  # of its current rBlocks, the first this many are in the prefix cache
 
     @property
     def token_ids(self) -> list[int]:
@@ -155,7 +156,7 @@ class Scheduler:
                 self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + n))
             except OutOfBlocks:
                 self.allocator.free(seq.seq_id)  # the shared prefix goes back to the cache
-                seq.num_computed = seq.num_cached_prompt = 0
+                seq.num_computed = seq.num_cached_prompt = seq.num_registered = 0
                 break
             self.cached_tokens += seq.num_cached_prompt
             self.waiting.pop(0)
@@ -209,6 +210,7 @@ class Scheduler:
             self.allocator.share(seq.seq_id, blocks)
             seq.num_computed = len(blocks) * self.block_size
         seq.num_cached_prompt = seq.num_computed
+        seq.num_registered = len(blocks)
 
     def _block_keys(self, seq: Sequence, count: int) -> list[bytes]:
         """Keys of seq's first `count` full rBlocks (their tokens must be known), computed once."""
@@ -216,16 +218,19 @@ class Scheduler:
         while len(keys) < count:
             i = len(keys)
             keys.append(block_key(keys[-1] if keys else b"", seq.token_slice(i * bs, (i + 1) * bs)))
-        return keys[:count]
+        return keys[:count] if len(keys) > count else keys
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """After a step: record the rBlocks seq has filled with computed KV, for later sequences."""
         if not self.prefix_caching:
             return
         full = seq.num_computed // self.block_size
-        blocks = self.allocator.blocks(seq.seq_id)
-        for i, key in enumerate(self._block_keys(seq, full)):
-            self.allocator.register(blocks[i], key)
+        if full <= seq.num_registered:
+            return
+        blocks, keys = self.allocator.blocks(seq.seq_id), self._block_keys(seq, full)
+        for i in range(seq.num_registered, full):  # only the new ones: a decode step fills one at most
+            self.allocator.register(blocks[i], keys[i])
+        seq.num_registered = full
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -249,7 +254,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.free(seq.seq_id)
         self.running.remove(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.insert(0, seq)

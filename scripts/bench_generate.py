@@ -6,7 +6,9 @@
 (a) batch-1 decode ms/token at each context, beside the floor (weights + KV bytes over HBM
 bandwidth); (b) with --longest, the longest context that prefills and decodes with bf16 and/or
 int8 KV; (c) with --mixed N, N requests with prompt lengths log-uniform in 128..32K and 256 new
-tokens each, continuously batched, in tokens/s; (d) with --hf, HuggingFace transformers
+tokens each, continuously batched, in tokens/s (prefix cache off: the timed pass repeats the
+warm pass's prompts); (e) with --shared-prefix N, N requests sharing one prompt prefix, with the
+prefix cache off and on; (d) with --hf, HuggingFace transformers
 (fp16, sdpa) at the given contexts on the same device, and with --hf-mixed, on the same mixed
 workload (same prompt lengths and new tokens; HF has no continuous batching, so requests run in
 static batches of similar length, shortest first, up to --hf-batch-tokens padded tokens a batch),
@@ -169,6 +171,8 @@ def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, war
     from jaxllm.sampling import SamplingParams
 
     lengths = mixed_lengths(num_requests, max_prompt)
+    # The timed pass repeats the warm pass's prompts: with the prefix cache it would skip their prefill.
+    llm.scheduler.prefix_caching = False
 
     def run() -> tuple[list, dict, float]:
         rng = np.random.default_rng(2)
@@ -184,10 +188,60 @@ def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, war
     compiles = llm.compile_count
     seqs, times, wall = run()
     generated = sum(len(s.output_ids) for s in seqs)
+    llm.scheduler.prefix_caching = llm.options.prefix_caching
     return dict(requests=num_requests, prompt_tokens=int(lengths.sum()), generated_tokens=generated, wall_s=wall,
                 generated_tokens_per_s=generated / wall, total_tokens_per_s=(generated + int(lengths.sum())) / wall,
                 steps=len(times["decode"]) + len(times["prefill"]), preemptions=sum(s.num_preemptions for s in seqs),
                 warm_pass=warm, compiles_while_timed=llm.compile_count - compiles)
+
+
+def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: int, new_tokens: int) -> dict:
+    """num_requests prompts of one shared prefix (a system prompt) + a distinct suffix each, submitted
+    together; timed with the prefix cache off, then on with the prefix cached by an earlier request
+    (as a server sees a system prompt it has served before). Each mode runs once untimed first, so
+    no timed pass compiles. Time to first token per request, wall time, prefill tokens computed."""
+    from jaxllm.sampling import SamplingParams
+
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 259, size=prefix_len).tolist()
+    suffixes = [rng.integers(3, 259, size=suffix_len).tolist() for _ in range(num_requests)]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+
+    def run(tag: int) -> tuple[list, list, float]:
+        # Distinct first suffix token per pass: a pass never finds the previous pass's suffixes cached.
+        seqs = [llm._submit(prefix + [3 + tag] + s, params) for s in suffixes]
+        t0 = time.perf_counter()
+        first = {}
+
+        def on_step(_plan) -> None:
+            now = time.perf_counter() - t0
+            for s in seqs:
+                if s.output_ids and s.seq_id not in first:
+                    first[s.seq_id] = now
+
+        llm._run_until(lambda: all(s.finish_reason is not None for s in seqs), on_step=on_step)
+        return seqs, [first[s.seq_id] for s in seqs], time.perf_counter() - t0
+
+    rows = {}
+    scheduler = llm.scheduler
+    # Untimed passes first: they compile every shape the timed pass runs (with the cache on, the
+    # first also leaves the prefix cached and the second runs the timed pass's shapes).
+    for caching, untimed, timed in ((False, (0,), 1), (True, (2, 3), 4)):
+        scheduler.prefix_caching = caching
+        for tag in untimed:
+            run(tag)
+        compiles, cached_before = llm.compile_count, scheduler.cached_tokens
+        seqs, ttft, wall = run(timed)
+        prompt_tokens = sum(len(s.prompt_ids) for s in seqs)
+        reused = scheduler.cached_tokens - cached_before
+        rows["cache_on" if caching else "cache_off"] = dict(
+            wall_s=wall, ttft_mean_s=float(np.mean(ttft)), ttft_max_s=float(np.max(ttft)),
+            prompt_tokens=prompt_tokens, prefill_tokens_computed=prompt_tokens - reused,
+            preemptions=sum(s.num_preemptions for s in seqs), compiles_while_timed=llm.compile_count - compiles)
+    scheduler.prefix_caching = llm.options.prefix_caching
+    return dict(requests=num_requests, prefix_tokens=prefix_len, suffix_tokens=suffix_len + 1, new_tokens=new_tokens,
+                **rows, speedup_wall=rows["cache_off"]["wall_s"] / rows["cache_on"]["wall_s"],
+                speedup_ttft_mean=rows["cache_off"]["ttft_mean_s"] / rows["cache_on"]["ttft_mean_s"])
 
 
 def _weight_bytes(llm) -> int:
@@ -215,6 +269,11 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-max-prompt", type=int, default=32768)
     p.add_argument("--mixed-new-tokens", type=int, default=256)
     p.add_argument("--mixed-cold", action="store_true", help="time the mixed workload's first pass (compiles included)")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="requests sharing one prompt prefix, timed with the prefix cache off and on (0: skip)")
+    p.add_argument("--shared-prefix-tokens", type=int, default=8192)
+    p.add_argument("--shared-suffix-tokens", type=int, default=511)
+    p.add_argument("--shared-new-tokens", type=int, default=64)
     p.add_argument("--hf", type=int, nargs="*", default=[], help="contexts for HuggingFace transformers")
     p.add_argument("--hf-mixed", action="store_true", help="also run the mixed workload through HuggingFace")
     p.add_argument("--hf-batch-tokens", type=int, default=65536, help="padded tokens per HF static batch")
@@ -263,8 +322,10 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=1)
 
     result["jax"] = jax.__version__
-    max_context = max(args.contexts + [args.mixed_max_prompt if args.mixed else 0]) + args.mixed_new_tokens + 64
-    if args.contexts or args.mixed:
+    shared_len = args.shared_prefix_tokens + args.shared_suffix_tokens + 1 if args.shared_prefix else 0
+    max_context = max(args.contexts + [args.mixed_max_prompt if args.mixed else 0, shared_len]) + max(
+        args.mixed_new_tokens, args.shared_new_tokens) + 64
+    if args.contexts or args.mixed or args.shared_prefix:
         llm = build_llm(args.model, "bfloat16", max_context, 0.9, pipeline=not args.sync)
         config = llm.config
         weight_bytes = _weight_bytes(llm)
@@ -282,6 +343,11 @@ def main(argv=None) -> int:
             result["mixed"] = mixed_workload(llm, args.mixed, args.mixed_new_tokens, args.mixed_max_prompt,
                                              warm=not args.mixed_cold)
             _log(f"[jaxllm] mixed {json.dumps(result['mixed'])}")
+        if args.shared_prefix:
+            result["shared_prefix"] = shared_prefix_workload(llm, args.shared_prefix, args.shared_prefix_tokens,
+                                                             args.shared_suffix_tokens, args.shared_new_tokens)
+            _log(f"[jaxllm] shared prefix {json.dumps(result['shared_prefix'])}")
+            save()
         result["compiles"] = llm.compile_count
         del llm
         gc.collect()  # the next pool is sized from free memory: this one must be gone first
@@ -321,6 +387,13 @@ def main(argv=None) -> int:
             h = result["hf_mixed"]
             print(f"HF mixed: {h['generated_tokens_per_s']:.0f} generated tok/s, {h['total_tokens_per_s']:.0f} total "
                   f"tok/s, {h['wall_s']:.1f} s; jaxllm x HF: {m['total_tokens_per_s'] / h['total_tokens_per_s']:.2f}")
+    if "shared_prefix" in result:
+        sp = result["shared_prefix"]
+        for mode in ("cache_off", "cache_on"):
+            r = sp[mode]
+            print(f"shared prefix ({sp['requests']} x {sp['prefix_tokens']} + {sp['suffix_tokens']} tokens), {mode}: "
+                  f"wall {r['wall_s']:.2f} s, TTFT mean {r['ttft_mean_s']:.2f} s, prefill computed "
+                  f"{r['prefill_tokens_computed']} of {r['prompt_tokens']} tokens")
     save()
     _log(f"wrote {path}")
     return 0

@@ -345,6 +345,17 @@ def test_metrics_count_a_request(server):
     assert after["jaxllm_queue_depth"] == 0 and after["jaxllm_kv_pool_usage_ratio"] == 0
 
 
+def test_metrics_count_prefix_cache_hits(server):
+    prompt = "A system prompt long enough to fill several rBlocks of sixteen tokens each, twice over. "
+    _stream(server.stub, _request(prompt + "First question?", max_tokens=2))
+    before = server.metrics()
+    _stream(server.stub, _request(prompt + "Second question?", max_tokens=2))
+    after = server.metrics()
+    # The second request shares the first's full rBlocks of the common prefix (at least 4 of 16 tokens).
+    assert after["jaxllm_prefix_cache_hit_tokens_total"] - before["jaxllm_prefix_cache_hit_tokens_total"] >= 64
+    assert after["jaxllm_prefix_cache_blocks"] >= 4
+
+
 def test_client_cli_streams_the_completion(server, llm):
     ref = llm.generate(["The quick brown fox"], max_new_tokens=24)[0]
     out = subprocess.run([sys.executable, "-m", "serve.client", "The quick brown fox", "--port", str(server.port),

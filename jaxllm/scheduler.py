@@ -46,7 +46,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     reuse_prefix: bool = True  # may start from cached rBlocks (False: every position is computed)
-    num_cached_prompt: int = 0  # prompt tokens whose KV came from the prefix cache (last admission)
+    num_cached_prompt: int = 0  # tokens whose KV came from the prefix cache at its last admission
     block_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its first full rBlocks
     num_registered: int = 0  # of its current rBlocks, the first this many are in the prefix cache
 
@@ -114,7 +114,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # oldest first
-        self.cached_tokens = 0  # prompt tokens served from the prefix cache, all admissions together
+        self.cached_tokens = 0  # tokens whose KV came from the prefix cache, all admissions together
         self._ids = itertools.count()
 
     # ----- requests -----

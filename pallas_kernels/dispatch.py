@@ -7,6 +7,8 @@ the device and the step's size. Nothing else branches on backends.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Literal
 
 import jax
@@ -144,9 +146,15 @@ def matmul_unreduced(x: jax.Array, w: jax.Array, *, backend: Backend | None = "a
     ~1.3 us kernel). Otherwise XLA's matmul: [T, N] in x.dtype.
     """
     if _decode_sized_kernel_step(backend, x.shape[0]):
-        from pallas_kernels.skinny_matmul import skinny_matmul_partials
+        from pallas_kernels.rms_norm import MAX_PARTS
+        from pallas_kernels.skinny_matmul import default_block_sizes, skinny_matmul_partials
 
-        return skinny_matmul_partials(x, w)
+        # No more partials than the norm kernel sums: a narrow model's defaults split K finer (the
+        # tiny preset's 688 x 256 down projection: 43 splits of 16 rows).
+        sizes = default_block_sizes(x.shape[0], x.shape[1], w.shape[1])
+        if sizes.k_splits > MAX_PARTS:
+            sizes = dataclasses.replace(sizes, k_splits=MAX_PARTS)
+        return skinny_matmul_partials(x, w, block_sizes=sizes)
     return jnp.dot(x, w)
 
 

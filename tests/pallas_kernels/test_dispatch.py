@@ -62,15 +62,16 @@ def test_num_q_heads_attends_with_the_first_heads_only(backend, decode):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tokens", [3, 65])
-def test_unreduced_matmul_and_norm_agree_across_backends(tokens):
+@pytest.mark.parametrize("tokens,k,n", [(3, 256, 128), (65, 256, 128), (1, 688, 256)])
+def test_unreduced_matmul_and_norm_agree_across_backends(tokens, k, n):
     """matmul_unreduced's output, whatever its form (partials on a decode-sized kernel step, a plain
-    product otherwise), gives the same add + norm as the reference backend's."""
+    product otherwise), gives the same add + norm as the reference backend's. 688 x 256 is the tiny
+    preset's down projection, whose default split (43 parts) is more than the norm kernel sums."""
     rng = np.random.default_rng()
-    x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.float32)
-    resid = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.float32)
-    g = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)) / 16, jnp.float32)
+    resid = jnp.asarray(rng.standard_normal((tokens, n)), jnp.float32)
+    g = jnp.asarray(rng.uniform(0.5, 1.5, n), jnp.float32)
     want = dispatch.add_rms_norm(resid, dispatch.matmul_unreduced(x, w, backend="reference"), g, eps=1e-6,
                                  backend="reference")
     delta = dispatch.matmul_unreduced(x, w, backend="triton")

@@ -77,7 +77,9 @@ class BlockAllocator:
         return owned
 
     def free(self, seq_id: int) -> None:
-        for block in self._owned.pop(seq_id, []):
+        # Last rBlock first: a table's cached tail then leaves the cache before its head, which other
+        # prompts may share (a lookup stops at the first missing rBlock, so a chain is only as good as its start).
+        for block in reversed(self._owned.pop(seq_id, [])):
             self._holders[block] -= 1
             if self._holders[block]:
                 continue

@@ -294,3 +294,14 @@ def test_share_and_register_reject_misuse():
     assert alloc.num_free == 4 and alloc.lookup([b"a"]) == [0]  # evictable: free, and still found
     alloc.grow(1, 4)  # needs every rBlock: the cached one is evicted
     assert alloc.lookup([b"a"]) == [] and alloc.num_cached == 0
+
+
+def test_eviction_takes_a_released_prefix_from_its_end():
+    """A released chain leaves the cache leaf first, so a prompt sharing only its start still finds it."""
+    alloc = BlockAllocator(4)
+    alloc.grow(0, 3)
+    for block, key in zip(alloc.blocks(0), (b"a", b"ab", b"abc")):
+        alloc.register(block, key)
+    alloc.free(0)
+    alloc.grow(1, 2)  # one free rBlock, then one evicted: the chain's last
+    assert alloc.lookup([b"a", b"ab", b"abc"]) == alloc.lookup([b"a", b"ab"]) and len(alloc.lookup([b"a", b"ab"])) == 2

@@ -202,11 +202,12 @@ def test_random_workload(pool):
     assert sched.cached_tokens > 0  # admissions and resumes that found their prefix cached
 
 
-def test_youngest_is_preempted_and_recomputes_prompt_plus_outputs():
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_youngest_is_preempted_and_recomputes_prompt_plus_outputs(prefix_caching):
     # 4 rBlocks of 2 tokens. A (3 tokens) and B (4 tokens) fill 2 + 2 rBlocks. Next step A's decode
     # fits its rBlocks but B's needs a 5th: B, the youngest, is preempted and waits.
     alloc = BlockAllocator(4)
-    sched = Scheduler(alloc, 2, max_tokens_per_step=16, max_seqs=4)
+    sched = Scheduler(alloc, 2, max_tokens_per_step=16, max_seqs=4, prefix_caching=prefix_caching)
     a = sched.add([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), max_len=8)
     b = sched.add([4, 5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True), max_len=8)
 
@@ -231,7 +232,12 @@ def test_youngest_is_preempted_and_recomputes_prompt_plus_outputs():
 
     plan = sched.plan()  # B resumes: one chunk recomputes its prompt and its kept output, then samples
     assert [s.seq_id for s in plan.seqs] == [b.seq_id]
-    assert plan.token_ids.tolist() == [4, 5, 6, 7, 20] and plan.positions.tolist() == [0, 1, 2, 3, 4]
+    if prefix_caching:
+        # A's growth evicted B's released rBlocks last first: B's first rBlock ([4, 5]) is still cached.
+        assert b.num_cached_prompt == 2
+        assert plan.token_ids.tolist() == [6, 7, 20] and plan.positions.tolist() == [2, 3, 4]
+    else:
+        assert plan.token_ids.tolist() == [4, 5, 6, 7, 20] and plan.positions.tolist() == [0, 1, 2, 3, 4]
     assert plan.sample.tolist() == [True] and plan.kv_lens.tolist() == [5]
     sched.update(plan, np.array([21]), EOS)
     assert b.output_ids == [20, 21]

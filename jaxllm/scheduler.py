@@ -204,8 +204,7 @@ class Scheduler:
         if not (self.prefix_caching and seq.reuse_prefix):
             return
         usable = (seq.num_tokens - 1) // self.block_size
-        keys = self._block_keys(seq, usable)
-        blocks = self.allocator.lookup(keys)
+        blocks = self.allocator.lookup(self._block_keys(seq, usable)[:usable])
         if blocks:
             self.allocator.share(seq.seq_id, blocks)
             seq.num_computed = len(blocks) * self.block_size
@@ -213,12 +212,13 @@ class Scheduler:
         seq.num_registered = len(blocks)
 
     def _block_keys(self, seq: Sequence, count: int) -> list[bytes]:
-        """Keys of seq's first `count` full rBlocks (their tokens must be known), computed once."""
+        """seq.block_keys, extended to at least its first `count` full rBlocks (their tokens must be
+        known); each key is computed once."""
         keys, bs = seq.block_keys, self.block_size
         while len(keys) < count:
             i = len(keys)
             keys.append(block_key(keys[-1] if keys else b"", seq.token_slice(i * bs, (i + 1) * bs)))
-        return keys[:count] if len(keys) > count else keys
+        return keys
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """After a step: record the rBlocks seq has filled with computed KV, for later sequences."""

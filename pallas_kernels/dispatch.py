@@ -7,8 +7,6 @@ the device and the step's size. Nothing else branches on backends.
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Literal
 
 import jax
@@ -151,9 +149,7 @@ def matmul_unreduced(x: jax.Array, w: jax.Array, *, backend: Backend | None = "a
 
         # No more partials than the norm kernel sums: a narrow model's defaults split K finer (the
         # tiny preset's 688 x 256 down projection: 43 splits of 16 rows).
-        sizes = default_block_sizes(x.shape[0], x.shape[1], w.shape[1])
-        if sizes.k_splits > MAX_PARTS:
-            sizes = dataclasses.replace(sizes, k_splits=MAX_PARTS)
+        sizes = default_block_sizes(x.shape[0], x.shape[1], w.shape[1], max_splits=MAX_PARTS)
         return skinny_matmul_partials(x, w, block_sizes=sizes)
     return jnp.dot(x, w)
 

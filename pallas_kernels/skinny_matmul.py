@@ -74,20 +74,21 @@ class SkinnyBlockSizes:
         return chunks, per_split, pl.cdiv(chunks, per_split)
 
 
-def default_block_sizes(m: int, k: int, n: int, *, target_programs: int = DEFAULT_TARGET_PROGRAMS
-                        ) -> SkinnyBlockSizes:
+def default_block_sizes(m: int, k: int, n: int, *, target_programs: int = DEFAULT_TARGET_PROGRAMS,
+                        max_splits: int | None = None) -> SkinnyBlockSizes:
     """Block sizes for x [m, k] @ w [k, n]: tiles that divide the shape, K split to fill the GPU.
 
     block_n 64 and block_k 128 (16 KB bf16 weight tiles, 3 stages in flight, 4 warps), and K split
     into round(target_programs / column tiles) runs (4096x4096: 5 splits, 320 programs; 11008x4096: 5;
     4096x11008 and 4096x12288: 2; 4096x22016 and 4096x32000: 1, no reduction). On an H200 this schedule
-    was within ~10% (mostly run-to-run noise) of the best swept one at M = 1 and 8.
+    was within ~10% (mostly run-to-run noise) of the best swept one at M = 1 and 8. max_splits bounds
+    the split for a consumer of the partials that sums only so many (rms_norm.MAX_PARTS).
     """
     del m  # up to 64 rows the weight stream dominates; the rows change nothing here
     block_n = max(MIN_DOT_ROWS, _pow2_factor(n, 64)) if n % MIN_DOT_ROWS == 0 else 64
     block_k = max(MIN_DOT_ROWS, _pow2_factor(k, 128)) if k % MIN_DOT_ROWS == 0 else 128
     tiles = pl.cdiv(n, block_n)
-    splits = max(1, min(round(target_programs / tiles), pl.cdiv(k, block_k)))
+    splits = max(1, min(round(target_programs / tiles), pl.cdiv(k, block_k), max_splits or k))
     return SkinnyBlockSizes(block_n=block_n, block_k=block_k, k_splits=splits, num_warps=4, num_stages=3)
 
 

@@ -7,13 +7,13 @@
 bandwidth); (b) with --longest, the longest context that prefills and decodes with bf16 and/or
 int8 KV; (c) with --mixed N, N requests with prompt lengths log-uniform in 128..32K and 256 new
 tokens each, continuously batched, in tokens/s (prefix cache off: the timed pass repeats the
-warm pass's prompts); (e) with --shared-prefix N, N requests sharing one prompt prefix, with the
-prefix cache off and on; (d) with --hf, HuggingFace transformers
+warm pass's prompts); (d) with --hf, HuggingFace transformers
 (fp16, sdpa) at the given contexts on the same device, and with --hf-mixed, on the same mixed
 workload (same prompt lengths and new tokens; HF has no continuous batching, so requests run in
 static batches of similar length, shortest first, up to --hf-batch-tokens padded tokens a batch),
-in a subprocess run first so the two frameworks never hold GPU memory at once. Prints a table,
-writes JSON to --out.
+in a subprocess run first so the two frameworks never hold GPU memory at once; (e) with
+--shared-prefix N, N requests sharing one prompt prefix, with the prefix cache off and on.
+Prints a table, writes JSON to --out.
 """
 
 from __future__ import annotations

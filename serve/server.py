@@ -93,7 +93,8 @@ class _Metrics:
                 fn=engine_value(lambda e: e.pool_usage()))
         r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool",
                 fn=engine_value(lambda e: e.llm.allocator.num_blocks))
-        r.counter("jaxllm_prefix_cache_hit_tokens_total", "tokens whose KV came from the prefix cache instead of a prefill",
+        r.counter("jaxllm_prefix_cache_hit_tokens_total",
+                  "tokens whose KV came from the prefix cache instead of a prefill",
                   fn=engine_value(lambda e: e.llm.scheduler.cached_tokens))
         r.gauge("jaxllm_prefix_cache_blocks", "full KV rBlocks registered in the prefix cache (held or evictable)",
                 fn=engine_value(lambda e: e.llm.allocator.num_cached))

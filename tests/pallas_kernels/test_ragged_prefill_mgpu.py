@@ -44,9 +44,12 @@ def _compare(args, out, residuals, tol):
     # after a 130-token prefix (crosses an rBlock), a 3-token chunk after 60; residuals.
     dict(q_lens=[70, 1, 3], cached=[0, 130, 60], block_size=128, block_kv=64, head_dim=64, num_kv_heads=1, group=2,
          dtype=jnp.float16, residuals=True),
-    # bf16, MHA, head_dim 128, block_kv 128 = rBlock: a whole 64-row sub-tile after a 63-token prefix.
-    dict(q_lens=[64, 2], cached=[63, 200], block_size=128, block_kv=128, head_dim=128, num_kv_heads=2, group=1,
-         dtype=jnp.bfloat16, residuals=False),
+    # bf16, MHA, head_dim 128, block_kv 128 = rBlock: a whole 64-row sub-tile after a 63-token prefix
+    # (its rows start at packed token 0 of 200, a multiple of 8: Q and output by TMA straight to and
+    # from the tiled buffer), and a 130-token prompt at packed token 66, whole sub-tiles at unaligned
+    # rows (through plain SMEM). The case above has 79 tokens: every tile through plain SMEM.
+    dict(q_lens=[64, 2, 130], cached=[63, 200, 0], padding=4, block_size=128, block_kv=128, head_dim=128,
+         num_kv_heads=2, group=1, dtype=jnp.bfloat16, residuals=False),
 ], ids=["fp16-gqa2-residuals", "bf16-d128"])
 def test_interpret_matches_reference(case):
     case = dict(case)
@@ -68,10 +71,13 @@ def test_work_list_covers_every_token_once():
     kv_lens = q_lens + rng.integers(0, 400, len(q_lens))
     num_tokens = int(q_lens.sum()) + 70
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    work = np.asarray(rpm._work_list(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), num_tokens, 128, 128, True))
+    tables = rng.permutation(64 * len(q_lens)).reshape(len(q_lens), 64).astype(np.int32)
+    work = np.asarray(rpm._work_list(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), num_tokens,
+                                     128, 128, True))
     seen = np.zeros(num_tokens, int)
     partial_per_owner = {}
-    for seq, start, rows, pos0, kv_len, owner, nblk in work.T:
+    for seq, start, rows, pos0, kv_len, owner, nblk, rblock0 in work.T:
+        assert rblock0 == tables[seq, 0]
         seen[start:start + rows] += 1
         for w in range(2):
             sub = min(max(rows - 64 * w, 0), 64)

@@ -336,12 +336,13 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
         kv_head = lax.div(head, i32(group))
 
         steps_per_rblock = block_size // block_kv
+        rblock0 = work_ref[_RBLOCK0, tile]  # read once for the first copies, which all may need it
 
         def kv_tiles(j, first_rblock: bool = False):
             """Step j's K and V tiles [block_kv, D]: one block-table read for both (none in the
             sequence's first rBlock, whose id the work list carries)."""
             if first_rblock:
-                rblock = work_ref[_RBLOCK0, tile]
+                rblock = rblock0
             else:
                 rblock = tables_ref[seq, lax.div(j, i32(steps_per_rblock))]
             # row = (j % steps_per_rblock) * block_kv, written so Mosaic sees a multiple of the

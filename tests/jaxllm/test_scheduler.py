@@ -130,14 +130,18 @@ def test_random_workload(pool):
                 seqs.append(seq)
                 last_preemptions[seq.seq_id] = 0
                 total_work += prompt_len + params.max_new_tokens
-        # Now and then a client goes away: its rBlocks come back at once.
+        # Now and then a client goes away: the rBlocks it alone held come back at once; those of a
+        # shared prefix stay with their other holders.
         live = sched.running + sched.waiting
         if live and rng.random() < 0.01:
             victim = live[int(rng.integers(len(live)))]
-            held, free_before = len(alloc.blocks(victim.seq_id)), alloc.num_free
+            holders = {b: alloc.holders(b) for b in alloc.blocks(victim.seq_id)}
+            free_before = alloc.num_free
             sched.cancel(victim)
             assert victim.status is Status.FINISHED and victim.finish_reason == "cancelled"
-            assert alloc.num_free == free_before + held and not alloc.blocks(victim.seq_id), ctx
+            alone = sum(h == 1 for h in holders.values())
+            assert alloc.num_free == free_before + alone and not alloc.blocks(victim.seq_id), ctx
+            assert all(alloc.holders(b) == h - 1 for b, h in holders.items()), ctx
             assert victim not in sched.running and victim not in sched.waiting
             cancels += 1
         if not sched.has_work():

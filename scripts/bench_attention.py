@@ -49,6 +49,7 @@ from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.ragged_prefill import ragged_prefill
 from pallas_kernels.residuals import merge_partials
+from gpu_state import GpuSampler
 from results import result_stem
 
 HBM_TBPS = 4.8  # H200 datasheet
@@ -106,6 +107,8 @@ class Bench:
         self.rows: dict[str, list[dict]] = {"decode": [], "ragged": [], "fragmented": [], "prefill": []}
         self.seed = int(time.time())  # fresh inputs every run; recorded in the JSON
         self.keys = iter(jax.random.split(jax.random.key(self.seed), 100_000))
+        # Clock and power during each implementation's timed batches (none on CPU machines).
+        self.gpu = None if interpret else GpuSampler.start()
 
     def normal(self, shape, dtype=jnp.bfloat16):
         return jax.random.normal(next(self.keys), shape, dtype)
@@ -158,22 +161,26 @@ class Bench:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                 traceback.print_exc()
                 out = None
-            prepared.append((row, timed, []))
+            prepared.append((row, timed, [], []))
             outs.append(out)
         live = [p for p in prepared if p[1] is not None]
         for rep in range(self.plan.reps):
             for i in range(len(live)):
-                _, (step, args, calls, per), times = live[(rep + i) % len(live)]
+                _, (step, args, calls, per), times, windows = live[(rep + i) % len(live)]
                 try:
                     if self.plan.settle and len(live) > 1:
                         # Untimed first: the card's clocks and power settle to this kernel's own steady
                         # state instead of carrying over the previous implementation's.
                         time_batch(step, args, calls=calls, per=per)
+                    start = time.time()
                     times.append(time_batch(step, args, calls=calls, per=per))
+                    windows.append((start, time.time()))
                 except Exception as exc:
                     live[(rep + i) % len(live)][0]["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        for row, timed, times in prepared:
+        for row, timed, times, windows in prepared:
             if timed is not None and times and "error" not in row:
+                if self.gpu is not None:
+                    row["gpu"] = self.gpu.summary(windows)
                 t = float(np.median(times))
                 row.update(us=round(t * 1e6, 1), calls=timed[2] * len(times), buffers=timed[3],
                            spread=round((max(times) - min(times)) / t, 3))
@@ -507,6 +514,20 @@ def _ratio(a, b):
     return "-" if a is None or b is None else f"{a / b:.2f}"
 
 
+def gpu_state_table(rows) -> str:
+    """Markdown: each timed implementation's median SM clock and power during its timed batches, and the
+    share of samples at the software power cap (gpu_state.py); empty when nothing was sampled."""
+    sampled = [r for r in rows if r.get("gpu")]
+    if not sampled:
+        return ""
+    lines = ["| case | implementation | us | SM MHz | W | power-capped |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in sampled:
+        g = r["gpu"]
+        lines.append(f"| {r['case']} | {r['impl']} | {r['us']:,.1f} | {g['sm_mhz']} | {g['power_w']:.0f} | "
+                     f"{g['power_capped']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def summarize(result: dict) -> tuple[str, dict]:
     """Markdown tables for BENCHMARKS.md and the issue-3 target verdicts."""
     rows, lines, targets = result["sections"], [], {}
@@ -621,6 +642,9 @@ def main(argv=None) -> int:
         with open(path + ".json", "w") as f:  # after each section, so a killed run still leaves its numbers
             json.dump(result, f, indent=1, default=str)
     table, targets = summarize(result)
+    gpu = gpu_state_table([r for section in bench.rows.values() for r in section])
+    if gpu:
+        table += "\nClock and power during each implementation's timed batches (nvidia-smi):\n\n" + gpu
     result["targets"] = targets
     with open(path + ".json", "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -161,7 +161,8 @@ def main(argv=None) -> int:
             json.dump(dict(script="scripts/bench_mosaic_prefill.py", argv=sys.argv[1:], device=device, date=date,
                            jax=jax.__version__, python=platform.python_version(), seed=bench.seed, heads=heads,
                            rblock=block, config=dataclasses.asdict(config), plan=dataclasses.asdict(plan), rows=rows,
-                           table=table(rows), gpu_state=ba.gpu_state_table(rows), elapsed_s=round(time.time() - bench.t0, 1), definitions=dict(
+                           table=table(rows), gpu_state=ba.gpu_state_table(rows),
+                           elapsed_s=round(time.time() - bench.t0, 1), definitions=dict(
                                tflops="4 * heads * head_dim * visible causal (query, key) pairs / time, same for all",
                                us="median over reps of elapsed / calls inside one jit (scripts/bench_attention.py)",
                                max_abs_err="vs a float32 reference on each sequence's last 64 query rows",

@@ -13,6 +13,7 @@ with the software power cap active, beside its time.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import shutil
 import subprocess
@@ -47,7 +48,9 @@ class GpuSampler:
                                     text=True, bufsize=1)
         except OSError:
             return None
-        return cls(proc)
+        sampler = cls(proc)
+        atexit.register(sampler.stop)  # nvidia-smi -lms never ends by itself
+        return sampler
 
     def _read(self) -> None:
         for line in self._proc.stdout:
@@ -61,7 +64,7 @@ class GpuSampler:
         that fall inside any of the (start, end) unix-time windows; None when none do."""
         end = max((b for _, b in windows), default=0.0)
         deadline = time.time() + 2.0  # nvidia-smi may still hold the last lines in its pipe buffer
-        while time.time() < deadline:
+        while time.time() < deadline and self._proc.poll() is None:
             with self._lock:
                 if self._samples and self._samples[-1][0] >= end:
                     break
@@ -76,6 +79,8 @@ class GpuSampler:
                     samples=len(inside))
 
     def stop(self) -> None:
+        if self._proc.poll() is not None:
+            return
         self._proc.terminate()
         try:
             self._proc.wait(timeout=5)

@@ -14,6 +14,9 @@ class _FakeProcess:
     def __init__(self, text: str):
         self.stdout = io.StringIO(text)
 
+    def poll(self):
+        return None  # still running, as nvidia-smi -lms would be
+
     def terminate(self):
         pass
 

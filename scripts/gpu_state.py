@@ -8,7 +8,7 @@ with the software power cap active, beside its time.
 
     sampler = GpuSampler.start()          # None where there is no nvidia-smi (CPU machines)
     t0 = time.time(); ...; t1 = time.time()
-    sampler.summary([(t0, t1)])           # {"sm_mhz": ..., "power_w": ..., "power_capped": ..., "samples": ...}
+    sampler.summary([(t0, t1)])           # {"sm_mhz": ..., "power_w": ..., "power_capped": ..., ...}
 """
 
 from __future__ import annotations
@@ -24,14 +24,34 @@ import numpy as np
 
 # nvidia-smi's clocks_event_reasons bit for the software power cap (NVML's SwPowerCap).
 _SW_POWER_CAP = 0x4
-_FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+# power.draw is a one-second average on recent drivers, which smears one implementation's power over the
+# next one's batches; power.draw.instant (drivers >= 530) is the sample itself.
+_POWER_FIELDS = ("power.draw.instant", "power.draw")
+
+
+def _fields(power: str) -> str:
+    return f"timestamp,clocks.sm,{power},clocks_event_reasons.active"
+
+
+def _power_field(exe: str) -> str | None:
+    """The first power field this nvidia-smi accepts, or None if it answers none of them."""
+    for power in _POWER_FIELDS:
+        try:
+            done = subprocess.run([exe, "-i", "0", f"--query-gpu={_fields(power)}", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode == 0 and _parse(done.stdout.strip().splitlines()[0] if done.stdout.strip() else ""):
+            return power
+    return None
 
 
 class GpuSampler:
     """nvidia-smi sampling GPU 0 every interval_ms in a background process, read by a thread."""
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, proc: subprocess.Popen, power_field: str = "power.draw.instant"):
         self._proc = proc
+        self.power_field = power_field
         self._samples: list[tuple[float, float, float, int]] = []  # (unix time, MHz, W, reasons)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -40,15 +60,16 @@ class GpuSampler:
     @classmethod
     def start(cls, interval_ms: int = 100) -> GpuSampler | None:
         exe = shutil.which("nvidia-smi")
-        if exe is None:
+        power = _power_field(exe) if exe is not None else None
+        if power is None:
             return None
         try:
-            proc = subprocess.Popen([exe, "-i", "0", f"--query-gpu={_FIELDS}", "--format=csv,noheader,nounits",
+            proc = subprocess.Popen([exe, "-i", "0", f"--query-gpu={_fields(power)}", "--format=csv,noheader,nounits",
                                      "-lms", str(interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                     text=True, bufsize=1)
         except OSError:
             return None
-        sampler = cls(proc)
+        sampler = cls(proc, power)
         atexit.register(sampler.stop)  # nvidia-smi -lms never ends by itself
         return sampler
 
@@ -76,7 +97,7 @@ class GpuSampler:
         mhz, watts, reasons = (np.array([s[i] for s in inside]) for i in (1, 2, 3))
         return dict(sm_mhz=int(np.median(mhz)), power_w=round(float(np.median(watts)), 1),
                     power_capped=round(float(np.mean((reasons.astype(np.int64) & _SW_POWER_CAP) != 0)), 2),
-                    samples=len(inside))
+                    samples=len(inside), power_field=self.power_field)
 
     def stop(self) -> None:
         if self._proc.poll() is not None:

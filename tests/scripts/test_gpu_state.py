@@ -52,7 +52,8 @@ def test_summary_keeps_only_samples_inside_the_windows():
     sampler = GpuSampler(_FakeProcess(text))
     sampler._thread.join(timeout=5)
     got = sampler.summary([(_unix(0.95), _unix(1.35)), (_unix(2.95), _unix(3.15))])
-    assert got == dict(sm_mhz=1705, power_w=691.0, power_capped=round(4 / 6, 2), samples=6)
+    assert got == dict(sm_mhz=1705, power_w=691.0, power_capped=round(4 / 6, 2), samples=6,
+                      power_field="power.draw.instant")
     assert sampler.summary([(_unix(5.0), _unix(6.0))]) is None
     sampler.stop()
 

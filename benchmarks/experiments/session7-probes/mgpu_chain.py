@@ -9,11 +9,14 @@ split and one wgmma each (the partials summed in the fp32 accumulator, each roun
 Phase i's input is y_{i-1}[:, :, :K_i] (as chain_gemv.py)."""
 import collections, functools, json, os, sys
 sys.path.insert(0, "scripts")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 import jax, jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mgpu_stream import phase_plan, stream_weights  # noqa: E402  (work split and producer, shared)
 
 P = 132
 ROWS = 8   # real token rows (batch)
@@ -38,36 +41,11 @@ def make(shapes, splits, bk, bn, slots, xslots=3, programs=P, barriers=True):
         wg = lax.axis_index("wg")
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
 
-        def plan(i):
-            K, N = shapes[i]
-            tiles, chunks = N // bn, K // bk // splits[i]
-            items = tiles * splits[i]
-            mine = lax.div(items - c + (programs - 1), jnp.int32(programs))
-            return tiles, chunks, mine
+        plan = phase_plan(shapes, splits, bk, bn, c, programs)
 
         @pl.when(wg == 1)
         def _producer():
-            t = jnp.int32(0)
-            for i in range(nph):
-                tiles, chunks, mine = plan(i)
-                w = w_refs[i]
-
-                def item(j, t, w=w, chunks=chunks, tiles=tiles):
-                    it = c + j * programs
-                    split, tile = lax.div(it, jnp.int32(tiles)), lax.rem(it, jnp.int32(tiles))
-
-                    def chunk(k, t):
-                        slot = lax.rem(t, jnp.int32(slots))
-
-                        @pl.when(t >= slots)
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-                        row = (split * chunks + k) * bk
-                        plgpu.copy_gmem_to_smem(w.at[pl.ds(row, bk), pl.ds(tile * bn, bn)], w_ring.at[slot],
-                                                full.at[slot])
-                        return t + 1
-                    return lax.fori_loop(0, chunks, chunk, t)
-                t = lax.fori_loop(0, mine, item, t)
+            stream_weights(w_refs, plan, c, programs, bk, bn, w_ring, full, empty)
 
         @pl.when(wg == 0)
         def _consumer():

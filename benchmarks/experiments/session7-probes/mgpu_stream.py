@@ -12,6 +12,45 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 P = 132
 
 
+def phase_plan(shapes, splits, bk, bn, cta, programs):
+    """plan(i) = (column tiles of bn, chunks of bk rows a K split, this CTA's items) of matrix i: its
+    items are the tiles x splits, CTA cta taking cta, cta + programs, ..."""
+    def plan(i):
+        K, N = shapes[i]
+        tiles, per = N // bn, K // bk // splits[i]
+        items = tiles * splits[i]
+        mine = lax.div(items - cta + (programs - 1), jnp.int32(programs))
+        return tiles, per, mine
+    return plan
+
+
+def stream_weights(w_refs, plan, cta, programs, bk, bn, ring, full, empty):
+    """The producer warpgroup: weight tiles [bk, bn] by TMA into the SMEM ring (slot t % slots, `full`
+    on arrival), matrix after matrix, never waiting on the grid barrier, only on `empty` for a slot's
+    previous tile. plan(i) = (column tiles, chunks a K split, this CTA's items) of matrix i; item j of
+    this CTA is cta + j * programs, split-major (split = item // tiles)."""
+    slots = ring.shape[0]
+    t = jnp.int32(0)
+    for i, w in enumerate(w_refs):
+        tiles, per, mine = plan(i)
+
+        def item(j, t, w=w, tiles=tiles, per=per):
+            it = cta + j * programs
+            split, tile = lax.div(it, jnp.int32(tiles)), lax.rem(it, jnp.int32(tiles))
+
+            def chunk(k, t):
+                slot = lax.rem(t, jnp.int32(slots))
+
+                @pl.when(t >= slots)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+                row = (split * per + k) * bk
+                plgpu.copy_gmem_to_smem(w.at[pl.ds(row, bk), pl.ds(tile * bn, bn)], ring.at[slot], full.at[slot])
+                return t + 1
+            return lax.fori_loop(0, per, chunk, t)
+        t = lax.fori_loop(0, mine, item, t)
+
+
 def make(shapes, splits, bk, bn, slots, barriers):
     nph = len(shapes)
 
@@ -24,36 +63,11 @@ def make(shapes, splits, bk, bn, slots, barriers):
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
         call = idx_ref[0]
 
-        def plan(i):
-            K, N = shapes[i]
-            tiles, chunks = N // bn, K // bk
-            per = chunks // splits[i]
-            items = tiles * splits[i]
-            mine = lax.div(items - c + (P - 1), jnp.int32(P))
-            return tiles, per, mine
+        plan = phase_plan(shapes, splits, bk, bn, c, P)
 
         @pl.when(wg == 1)
         def _producer():
-            t = jnp.int32(0)
-            for i in range(nph):
-                tiles, per, mine = plan(i)
-                w = w_refs[i]
-
-                def item(j, t, w=w, tiles=tiles, per=per):
-                    it = c + j * P
-                    split, tile = lax.div(it, jnp.int32(tiles)), lax.rem(it, jnp.int32(tiles))
-
-                    def chunk(k, t):
-                        slot = lax.rem(t, jnp.int32(slots))
-
-                        @pl.when(t >= slots)
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-                        row = (split * per + k) * bk
-                        plgpu.copy_gmem_to_smem(w.at[pl.ds(row, bk), pl.ds(tile * bn, bn)], ring.at[slot], full.at[slot])
-                        return t + 1
-                    return lax.fori_loop(0, per, chunk, t)
-                t = lax.fori_loop(0, mine, item, t)
+            stream_weights(w_refs, plan, c, P, bk, bn, ring, full, empty)
 
         @pl.when(wg == 0)
         def _consumer():

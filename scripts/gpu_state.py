@@ -41,7 +41,8 @@ def _power_field(exe: str) -> str | None:
                                   capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        if done.returncode == 0 and _parse(done.stdout.strip().splitlines()[0] if done.stdout.strip() else ""):
+        lines = done.stdout.splitlines()
+        if done.returncode == 0 and lines and _parse(lines[0]) is not None:
             return power
     return None
 

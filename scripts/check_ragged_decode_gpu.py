@@ -13,6 +13,10 @@ Usage (GPU machine, repo root): PYTHONPATH=$PWD python3 scripts/check_ragged_dec
    as the engine's), per short-call split rule (DecodeBlockSizes.short_target_programs).
 3b. With --split-sweep: only target_programs 768..1536 at 32K / 128K / batch 8 x 32K, and
    min_tokens_per_split 128..2048 at 1K / 4K (rBlock 256, as the engine), with cuDNN.
+3d. With --wave-sweep: only target_programs x num_stages (few programs that all run at once vs several
+   waves) at 32K / 128K / batch 8 x 32K, with cuDNN.
+3c. With --stages-sweep: only num_stages / block_k, kernel times from a trace at 1K..8K, then 32K / 128K /
+   batch 8 x 32K (with cuDNN) and the ragged 16.
 4. With --sweep: DecodeBlockSizes variants (programs, stages, warps, block_k) on MHA batch 1 at 32K and
    128K, batch 8 at 32K, and a ragged batch (16 seqs, 64 q / 8 kv heads, 1K..256K).
 Prints a table and writes `<device>-<date>-<HHMM>-ragged-decode-<check|...-sweep>.json` under --out.
@@ -230,6 +234,12 @@ def main():
                              "min_tokens_per_split 128..1024 (batch 1 at 1K / 4K), with cuDNN")
     parser.add_argument("--short-sweep", action="store_true",
                         help="only kernel times (trace) at 1K..8K, batch 1, table 128K wide: the short-call split rule")
+    parser.add_argument("--wave-sweep", action="store_true",
+                        help="only target_programs x num_stages at 32K / 128K / batch 8 x 32K, with cuDNN: programs "
+                             "that all fit on the GPU at once (one wave) against several waves")
+    parser.add_argument("--stages-sweep", action="store_true",
+                        help="only num_stages / block_k: kernel times (trace) at 1K..8K, then 32K / 128K / batch 8 x "
+                             "32K and the ragged 16, with cuDNN")
     args = parser.parse_args()
     compat.silence_triton_deprecation()
     print(jax.__version__, jax.devices(), flush=True)
@@ -253,6 +263,33 @@ def main():
                    "short target 256": r(base, short_target_programs=256)}
         result["short"] = short_trace_timing(configs)
         with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-short-sweep") + ".json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        return
+    if args.wave_sweep:
+        # With 2 stages a program holds 2 x 32 KB of K/V tiles, so ~3 share an SM: ~396 programs run at
+        # once and a call of that many has no last partial wave; 4 stages fit one program an SM.
+        r = dataclasses.replace
+        base = DecodeBlockSizes()
+        configs = [base] + [r(base, num_stages=st, target_programs=t) for st in (2, 3) for t in (264, 384, 528, 768, 1024)]
+        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
+            result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs)
+        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-wave-sweep") + ".json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        return
+    if args.stages_sweep:
+        # Pipeline stages size each program's SMEM (K and V tiles per stage) and so how many programs
+        # share an SM: at 1K every item is one tile, and the stages only cost occupancy.
+        r = dataclasses.replace
+        base = DecodeBlockSizes()
+        variants = {f"{b}x{st}": r(base, block_k=b, num_stages=st)
+                    for b, st in ((64, 4), (64, 3), (64, 2), (64, 1), (32, 2), (128, 2))}
+        result["short"] = short_trace_timing(variants)
+        configs = [variants[k] for k in ("64x4", "64x3", "64x2", "128x2")]
+        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
+            result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs)
+        lens = np.sort(np.exp(rng.uniform(np.log(1024), np.log(262144), 15)).astype(int))
+        result["ragged_16"] = timing(rng, 16, 64, 8, np.concatenate([lens, [262144]]), 1024, configs, with_cudnn=False)
+        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-stages-sweep") + ".json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         return
     if args.split_sweep:

@@ -12,7 +12,12 @@ schedule barrier, one issuing TMA copies of K/V tiles into a ring of SMEM slots.
     looked up in the block table (block_size % block_kv == 0, so a tile never straddles rBlocks);
   * query i of sequence s sits at position kv_lens[s] - q_len[s] + i (causal after a cached prefix);
   * GQA: kv_head = head // group, with the q heads of a group adjacent in the grid (L2 reuse);
-  * tiles run heaviest first, and whole KV tiles above a tile's diagonal are never fetched.
+  * tiles run heaviest first, and whole KV tiles above a tile's diagonal are never fetched;
+  * two CTAs (a cluster of 2) share each work-list tile, 2 x 2 * block_q rows of one sequence, and so
+    every K/V tile: each CTA's memory warpgroup TMA-multicasts half of it into both CTAs' SMEM, and a
+    slot is refilled once all four compute warpgroups released it. Sustained prefill is held by the
+    H200's power cap, and K/V moving from L2 into SMEM is a large share of the energy: on an H200
+    the ragged benchmark batch, 64K and 128K ran 4-5% faster, 4K and 16K the same (session 8).
 """
 
 from __future__ import annotations
@@ -45,12 +50,16 @@ _SEQ, _Q_START, _ROWS, _POS0, _KV_LEN, _SLOT, _KV_BLOCKS, _RBLOCK0 = range(8)
 class MosaicPrefillConfig:
     """Tile sizes. block_q: query rows per compute warpgroup (a CTA takes 2 * block_q);
     block_kv: keys per step; steps: K/V tiles in flight (SMEM ring depth);
-    heaviest_first: launch the tiles with the most KV steps first (the last wave is then short)."""
+    heaviest_first: launch the tiles with the most KV steps first (the last wave is then short);
+    kv_multicast: two CTAs (a cluster of 2) take a sequence's next 2 x 2 * block_q query rows and
+      each K/V tile leaves L2 once for both (TMA multicast into both CTAs' SMEM). Sustained prefill
+      is power-bound on an H200 and moving K/V from L2 into SMEM is a large share of the energy."""
 
     block_q: int = 64
     block_kv: int = 128
     steps: int = 2
     heaviest_first: bool = True
+    kv_multicast: bool = True
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -103,7 +112,7 @@ def _work_list(cu_q_lens, kv_lens, block_tables, num_tokens: int, tile_q: int, b
 
 
 def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv, steps, group, qk_scale,
-            residuals, use_wgmma):
+            residuals, use_wgmma, paired, multicast):
     """work [8, tiles] i32; tables [S, W] i32; q [T, Hq, D]; k, v [N, Hkv, bs, D];
     outputs out [T, Hq, D], side [(S+1)*block_q, Hq, D] (+ m, l [Hq, tiles * 2 * block_q] f32, by tile);
     scratch qo, qs [2, block_q, D], k, v [steps, block_kv, D] (+ ml [2, 2, block_q] f32), barriers."""
@@ -117,14 +126,21 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
     head, tile, wg = lax.axis_index("heads"), lax.axis_index("tile"), lax.axis_index("wg")
     block_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     dtype = q_ref.dtype
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    cta_rows = _COMPUTE_WGS * block_q
     seq = work_ref[_SEQ, tile]
-    q_start = work_ref[_Q_START, tile]
-    rows = work_ref[_ROWS, tile]
-    pos0 = work_ref[_POS0, tile]
     kv_len = work_ref[_KV_LEN, tile]
     slot_id = work_ref[_SLOT, tile]
-    nblk = work_ref[_KV_BLOCKS, tile]
-    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    tile_rows = work_ref[_ROWS, tile]
+    # KV steps of the whole tile: with a pair of CTAs, both stream all of them (the copies are shared).
+    tile_nblk = work_ref[_KV_BLOCKS, tile]
+    half = lax.axis_index("pair") if paired else 0  # which CTA of the pair: rows half * cta_rows..
+    rows = jnp.clip(tile_rows - half * cta_rows, 0, cta_rows)
+    q_start = work_ref[_Q_START, tile] + half * cta_rows
+    pos0 = work_ref[_POS0, tile] + half * cta_rows
+    # This CTA's own KV steps: the pair's first CTA needs up to block_kv fewer (causal).
+    nblk = jnp.where((rows > 0) & (tile_nblk > 0), lax.div(pos0 + rows + (block_kv - 1), i32(block_kv)), 0)
+    copy_axes = dict(collective_axes="pair") if multicast else {}
 
     def sched_barrier():
         plgpu.barrier_arrive(sched)
@@ -141,7 +157,9 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
     # Unused tiles (the work list's slack: cdiv(T, tile) + S + 1 columns for at most cdiv(T, tile) + S
     # tiles) end at once: run through, each cost an SM ~1 us (session 7, a trace: 0.9% of the bench's
     # ragged batch, 1,056 of 23,648 CTAs; ~1 us a real CTA where sequences are one tile each).
-    live = rows > 0
+    # A pair's second CTA may have no rows (the sequence's last tile is short): it still runs, its
+    # memory warpgroup issuing its half of the shared copies and its compute warpgroups releasing them.
+    live = tile_rows > 0
 
     @pl.when((wg < _COMPUTE_WGS) & live)
     def _compute():
@@ -270,9 +288,9 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
             return acc, m_i, l_i
 
         def epilogue_step(j, _):
-            # The other warpgroup still consumes steps my_nblk..nblk: release them and keep the
-            # schedule ping-pong in step. Waiting for the loads keeps every barrier phase observed
-            # (the interpreter insists; on the GPU they have landed for the other warpgroup anyway).
+            # The other warpgroup (or the pair's other CTA) still consumes steps my_nblk..tile_nblk:
+            # release them and keep the schedule ping-pong in step. Waiting for the loads keeps every
+            # barrier phase observed (the interpreter insists; on the GPU they have landed anyway).
             slot = lax.rem(j, i32(steps))
             plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
@@ -283,7 +301,7 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
 
         carry = lax.fori_loop(0, my_full, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(my_full, my_nblk, functools.partial(kv_step, masked=True), carry)
-        lax.fori_loop(my_nblk, nblk, epilogue_step, None)
+        lax.fori_loop(my_nblk, tile_nblk, epilogue_step, None)
         pl.when(wg == 0)(sched_barrier)
 
         # A row with keys has l >= 1 (its max contributes exp2(0)); one without has acc 0: output 0.
@@ -329,9 +347,9 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
             # are gathered into token order outside.
             @pl.when(my_rows > 0)
             def _():
-                tile_rows = pl.ds(tile * (_COMPUTE_WGS * block_q) + wg * block_q, block_q)
+                res_rows = pl.ds((tile * (2 if paired else 1) + half) * cta_rows + wg * block_q, block_q)
                 for k, ref in enumerate((m_ref, l_ref)):
-                    plgpu.copy_smem_to_gmem(ml_smem2.at[wg, k], ref.at[head, tile_rows])
+                    plgpu.copy_smem_to_gmem(ml_smem2.at[wg, k], ref.at[head, res_rows])
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -356,25 +374,27 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
             return tuple(pool.at[rblock, kv_head, pl.ds(row, block_kv)] for pool in (k_ref, v_ref))
 
         for i in range(steps):
-            @pl.when(i < nblk)
+            @pl.when(i < tile_nblk)
             def _():
                 k_tile, v_tile = kv_tiles(i, first_rblock=i < steps_per_rblock)
-                plgpu.copy_gmem_to_smem(k_tile, k_smem.at[i], k_bars.at[i])
-                plgpu.copy_gmem_to_smem(v_tile, v_smem.at[i], v_bars.at[i])
+                plgpu.copy_gmem_to_smem(k_tile, k_smem.at[i], k_bars.at[i], **copy_axes)
+                plgpu.copy_gmem_to_smem(v_tile, v_smem.at[i], v_bars.at[i], **copy_axes)
 
-        @pl.loop(steps, jnp.maximum(nblk, steps))
+        @pl.loop(steps, jnp.maximum(tile_nblk, steps))
         def _(j):
             slot = lax.rem(j, i32(steps))
             # The block-table read goes before the waits, so its latency hides behind them instead
             # of delaying the copy once the slot frees.
             k_tile, v_tile = kv_tiles(j)
             plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_tile, k_smem.at[slot], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(k_tile, k_smem.at[slot], k_bars.at[slot], **copy_axes)
             plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_tile, v_smem.at[slot], v_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_tile, v_smem.at[slot], v_bars.at[slot], **copy_axes)
 
-        for i in range(steps):  # observe the last release of every slot used
-            @pl.when(i < nblk)
+        # Observe the last release of every slot used (with a pair, the partner's releases too: no
+        # CTA leaves while the other may still write into its SMEM or arrive on its barriers).
+        for i in range(steps):
+            @pl.when(i < tile_nblk)
             def _():
                 plgpu.barrier_wait(k_free.at[i])
                 plgpu.barrier_wait(v_free.at[i])
@@ -440,11 +460,15 @@ def _ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *,
     num_kv_heads = k_pool.shape[1]
     num_seqs = kv_lens.shape[0]
     block_q, block_kv, steps = config.block_q, config.block_kv, config.steps
-    work = _work_list(cu_q_lens, kv_lens, block_tables, num_tokens, _COMPUTE_WGS * block_q, block_kv,
-                      config.heaviest_first)
+    # A pair of CTAs shares each work-list tile (its rows split in two), as a cluster on the GPU; the
+    # interpreter has no clusters, so there the pair is a grid axis and each CTA loads its own K/V.
+    paired = config.kv_multicast
+    multicast = paired and not interpret
+    tile_q = (2 if paired else 1) * _COMPUTE_WGS * block_q
+    work = _work_list(cu_q_lens, kv_lens, block_tables, num_tokens, tile_q, block_kv, config.heaviest_first)
     num_tiles = work.shape[1]
     side_rows = (num_seqs + 1) * block_q
-    tile_rows = num_tiles * _COMPUTE_WGS * block_q  # residual rows, by tile
+    tile_rows = num_tiles * tile_q  # residual rows, by tile
     dt = q.dtype
     out_type = [jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((side_rows, num_q_heads, head_dim), dt)]
     if return_residuals:
@@ -457,13 +481,22 @@ def _ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *,
     if return_residuals:
         scratch.append(plgpu.SMEM((_COMPUTE_WGS, 2, block_q), jnp.float32))
     scratch += [plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-                plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=steps),
-                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=steps),
+                plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps)]
+    # A slot is free once both CTAs' compute warpgroups released it (the next copy fills both).
+    free = (functools.partial(plgpu.ClusterBarrier, collective_axes=("pair",)) if multicast else plgpu.Barrier)
+    scratch += [free(num_arrivals=_COMPUTE_WGS, num_barriers=steps),
+                free(num_arrivals=_COMPUTE_WGS, num_barriers=steps),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS)]
     kernel = functools.partial(
         _kernel, block_q=block_q, block_kv=block_kv, steps=steps, group=num_q_heads // num_kv_heads,
-        qk_scale=sm_scale * _LOG2E, residuals=return_residuals, use_wgmma=use_wgmma)
+        qk_scale=sm_scale * _LOG2E, residuals=return_residuals, use_wgmma=use_wgmma, paired=paired,
+        multicast=multicast)
+    if multicast:
+        grid = dict(grid=(num_q_heads, num_tiles), grid_names=("heads", "tile"), cluster=(2,), cluster_names=("pair",))
+    elif paired:
+        grid = dict(grid=(num_q_heads, num_tiles, 2), grid_names=("heads", "tile", "pair"))
+    else:
+        grid = dict(grid=(num_q_heads, num_tiles), grid_names=("heads", "tile"))
     params = compat.mgpu_interpret_params(out_of_bounds_reads="uninitialized") if interpret else None
     if interpret and params is None:
         raise ValueError(f"jax {jax.__version__} has no Mosaic GPU interpret mode")
@@ -474,8 +507,7 @@ def _ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *,
         kernel,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_q_heads, num_tiles),
-        grid_names=("heads", "tile"),
+        **grid,
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -492,7 +524,7 @@ def _ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *,
     if not return_residuals:
         return out
     # Residual row i of tile column c is token q_start[c] + i for i < rows[c] (rows past: dropped).
-    i = jnp.arange(_COMPUTE_WGS * block_q, dtype=jnp.int32)
+    i = jnp.arange(tile_q, dtype=jnp.int32)
     token = jnp.where(i[None, :] < work[_ROWS][:, None], work[_Q_START][:, None] + i[None, :], num_tokens)
     token = token.reshape(-1)
     m = jnp.full((num_q_heads, num_tokens), -jnp.inf, jnp.float32).at[:, token].set(outs[2], mode="drop")

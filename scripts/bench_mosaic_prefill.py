@@ -94,21 +94,24 @@ def run_case(bench, case, groups, heads, block, config, extra_configs=()):
     del entries, dense, packed
 
 
-_CONFIG_FLAGS = ("inorder",)  # --extra-configs words after BLOCK_KV:STEPS
+_CONFIG_FLAGS = ("inorder", "unpaired")  # --extra-configs words after BLOCK_KV:STEPS
 
 
 def _parse_config(text: str) -> MosaicPrefillConfig:
-    """BLOCK_KV:STEPS[:FLAG...], FLAG one of _CONFIG_FLAGS: e.g. 128:2:inorder."""
+    """BLOCK_KV:STEPS[:FLAG...], FLAG one of _CONFIG_FLAGS: e.g. 128:2:inorder, 128:2:unpaired (one CTA a
+    tile, no K/V multicast)."""
     parts = text.split(":")
     flags = parts[2:]
     if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or any(f not in _CONFIG_FLAGS for f in flags):
         raise SystemExit(f"--extra-configs entry {text!r} is not BLOCK_KV:STEPS[:FLAG...], FLAG in {_CONFIG_FLAGS}")
-    return MosaicPrefillConfig(block_kv=int(parts[0]), steps=int(parts[1]), heaviest_first="inorder" not in flags)
+    return MosaicPrefillConfig(block_kv=int(parts[0]), steps=int(parts[1]), heaviest_first="inorder" not in flags,
+                               kv_multicast="unpaired" not in flags)
 
 
 def _config_label(c: MosaicPrefillConfig) -> str:
-    """Row name of an extra config: `mosaic 128x2`, then ` in order` where set."""
-    return f"mosaic {c.block_kv}x{c.steps}" + ("" if c.heaviest_first else " in order")
+    """Row name of an extra config: `mosaic 128x2`, then ` in order` / ` unpaired` where set."""
+    return (f"mosaic {c.block_kv}x{c.steps}" + ("" if c.heaviest_first else " in order")
+            + ("" if c.kv_multicast else " unpaired"))
 
 
 def table(rows) -> str:

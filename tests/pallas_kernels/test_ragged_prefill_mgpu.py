@@ -51,13 +51,16 @@ def _compare(args, out, residuals, tol):
     dict(q_lens=[64, 2, 130], cached=[63, 200, 0], padding=4, block_size=128, block_kv=128, head_dim=128,
          num_kv_heads=2, group=1, dtype=jnp.bfloat16, residuals=False),
 ], ids=["fp16-gqa2-residuals", "bf16-d128"])
-def test_interpret_matches_reference(case):
+# Paired: two CTAs per tile of 256 rows (a cluster sharing K/V copies on the GPU; here a grid axis, each
+# CTA loading its own): the 70- and 130-token prompts leave the second CTA of their tile with no rows.
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "single"])
+def test_interpret_matches_reference(case, paired):
     case = dict(case)
     residuals, block_kv = case.pop("residuals"), case.pop("block_kv")
     args = _batch(np.random.default_rng(), **case)
     try:
         res = rpm.ragged_prefill_mgpu(*args, return_residuals=residuals, interpret=True,
-                                      config=rpm.MosaicPrefillConfig(block_kv=block_kv))
+                                      config=rpm.MosaicPrefillConfig(block_kv=block_kv, kv_multicast=paired))
     except Exception:
         compat.reset_mgpu_interpret_state()
         raise
@@ -65,7 +68,8 @@ def test_interpret_matches_reference(case):
     _compare(args, out, extra, _OUT_TOL[case["dtype"]])
 
 
-def test_work_list_covers_every_token_once():
+@pytest.mark.parametrize("tile_q", [128, 256], ids=["cta-tiles", "pair-tiles"])
+def test_work_list_covers_every_token_once(tile_q):
     rng = np.random.default_rng()
     q_lens = np.array([1, 128, 129, 64, 300, 0, 65])
     kv_lens = q_lens + rng.integers(0, 400, len(q_lens))
@@ -73,13 +77,13 @@ def test_work_list_covers_every_token_once():
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tables = rng.permutation(64 * len(q_lens)).reshape(len(q_lens), 64).astype(np.int32)
     work = np.asarray(rpm._work_list(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), num_tokens,
-                                     128, 128, True))
+                                     tile_q, 128, True))
     seen = np.zeros(num_tokens, int)
     partial_per_owner = {}
     for seq, start, rows, pos0, kv_len, owner, nblk, rblock0 in work.T:
         assert rblock0 == tables[seq, 0]
         seen[start:start + rows] += 1
-        for w in range(2):
+        for w in range(tile_q // 64):  # the compute warpgroups' sub-tiles, over the tile's CTAs
             sub = min(max(rows - 64 * w, 0), 64)
             if 0 < sub < 64:
                 partial_per_owner[owner] = partial_per_owner.get(owner, 0) + 1

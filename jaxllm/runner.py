@@ -4,8 +4,11 @@ Shapes come from a small set of buckets, so a long-running server compiles a bou
 step functions, all of them at warm-up: a decode step is shaped by its sequence count alone (a
 power of two), a prefill/mixed step by its token count alone (a power of two; its sequence axis
 padded to the same size, capped at max_seqs), and the rBlock-table width is fixed by the context
-limit. Every trace of a step function (a cache miss, hence a compile) is counted in
-`compile_count`.
+limit. A decode step whose sequences are all greedy has its own variant that takes the argmax and
+skips sampling's full-vocabulary sort (on an H200, 69 us a step at batch 1, 134 at 8, 485 at 64:
+benchmarks/NOTES.md); prefill steps always carry the sampler, so warm-up compiles one more
+function per decode bucket only. Every trace of a step function (a cache miss, hence a compile) is
+counted in `compile_count`.
 
 `dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode step can
 take its input tokens straight from the previous step's device output, so the host can queue step
@@ -21,7 +24,7 @@ from flax import nnx
 
 from jaxllm.kv_cache import AttentionBatch, KVCache
 from jaxllm.model import Llama
-from jaxllm.sampling import sample_tokens
+from jaxllm.sampling import greedy_tokens, sample_tokens
 from jaxllm.scheduler import StepPlan
 from pallas_kernels import compat
 
@@ -35,8 +38,9 @@ def bucket(n: int, minimum: int) -> int:
 class InFlight:
     """A dispatched step: its plan and its sampled tokens, still on the device until `tokens()`."""
 
-    def __init__(self, plan: StepPlan, device_tokens: jax.Array, sampling: tuple):
+    def __init__(self, plan: StepPlan, device_tokens: jax.Array, sampling: tuple, greedy: bool = False):
         self.plan = plan
+        self.greedy = greedy  # ran the greedy-only step variant (every sequence at temperature 0)
         self.device_tokens = device_tokens  # [padded sequences] int32
         self.sampling = sampling  # (temperature, top_k, top_p, seeds), each [padded sequences], on the device
         self._host: np.ndarray | None = None
@@ -65,7 +69,7 @@ class Runner:
         self.compile_count = 0
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("decode",))
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("decode", "greedy"))
         self._logits = jax.jit(self._logits_impl, donate_argnums=(1,))
 
     @property
@@ -80,12 +84,14 @@ class Runner:
         return model, hidden, kv_cache
 
     def _step_impl(self, state, kv_cache, tokens, positions, block_tables, kv_lens, cu_q_lens, slot_mapping,
-                   sample_params, *, decode: bool):
+                   sample_params, *, decode: bool, greedy: bool = False):
         self.compile_count += 1
         batch = AttentionBatch(block_tables, kv_lens, cu_q_lens, slot_mapping, decode=decode)
         model, hidden, kv_cache = self._forward(state, kv_cache, tokens, positions, batch)
         last = jnp.maximum(cu_q_lens[1:] - 1, 0)  # each sequence's last query token
         logits = model.logits(hidden[last])  # [S, vocab]
+        if greedy:  # every row has temperature 0: sample_tokens would return this argmax too
+            return greedy_tokens(logits), kv_cache
         temperature, top_k, top_p, seeds = sample_params
         next_tokens = sample_tokens(logits, temperature, top_k, top_p, seeds, kv_lens)
         return next_tokens, kv_cache
@@ -162,13 +168,15 @@ class Runner:
                                  f"as the step it feeds ({len(src.seqs)} vs {len(plan.seqs)} sequences)")
             tokens = token_source.device_tokens
             sampling = token_source.sampling  # same sequences, same order: same parameters
+            greedy = token_source.greedy
         else:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
             sampling = self._sampling(plan, s_pad)
+            greedy = decode and all(seq.params.temperature == 0 for seq in plan.seqs)
         next_tokens, self.kv_cache = self._step(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu,
-                                                slots, sampling, decode=decode)
-        return InFlight(plan, next_tokens, sampling)
+                                                slots, sampling, decode=decode, greedy=greedy)
+        return InFlight(plan, next_tokens, sampling, greedy)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
@@ -189,12 +197,13 @@ class Runner:
         out, self.kv_cache = self._logits(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu, slots)
         return np.asarray(out)[:plan.num_tokens]
 
-    def bucket_shapes(self) -> list[tuple[bool, int]]:
-        """Every (decode, size) a step can take: sequences for decode, tokens for prefill."""
-        shapes = [(True, 1 << i) for i in range(self.seq_cap.bit_length())]
+    def bucket_shapes(self) -> list[tuple[bool, int, bool]]:
+        """Every (decode, size, greedy) a step can take: sequences for decode, tokens for prefill; decode
+        steps in both variants (greedy only, or with the sampler)."""
+        shapes = [(True, 1 << i, greedy) for i in range(self.seq_cap.bit_length()) for greedy in (False, True)]
         t = bucket(self.min_tokens, 1)
         while True:
-            shapes.append((False, t))
+            shapes.append((False, t, False))
             if t >= self.max_tokens_per_step:
                 break
             t *= 2
@@ -206,11 +215,11 @@ class Runner:
 
         shapes = self.bucket_shapes()
         with Progress(len(shapes), "warm-up compiles", enabled=progress) as bar:
-            for decode, size in shapes:
+            for decode, size, greedy in shapes:
                 tokens, self.kv_cache = self._step(self.state, self.kv_cache, *self._warm_up_args(decode, size),
-                                                   decode=decode)
+                                                   decode=decode, greedy=greedy)
                 tokens.block_until_ready()
-                bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}")
+                bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}")
 
     def _warm_up_args(self, decode: bool, size: int):
         # Real shapes, inert values: every token's slot is -1 (nothing written) and every kv_len 0.

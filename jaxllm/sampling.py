@@ -63,6 +63,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """The most likely token of every row ([rows] int32): what sample_tokens gives a temperature-0 row."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """Sample one token per row.
@@ -76,7 +81,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
       [rows] int32 token ids.
     """
     vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     order = jnp.argsort(-scaled, axis=-1)  # [rows, vocab], most likely first
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)

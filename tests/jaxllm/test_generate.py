@@ -36,6 +36,29 @@ def test_output_independent_of_batch_composition(llm):
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_greedy_step_variant_changes_no_token(llm):
+    """Decode steps whose sequences are all greedy run the argmax-only step variant; beside a sampled
+    sequence the step carries the sampler. A greedy request's tokens must be the same either way."""
+    from jaxllm.sampling import SamplingParams
+    from jaxllm.scheduler import Status
+
+    calls = []
+    step = llm.runner._step
+    llm.runner._step = lambda *a, **kw: calls.append(kw["greedy"]) or step(*a, **kw)
+    try:
+        alone = llm.generate([PROMPTS[1]], max_new_tokens=8)[0].token_ids
+        assert True in calls  # the greedy variant ran
+        calls.clear()
+        greedy = llm._submit(llm._encode(PROMPTS[1], 0), SamplingParams(max_new_tokens=8))
+        sampled = llm._submit(llm._encode(PROMPTS[2], 1),  # outlives the greedy one (no EOS stop)
+                              SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, ignore_eos=True))
+        llm._run_until(lambda: greedy.status is Status.FINISHED and sampled.status is Status.FINISHED)
+    finally:
+        llm.runner._step = step
+    assert True not in calls  # a sampled sequence was in every step
+    assert list(greedy.output_ids) == alone
+
+
 def test_preemption_gives_the_same_tokens():
     roomy = LLM("tiny", max_context=128, options=EngineOptions(block_size=4, max_tokens_per_step=32), progress=False)
     # 24 rBlocks of 4 tokens cannot hold all four sequences at once: the youngest get preempted.
@@ -158,7 +181,8 @@ def test_no_new_compiles_after_warm_up():
     rng = np.random.default_rng()
     for _ in range(20):  # 200 requests of random lengths and sampling settings, 10 at a time
         prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=n)) for n in rng.integers(1, 100, size=10)]
-        llm.generate(prompts, max_new_tokens=int(rng.integers(1, 20)), temperature=float(rng.uniform(0, 1)),
+        temperature = float(rng.uniform(0, 1)) if rng.random() < 0.5 else 0.0  # half the batches greedy
+        llm.generate(prompts, max_new_tokens=int(rng.integers(1, 20)), temperature=temperature,
                      top_k=int(rng.integers(0, 5)), seed=int(rng.integers(0, 1000)))
     assert llm.compile_count == warm
 

@@ -13,9 +13,9 @@ schedule barrier, one issuing TMA copies of K/V tiles into a ring of SMEM slots.
   * query i of sequence s sits at position kv_lens[s] - q_len[s] + i (causal after a cached prefix);
   * GQA: kv_head = head // group, with the q heads of a group adjacent in the grid (L2 reuse);
   * tiles run heaviest first, and whole KV tiles above a tile's diagonal are never fetched;
-  * two CTAs (a cluster of 2) share each work-list tile, 2 x 2 * block_q rows of one sequence, and so
-    every K/V tile: each CTA's memory warpgroup TMA-multicasts half of it into both CTAs' SMEM, and a
-    slot is refilled once all four compute warpgroups released it. Sustained prefill is held by the
+  * two CTAs (a cluster of 2, config.cluster_ctas) share each work-list tile, 2 x 2 * block_q rows
+    of one sequence, and so every K/V tile: each CTA's memory warpgroup TMA-multicasts half of it into
+    both CTAs' SMEM, and a slot is refilled once all four compute warpgroups released it. Sustained prefill is held by the
     H200's power cap, and K/V moving from L2 into SMEM is a large share of the energy: on an H200
     the ragged benchmark batch, 64K and 128K ran 4-5% faster, 4K and 16K the same (session 8).
 """
@@ -51,15 +51,16 @@ class MosaicPrefillConfig:
     """Tile sizes. block_q: query rows per compute warpgroup (a CTA takes 2 * block_q);
     block_kv: keys per step; steps: K/V tiles in flight (SMEM ring depth);
     heaviest_first: launch the tiles with the most KV steps first (the last wave is then short);
-    kv_multicast: two CTAs (a cluster of 2) take a sequence's next 2 x 2 * block_q query rows and
-      each K/V tile leaves L2 once for both (TMA multicast into both CTAs' SMEM). Sustained prefill
-      is power-bound on an H200 and moving K/V from L2 into SMEM is a large share of the energy."""
+    cluster_ctas: CTAs (a cluster) that take a sequence's next cluster_ctas x 2 * block_q query rows
+      together, each K/V tile leaving L2 once for all of them (TMA multicast into every CTA's SMEM);
+      1: each CTA a tile of its own, no multicast. Sustained prefill is power-bound on an H200 and
+      moving K/V from L2 into SMEM is a large share of the energy."""
 
     block_q: int = 64
     block_kv: int = 128
     steps: int = 2
     heaviest_first: bool = True
-    kv_multicast: bool = True
+    cluster_ctas: int = 2
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -68,6 +69,9 @@ class MosaicPrefillConfig:
             raise ValueError(f"block_kv {self.block_kv} must be 64 or 128")
         if not 2 <= self.steps <= 4:
             raise ValueError(f"steps {self.steps} must be in [2, 4]")
+        # 4 ran 1-5% slower than 2 on an H200 (the cluster waits for its slowest CTA at every refill).
+        if self.cluster_ctas not in (1, 2):
+            raise ValueError(f"cluster_ctas {self.cluster_ctas} must be 1 or 2")
 
 
 def _unsupported_reason(q: jax.Array, k_pool: jax.Array, config: MosaicPrefillConfig) -> str | None:
@@ -112,7 +116,7 @@ def _work_list(cu_q_lens, kv_lens, block_tables, num_tokens: int, tile_q: int, b
 
 
 def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv, steps, group, qk_scale,
-            residuals, use_wgmma, paired, multicast):
+            residuals, use_wgmma, ctas, multicast):
     """work [8, tiles] i32; tables [S, W] i32; q [T, Hq, D]; k, v [N, Hkv, bs, D];
     outputs out [T, Hq, D], side [(S+1)*block_q, Hq, D] (+ m, l [Hq, tiles * 2 * block_q] f32, by tile);
     scratch qo, qs [2, block_q, D], k, v [steps, block_kv, D] (+ ml [2, 2, block_q] f32), barriers."""
@@ -132,15 +136,15 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
     kv_len = work_ref[_KV_LEN, tile]
     slot_id = work_ref[_SLOT, tile]
     tile_rows = work_ref[_ROWS, tile]
-    # KV steps of the whole tile: with a pair of CTAs, both stream all of them (the copies are shared).
+    # KV steps of the whole tile: a cluster's CTAs all stream all of them (the copies are shared).
     tile_nblk = work_ref[_KV_BLOCKS, tile]
-    half = lax.axis_index("pair") if paired else 0  # which CTA of the pair: rows half * cta_rows..
-    rows = jnp.clip(tile_rows - half * cta_rows, 0, cta_rows)
-    q_start = work_ref[_Q_START, tile] + half * cta_rows
-    pos0 = work_ref[_POS0, tile] + half * cta_rows
-    # This CTA's own KV steps: the pair's first CTA needs up to block_kv fewer (causal).
+    peer = lax.axis_index("peer") if ctas > 1 else 0  # which CTA of the cluster: rows peer * cta_rows..
+    rows = jnp.clip(tile_rows - peer * cta_rows, 0, cta_rows)
+    q_start = work_ref[_Q_START, tile] + peer * cta_rows
+    pos0 = work_ref[_POS0, tile] + peer * cta_rows
+    # This CTA's own KV steps: earlier CTAs of the cluster need fewer (causal).
     nblk = jnp.where((rows > 0) & (tile_nblk > 0), lax.div(pos0 + rows + (block_kv - 1), i32(block_kv)), 0)
-    copy_axes = dict(collective_axes="pair") if multicast else {}
+    copy_axes = dict(collective_axes="peer") if multicast else {}
 
     def sched_barrier():
         plgpu.barrier_arrive(sched)
@@ -157,8 +161,8 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
     # Unused tiles (the work list's slack: cdiv(T, tile) + S + 1 columns for at most cdiv(T, tile) + S
     # tiles) end at once: run through, each cost an SM ~1 us (session 7, a trace: 0.9% of the bench's
     # ragged batch, 1,056 of 23,648 CTAs; ~1 us a real CTA where sequences are one tile each).
-    # A pair's second CTA may have no rows (the sequence's last tile is short): it still runs, its
-    # memory warpgroup issuing its half of the shared copies and its compute warpgroups releasing them.
+    # A cluster's later CTAs may have no rows (the sequence's last tile is short): they still run, their
+    # memory warpgroups issuing their parts of the shared copies and their compute warpgroups releasing them.
     live = tile_rows > 0
 
     @pl.when((wg < _COMPUTE_WGS) & live)
@@ -288,7 +292,7 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
             return acc, m_i, l_i
 
         def epilogue_step(j, _):
-            # The other warpgroup (or the pair's other CTA) still consumes steps my_nblk..tile_nblk:
+            # The other warpgroup (or another CTA of the cluster) still consumes steps my_nblk..tile_nblk:
             # release them and keep the schedule ping-pong in step. Waiting for the loads keeps every
             # barrier phase observed (the interpreter insists; on the GPU they have landed anyway).
             slot = lax.rem(j, i32(steps))
@@ -347,7 +351,7 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
             # are gathered into token order outside.
             @pl.when(my_rows > 0)
             def _():
-                res_rows = pl.ds((tile * (2 if paired else 1) + half) * cta_rows + wg * block_q, block_q)
+                res_rows = pl.ds((tile * ctas + peer) * cta_rows + wg * block_q, block_q)
                 for k, ref in enumerate((m_ref, l_ref)):
                     plgpu.copy_smem_to_gmem(ml_smem2.at[wg, k], ref.at[head, res_rows])
 
@@ -391,8 +395,8 @@ def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv,
             plgpu.barrier_wait(v_free.at[slot])
             plgpu.copy_gmem_to_smem(v_tile, v_smem.at[slot], v_bars.at[slot], **copy_axes)
 
-        # Observe the last release of every slot used (with a pair, the partner's releases too: no
-        # CTA leaves while the other may still write into its SMEM or arrive on its barriers).
+        # Observe the last release of every slot used (in a cluster, the other CTAs' releases too: no
+        # CTA leaves while another may still write into its SMEM or arrive on its barriers).
         for i in range(steps):
             @pl.when(i < tile_nblk)
             def _():
@@ -460,11 +464,11 @@ def _ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *,
     num_kv_heads = k_pool.shape[1]
     num_seqs = kv_lens.shape[0]
     block_q, block_kv, steps = config.block_q, config.block_kv, config.steps
-    # A pair of CTAs shares each work-list tile (its rows split in two), as a cluster on the GPU; the
-    # interpreter has no clusters, so there the pair is a grid axis and each CTA loads its own K/V.
-    paired = config.kv_multicast
-    multicast = paired and not interpret
-    tile_q = (2 if paired else 1) * _COMPUTE_WGS * block_q
+    # cluster_ctas CTAs share each work-list tile (its rows split between them), as a cluster on the GPU;
+    # the interpreter has no clusters, so there they are a grid axis and each CTA loads its own K/V.
+    ctas = config.cluster_ctas
+    multicast = ctas > 1 and not interpret
+    tile_q = ctas * _COMPUTE_WGS * block_q
     work = _work_list(cu_q_lens, kv_lens, block_tables, num_tokens, tile_q, block_kv, config.heaviest_first)
     num_tiles = work.shape[1]
     side_rows = (num_seqs + 1) * block_q
@@ -482,19 +486,20 @@ def _ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *,
         scratch.append(plgpu.SMEM((_COMPUTE_WGS, 2, block_q), jnp.float32))
     scratch += [plgpu.Barrier(num_barriers=_COMPUTE_WGS),
                 plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps)]
-    # A slot is free once both CTAs' compute warpgroups released it (the next copy fills both).
-    free = (functools.partial(plgpu.ClusterBarrier, collective_axes=("pair",)) if multicast else plgpu.Barrier)
+    # A slot is free once every CTA's compute warpgroups released it (the next copy fills them all).
+    free = (functools.partial(plgpu.ClusterBarrier, collective_axes=("peer",)) if multicast else plgpu.Barrier)
     scratch += [free(num_arrivals=_COMPUTE_WGS, num_barriers=steps),
                 free(num_arrivals=_COMPUTE_WGS, num_barriers=steps),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS)]
     kernel = functools.partial(
         _kernel, block_q=block_q, block_kv=block_kv, steps=steps, group=num_q_heads // num_kv_heads,
-        qk_scale=sm_scale * _LOG2E, residuals=return_residuals, use_wgmma=use_wgmma, paired=paired,
+        qk_scale=sm_scale * _LOG2E, residuals=return_residuals, use_wgmma=use_wgmma, ctas=ctas,
         multicast=multicast)
     if multicast:
-        grid = dict(grid=(num_q_heads, num_tiles), grid_names=("heads", "tile"), cluster=(2,), cluster_names=("pair",))
-    elif paired:
-        grid = dict(grid=(num_q_heads, num_tiles, 2), grid_names=("heads", "tile", "pair"))
+        grid = dict(grid=(num_q_heads, num_tiles), grid_names=("heads", "tile"), cluster=(ctas,),
+                    cluster_names=("peer",))
+    elif ctas > 1:
+        grid = dict(grid=(num_q_heads, num_tiles, ctas), grid_names=("heads", "tile", "peer"))
     else:
         grid = dict(grid=(num_q_heads, num_tiles), grid_names=("heads", "tile"))
     params = compat.mgpu_interpret_params(out_of_bounds_reads="uninitialized") if interpret else None

@@ -105,13 +105,13 @@ def _parse_config(text: str) -> MosaicPrefillConfig:
     if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or any(f not in _CONFIG_FLAGS for f in flags):
         raise SystemExit(f"--extra-configs entry {text!r} is not BLOCK_KV:STEPS[:FLAG...], FLAG in {_CONFIG_FLAGS}")
     return MosaicPrefillConfig(block_kv=int(parts[0]), steps=int(parts[1]), heaviest_first="inorder" not in flags,
-                               kv_multicast="unpaired" not in flags)
+                               cluster_ctas=1 if "unpaired" in flags else 2)
 
 
 def _config_label(c: MosaicPrefillConfig) -> str:
     """Row name of an extra config: `mosaic 128x2`, then ` in order` / ` unpaired` where set."""
     return (f"mosaic {c.block_kv}x{c.steps}" + ("" if c.heaviest_first else " in order")
-            + ("" if c.kv_multicast else " unpaired"))
+            + ("" if c.cluster_ctas > 1 else " unpaired"))
 
 
 def table(rows) -> str:

@@ -51,16 +51,16 @@ def _compare(args, out, residuals, tol):
     dict(q_lens=[64, 2, 130], cached=[63, 200, 0], padding=4, block_size=128, block_kv=128, head_dim=128,
          num_kv_heads=2, group=1, dtype=jnp.bfloat16, residuals=False),
 ], ids=["fp16-gqa2-residuals", "bf16-d128"])
-# Paired: two CTAs per tile of 256 rows (a cluster sharing K/V copies on the GPU; here a grid axis, each
-# CTA loading its own): the 70- and 130-token prompts leave the second CTA of their tile with no rows.
-@pytest.mark.parametrize("paired", [True, False], ids=["paired", "single"])
-def test_interpret_matches_reference(case, paired):
+# Clustered: 2 CTAs per tile of 256 rows, a cluster sharing K/V copies on the GPU; here a grid axis, each
+# CTA loading its own. The 70-token prompt leaves the second CTA of its tile without rows.
+@pytest.mark.parametrize("ctas", [2, 1], ids=["cluster2", "single"])
+def test_interpret_matches_reference(case, ctas):
     case = dict(case)
     residuals, block_kv = case.pop("residuals"), case.pop("block_kv")
     args = _batch(np.random.default_rng(), **case)
     try:
         res = rpm.ragged_prefill_mgpu(*args, return_residuals=residuals, interpret=True,
-                                      config=rpm.MosaicPrefillConfig(block_kv=block_kv, kv_multicast=paired))
+                                      config=rpm.MosaicPrefillConfig(block_kv=block_kv, cluster_ctas=ctas))
     except Exception:
         compat.reset_mgpu_interpret_state()
         raise
@@ -68,7 +68,7 @@ def test_interpret_matches_reference(case, paired):
     _compare(args, out, extra, _OUT_TOL[case["dtype"]])
 
 
-@pytest.mark.parametrize("tile_q", [128, 256], ids=["cta-tiles", "pair-tiles"])
+@pytest.mark.parametrize("tile_q", [128, 256], ids=["cta-tiles", "cluster2-tiles"])
 def test_work_list_covers_every_token_once(tile_q):
     rng = np.random.default_rng()
     q_lens = np.array([1, 128, 129, 64, 300, 0, 65])
@@ -125,6 +125,8 @@ def test_rejects_bad_config_and_shapes():
         rpm.MosaicPrefillConfig(block_kv=96)
     with pytest.raises(ValueError, match="block_q 128"):
         rpm.MosaicPrefillConfig(block_q=128)
+    with pytest.raises(ValueError, match="cluster_ctas"):
+        rpm.MosaicPrefillConfig(cluster_ctas=3)
     q, k, v, tables, kv_lens, cu = _small()
     with pytest.raises(ValueError, match="cu_q_lens"):
         rpm.ragged_prefill_mgpu(q, k, v, tables, kv_lens, cu[:-1], interpret=True)

@@ -224,6 +224,26 @@ def short_trace_timing(configs: dict, cases=((1024, 131072), (2048, 131072), (40
     return rows
 
 
+_LONG_MHA = (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768))
+
+
+def _long_mha(result: dict, rng, configs) -> None:
+    """MHA batch 1 at 32K / 128K and batch 8 at 32K (rBlock 1024), per config, with cuDNN."""
+    for name, batch, length in _LONG_MHA:
+        result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs)
+
+
+def _ragged_16_lens(rng) -> np.ndarray:
+    """16 lengths: 15 log-uniform in 1K..256K, then one of 256K."""
+    lens = np.sort(np.exp(rng.uniform(np.log(1024), np.log(262144), 15)).astype(int))
+    return np.concatenate([lens, [262144]])
+
+
+def _write(result: dict, out: str, kind: str) -> None:
+    with open(os.path.join(out, result_stem(result["device_kind"], kind) + ".json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -252,8 +272,7 @@ def main():
         result["correctness"] = correctness(rng)
         result["int8_128k"] = int8_timing([base, r(base, int8_via_fp16=False), r(base, block_k=64),
                                            r(base, num_stages=3)])
-        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-int8-sweep") + ".json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        _write(result, args.out, "ragged-decode-int8-sweep")
         return
     if args.short_sweep:
         r = dataclasses.replace
@@ -262,8 +281,7 @@ def main():
                    "64-token floor": r(base, min_tokens_per_split=64), "short target 1024": r(base, short_target_programs=1024),
                    "short target 256": r(base, short_target_programs=256)}
         result["short"] = short_trace_timing(configs)
-        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-short-sweep") + ".json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        _write(result, args.out, "ragged-decode-short-sweep")
         return
     if args.wave_sweep:
         # With 2 stages a program holds 2 x 32 KB of K/V tiles, so ~3 share an SM: ~396 programs run at
@@ -271,10 +289,8 @@ def main():
         r = dataclasses.replace
         base = DecodeBlockSizes()
         configs = [base] + [r(base, num_stages=st, target_programs=t) for st in (2, 3) for t in (264, 384, 528, 768, 1024)]
-        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
-            result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs)
-        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-wave-sweep") + ".json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        _long_mha(result, rng, configs)
+        _write(result, args.out, "ragged-decode-wave-sweep")
         return
     if args.stages_sweep:
         # Pipeline stages size each program's SMEM (K and V tiles per stage) and so how many programs
@@ -285,23 +301,18 @@ def main():
                     for b, st in ((64, 4), (64, 3), (64, 2), (64, 1), (32, 2), (128, 2))}
         result["short"] = short_trace_timing(variants)
         configs = [variants[k] for k in ("64x4", "64x3", "64x2", "128x2")]
-        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
-            result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs)
-        lens = np.sort(np.exp(rng.uniform(np.log(1024), np.log(262144), 15)).astype(int))
-        result["ragged_16"] = timing(rng, 16, 64, 8, np.concatenate([lens, [262144]]), 1024, configs, with_cudnn=False)
-        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-stages-sweep") + ".json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        _long_mha(result, rng, configs)
+        result["ragged_16"] = timing(rng, 16, 64, 8, _ragged_16_lens(rng), 1024, configs, with_cudnn=False)
+        _write(result, args.out, "ragged-decode-stages-sweep")
         return
     if args.split_sweep:
         base = DecodeBlockSizes()
         configs = [dataclasses.replace(base, target_programs=t) for t in (1024, 768, 896, 1152, 1280, 1536)]
-        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
-            result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs)
+        _long_mha(result, rng, configs)
         configs = [dataclasses.replace(base, min_tokens_per_split=t) for t in (128, 256, 512, 1024, 2048)]
         for name, length in (("mha_1k", 1024), ("mha_4k", 4096)):
             result[name] = timing(rng, 1, 32, 32, [length], 256, configs)
-        with open(os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-split-sweep") + ".json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        _write(result, args.out, "ragged-decode-split-sweep")
         return
     try:
         result["correctness"] = correctness(rng)
@@ -316,11 +327,10 @@ def main():
         r = dataclasses.replace
         configs = [base, r(base, target_programs=512), r(base, target_programs=2048), r(base, num_stages=3),
                    r(base, num_warps=8), r(base, num_warps=8, num_stages=3), r(base, target_programs=2048, num_stages=3)]
-        for name, batch, length in (("mha_32k", 1, 32768), ("mha_128k", 1, 131072), ("mha_batch8_32k", 8, 32768)):
+        for name, batch, length in _LONG_MHA:
             result[name] = timing(rng, batch, 32, 32, [length] * batch, 1024, configs, overhead=batch == 1)
             print(f"{time.time() - t0:.0f}s", flush=True)
-        lens = np.sort(np.exp(rng.uniform(np.log(1024), np.log(262144), 15)).astype(int))
-        lens = np.concatenate([lens, [262144]])
+        lens = _ragged_16_lens(rng)
         result["ragged_16"] = timing(rng, len(lens), 64, 8, lens, 1024, configs[:4], with_cudnn=False)
     print(f"timing {time.time() - t0:.0f}s", flush=True)
     path = os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-check") + ".json")

@@ -14,10 +14,11 @@ schedule barrier, one issuing TMA copies of K/V tiles into a ring of SMEM slots.
   * GQA: kv_head = head // group, with the q heads of a group adjacent in the grid (L2 reuse);
   * tiles run heaviest first, and whole KV tiles above a tile's diagonal are never fetched;
   * two CTAs (a cluster of 2, config.cluster_ctas) share each work-list tile, 2 x 2 * block_q rows
-    of one sequence, and so every K/V tile: each CTA's memory warpgroup TMA-multicasts half of it into
-    both CTAs' SMEM, and a slot is refilled once all four compute warpgroups released it. Sustained prefill is held by the
-    H200's power cap, and K/V moving from L2 into SMEM is a large share of the energy: on an H200
-    the ragged benchmark batch, 64K and 128K ran 4-5% faster, 4K and 16K the same (session 8).
+    of one sequence, and so every K/V tile: each CTA's memory warpgroup TMA-multicasts half of it
+    into both CTAs' SMEM, and a slot is refilled once all four compute warpgroups released it.
+    Sustained prefill is held by the H200's power cap, and K/V moving from L2 into SMEM is a large
+    share of the energy: against one CTA a tile, the benchmark's ragged batch ran 0.4-5.6% faster
+    on four H200s, 64K 0.6-4.3%, 128K 5.3%, 16K 0-2.6%, 4K the same (session 8, benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def _work_list(cu_q_lens, kv_lens, block_tables, num_tokens: int, tile_q: int, b
 def _kernel(work_ref, tables_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv, steps, group, qk_scale,
             residuals, use_wgmma, ctas, multicast):
     """work [8, tiles] i32; tables [S, W] i32; q [T, Hq, D]; k, v [N, Hkv, bs, D];
-    outputs out [T, Hq, D], side [(S+1)*block_q, Hq, D] (+ m, l [Hq, tiles * 2 * block_q] f32, by tile);
+    outputs out [T, Hq, D], side [(S+1)*block_q, Hq, D] (+ m, l [Hq, tiles * ctas * 2 * block_q] f32, by
+    tile and CTA);
     scratch qo, qs [2, block_q, D], k, v [steps, block_kv, D] (+ ml [2, 2, block_q] f32), barriers."""
     if residuals:
         out_ref, side_ref, m_ref, l_ref, *scratch = refs

@@ -5,8 +5,9 @@ step functions, all of them at warm-up: a decode step is shaped by its sequence 
 power of two), a prefill/mixed step by its token count alone (a power of two; its sequence axis
 padded to the same size, capped at max_seqs), and the rBlock-table width is fixed by the context
 limit. A decode step whose sequences are all greedy has its own variant that takes the argmax and
-skips sampling's full-vocabulary sort (on an H200, 69 us a step at batch 1, 134 at 8, 485 at 64:
-benchmarks/NOTES.md); prefill steps always carry the sampler, so warm-up compiles one more
+skips sampling's full-vocabulary sort (on an H200 the sampler's kernels take 70 / 133 / 476 us a
+step at 1 / 8 / 64 rows, the argmax 5 / 6 / 9: scripts/bench_sampling.py,
+benchmarks/results/nvidia-h200-2026-11-24-1114-sampling.json); prefill steps always carry the sampler, so warm-up compiles one more
 function per decode bucket only. Every trace of a step function (a cache miss, hence a compile) is
 counted in `compile_count`.
 

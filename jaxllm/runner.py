@@ -173,8 +173,8 @@ class Runner:
         else:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
-            sampling = self._sampling(plan, s_pad)
-            greedy = decode and all(seq.params.temperature == 0 for seq in plan.seqs)
+            sampling, all_greedy = self._sampling(plan, s_pad)
+            greedy = decode and all_greedy
         next_tokens, self.kv_cache = self._step(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu,
                                                 slots, sampling, decode=decode, greedy=greedy)
         return InFlight(plan, next_tokens, sampling, greedy)
@@ -189,8 +189,9 @@ class Runner:
         for i, seq in enumerate(plan.seqs):
             p = seq.params
             temperature[i], top_k[i], top_p[i], seeds[i] = p.temperature, p.top_k, p.top_p, p.seed
-        # On the device once, so the continuation steps that reuse them transfer nothing.
-        return jax.device_put((temperature, top_k, top_p, seeds))
+        # On the device once, so the continuation steps that reuse them transfer nothing. Padding rows
+        # are greedy, so "no row samples" is "every sequence is greedy".
+        return jax.device_put((temperature, top_k, top_p, seeds)), not np.any(temperature > 0)
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""

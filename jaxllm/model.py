@@ -30,8 +30,8 @@ from flax import nnx
 
 from jaxllm.config import LlamaConfig
 from jaxllm.kv_cache import AttentionBatch, KVCache, LayerKV
-from jaxllm.rope import apply_rope, inverse_frequencies, rope_tables
-from pallas_kernels.dispatch import add_rms_norm, matmul_unreduced, ragged_attention, write_kv
+from jaxllm.rope import inverse_frequencies, rope_tables
+from pallas_kernels.dispatch import add_rms_norm, matmul_unreduced, ragged_attention, rope_write_kv
 
 _INIT_STD = 0.02
 
@@ -65,15 +65,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, layer_kv: LayerKV, batch: AttentionBatch, backend: str):
         qkv = jnp.einsum("TD,DNH->TNH", x, self.qkv[...])  # [T, Hq + 2 Hkv, hd]
-        q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        # q and k rotated together, one fusion; the KV writer and the decode kernel read their heads of
-        # qk and qkv in place (slices of them would each be a copy kernel per layer).
-        qk = apply_rope(qkv[:, :k_end], cos, sin)  # [T, Hq + Hkv, hd]
-        k_pool, v_pool, k_scale, v_scale = write_kv(layer_kv.k, layer_kv.v, qk, qkv, batch.slot_mapping,
-                                                    layer_kv.k_scale, layer_kv.v_scale, k_first_head=q_end,
-                                                    v_first_head=k_end, backend=backend)
-        out = ragged_attention(qk, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
-                               decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=q_end,
+        # q and k rotated and K/V written by one kernel on the GPU (float pools), reading their heads of
+        # qkv in place; q's first num_heads heads are the rotated queries (read in place in turn).
+        q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(layer_kv.k, layer_kv.v, qkv, cos, sin,
+                                                            batch.slot_mapping, layer_kv.k_scale, layer_kv.v_scale,
+                                                            num_q_heads=self.num_heads, backend=backend)
+        out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
+                               decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=self.num_heads,
                                backend=backend)
         # Left unreduced where it can be: the next norm adds it to the residual stream.
         o = self.o[...]

@@ -1,4 +1,8 @@
-"""Rotary position embeddings as Llama-2 (and HF checkpoints) use them: rotate-half layout."""
+"""Rotary position embeddings as Llama-2 (and HF checkpoints) use them: the angle tables of a config.
+
+The rotation itself (rotate-half layout) is `pallas_kernels.rope.apply_rope`, which the RoPE + KV-write
+kernel follows.
+"""
 
 from __future__ import annotations
 
@@ -33,12 +37,3 @@ def rope_tables(inv_freq: jax.Array, positions: jax.Array) -> tuple[jax.Array, j
     """cos, sin [tokens, head_dim // 2] float32 for integer positions [tokens]."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [tokens, heads, head_dim] by its positions' angles (first half / second half pairs)."""
-    half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

@@ -1,6 +1,6 @@
 """The one place that chooses a kernel backend (reference, Triton-lowered Pallas, Mosaic GPU).
 
-Callers name what they want computed (ragged attention over the rBlock pool, the KV write, a decode
+Callers name what they want computed (ragged attention over the rBlock pool, RoPE + the KV write, a decode
 layer's add + RMSNorm and unreduced output projections); this module picks the implementation for
 the device and the step's size. Nothing else branches on backends.
 """
@@ -103,26 +103,25 @@ def ragged_attention(
                                     k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale=None, v_scale=None, *, k_first_head: int = 0,
-             v_first_head: int = 0, backend: Backend | None = "auto"):
-    """Append new tokens' K/V to the pool: `kv_write.write_kv`'s meaning and results.
+def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, num_q_heads: int,
+                  backend: Backend | None = "auto"):
+    """RoPE on the step's q and k, and its K/V appended to the pool: `kv_write.rope_write_kv`'s meaning.
 
-    k_new / v_new may hold more heads than the pool (the model's fused projection): heads
-    k_first_head .. + kv_heads and v_first_head .. are written. Float pools on the kernel backends
-    ('triton', 'mosaic') take the one-kernel writer (reading those heads in place); int8 pools and the
-    reference backend take XLA scatters.
+    qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection. Returns (q,
+    k_pool, v_pool, k_scale, v_scale), where q holds the rotated queries in its first num_q_heads heads
+    (pass num_q_heads to ragged_attention). Float pools on the kernel backends ('triton', 'mosaic') take
+    the one-kernel `rope_write_kv_kernel`; int8 pools and the reference backend take RoPE as a fusion and
+    XLA scatters.
     """
     from pallas_kernels import kv_write
 
     backend = resolve_backend(backend, k_pool.shape[-1])
     if backend in ("triton", "mosaic") and k_pool.dtype != jnp.int8:
-        k_pool, v_pool = kv_write.write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping,
-                                                  k_first_head=k_first_head, v_first_head=v_first_head)
-        return k_pool, v_pool, None, None
-    num_kv_heads = k_pool.shape[1]
-    k_new = k_new[:, k_first_head:k_first_head + num_kv_heads]
-    v_new = v_new[:, v_first_head:v_first_head + num_kv_heads]
-    return kv_write.write_kv(k_pool, v_pool, k_new, v_new, slot_mapping, k_scale, v_scale)
+        q, k_pool, v_pool = kv_write.rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping,
+                                                          num_q_heads=num_q_heads)
+        return q, k_pool, v_pool, None, None
+    return kv_write.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale,
+                                  num_q_heads=num_q_heads)
 
 
 # Steps up to this many tokens (decode) take the one-kernel add + RMSNorm and the weight-streaming

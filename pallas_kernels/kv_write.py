@@ -1,10 +1,12 @@
 """Appending new tokens' K/V into their rBlocks: one pass over the new tokens.
 
-Two implementations with one meaning: `write_kv` (XLA scatters; every dtype, int8 with scales)
-and `write_kv_kernel` (one Pallas kernel writing K and V together, float pools; a decode step then
-launches one kernel per layer for its KV instead of a scatter per pool plus index fusions).
-`pallas_kernels.dispatch.write_kv` picks between them. Under jit with the pool donated both update
-the pool in place, so a step writes only the new tokens' bytes (and, for int8, their scales).
+`write_kv` (XLA scatters; every dtype, int8 with scales) writes K/V as given. `rope_write_kv_kernel`
+(one Pallas kernel, float pools) takes the model's fused q|k|v projection and does the step's whole
+RoPE + KV write: it rotates q (returned) and k, and writes the rotated k and v into the pool, so a
+decode step launches one kernel per layer for both instead of a RoPE fusion and a writer. Its meaning
+is `apply_rope` then `write_kv`. `pallas_kernels.dispatch.rope_write_kv` picks between them. Under jit
+with the pool donated both update the pool in place, so a step writes only the new tokens' bytes
+(and, for int8, their scales).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
+from pallas_kernels.rope import apply_rope
 
 INT8_MAX = 127.0
 
@@ -79,69 +82,116 @@ def write_kv(
     return k_pool, v_pool, None, None
 
 
-def _write_kernel(slots_ref, k_new_ref, v_new_ref, k_pool_in_ref, v_pool_in_ref, k_pool_ref, v_pool_ref, *,
-                  block_size: int, k_first_head: int, v_first_head: int):
+def _rope_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, k_pool_in_ref, v_pool_in_ref, q_ref, k_pool_ref,
+                       v_pool_ref, *, block_size: int, num_q_heads: int, num_kv_heads: int):
+    """Program (token, head): q head `head` rotated into q_ref; K/V head `head` (rotated k, v as is)
+    into the token's pool slot. Rounding as apply_rope then write_kv: float32 math, the projection's
+    dtype, then the pool's."""
     del k_pool_in_ref, v_pool_in_ref  # the same buffers as k_pool_ref / v_pool_ref (aliased)
     token, head = pl.program_id(0), pl.program_id(1)
+    half = qkv_ref.shape[-1] // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+
+    def rotated(h):
+        x1 = qkv_ref[token, h, lo].astype(jnp.float32)
+        x2 = qkv_ref[token, h, hi].astype(jnp.float32)
+        c, s = cos_ref[token, :], sin_ref[token, :]
+        return (x1 * c - x2 * s).astype(qkv_ref.dtype), (x2 * c + x1 * s).astype(qkv_ref.dtype)
+
+    @pl.when(head < num_q_heads)
+    def _():
+        r1, r2 = rotated(head)
+        q_ref[token, head, lo] = r1
+        q_ref[token, head, hi] = r2
+
     slot = slots_ref[token]
 
-    @pl.when(slot >= 0)
+    @pl.when((head < num_kv_heads) & (slot >= 0))
     def _():
         block, row = slot // block_size, slot % block_size
-        k_pool_ref[block, head, row, :] = k_new_ref[token, k_first_head + head, :].astype(k_pool_ref.dtype)
-        v_pool_ref[block, head, row, :] = v_new_ref[token, v_first_head + head, :].astype(v_pool_ref.dtype)
+        r1, r2 = rotated(num_q_heads + head)
+        k_pool_ref[block, head, row, lo] = r1.astype(k_pool_ref.dtype)
+        k_pool_ref[block, head, row, hi] = r2.astype(k_pool_ref.dtype)
+        v_pool_ref[block, head, row, :] = qkv_ref[token, num_q_heads + num_kv_heads + head, :].astype(
+            v_pool_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("k_first_head", "v_first_head", "interpret"))
-def _write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, *, k_first_head: int, v_first_head: int,
-                     interpret: bool):
-    num_tokens, num_kv_heads = k_new.shape[0], k_pool.shape[1]
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "interpret"))
+def _rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, *, num_q_heads: int, interpret: bool):
+    num_tokens, num_kv_heads, head_dim = qkv.shape[0], k_pool.shape[1], qkv.shape[2]
     whole = pl.no_block_spec
     return pl.pallas_call(
-        functools.partial(_write_kernel, block_size=k_pool.shape[2], k_first_head=k_first_head,
-                          v_first_head=v_first_head),
-        grid=(num_tokens, num_kv_heads),
-        in_specs=[whole] * 5,
-        out_specs=[whole, whole],
-        out_shape=[jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
-        input_output_aliases={3: 0, 4: 1},
+        functools.partial(_rope_write_kernel, block_size=k_pool.shape[2], num_q_heads=num_q_heads,
+                          num_kv_heads=num_kv_heads),
+        grid=(num_tokens, max(num_q_heads, num_kv_heads)),
+        in_specs=[whole] * 6,
+        out_specs=[whole] * 3,
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), qkv.dtype),
+                   jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
+        input_output_aliases={4: 1, 5: 2},
         compiler_params=compat.triton_compiler_params(num_warps=1, num_stages=1),
         interpret=interpret,
-        name="write_kv",
-    )(slot_mapping.astype(jnp.int32), k_new, v_new, k_pool, v_pool)
+        name="rope_write_kv",
+    )(slot_mapping.astype(jnp.int32), qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_pool, v_pool)
 
 
-def write_kv_kernel(
+def _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads: int) -> None:
+    """qkv [tokens, num_q_heads + 2 kv_heads, head_dim]; cos, sin [tokens, head_dim // 2]."""
+    num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
+    want = (num_q_heads + 2 * num_kv_heads, head_dim)
+    if qkv.ndim != 3 or qkv.shape[1:] != want:
+        raise ValueError(f"qkv shape {qkv.shape} != (tokens, {want[0]}, {head_dim}): num_q_heads {num_q_heads} "
+                         f"+ 2 x {num_kv_heads} KV heads of the pool")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even for RoPE")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (qkv.shape[0], head_dim // 2):
+            raise ValueError(f"{name} shape {table.shape} != (tokens, head_dim // 2) = ({qkv.shape[0]}, {head_dim // 2})")
+    if slot_mapping.shape != qkv.shape[:1]:
+        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({qkv.shape[0]},)")
+
+
+def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, num_q_heads: int):
+    """The reference for rope_write_kv_kernel, every pool dtype: apply_rope to q and k, then write_kv.
+
+    Returns (q, k_pool, v_pool, k_scale, v_scale); q is [tokens, num_q_heads + kv_heads, head_dim], the
+    rotated q|k, whose first num_q_heads heads are the queries (the decode kernel reads them in place).
+    """
+    _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
+    k_end = num_q_heads + k_pool.shape[1]
+    qk = apply_rope(qkv[:, :k_end], cos, sin)
+    return (qk, *write_kv(k_pool, v_pool, qk[:, num_q_heads:], qkv[:, k_end:], slot_mapping, k_scale, v_scale))
+
+
+def rope_write_kv_kernel(
     k_pool: jax.Array,
     v_pool: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
+    qkv: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
     slot_mapping: jax.Array,
     *,
-    k_first_head: int = 0,
-    v_first_head: int = 0,
+    num_q_heads: int,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """`write_kv` for float pools as one Pallas kernel (grid: new tokens x KV heads), in place.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RoPE and the KV write of a step as one Pallas kernel (grid: tokens x max(q, KV) heads), float pools.
 
-    Same arguments and meaning as write_kv (negative slots are skipped); slots must be distinct and
-    inside the pool (the allocator guarantees both). k_new / v_new may hold more heads than the pool,
-    as the model's fused projection does: heads k_first_head .. + kv_heads of k_new (and v_first_head
-    .. of v_new) are written, read in place (slicing them out would cost a copy kernel per layer).
-    In place under a jit that donates the pools (the model step); called eagerly it returns updated
-    copies. Returns (k_pool, v_pool).
+    Args:
+      k_pool, v_pool: [num_blocks, kv_heads, block_size, head_dim], float.
+      qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection (q, k, v heads).
+      cos, sin: [tokens, head_dim // 2] float32, each token's angles (jaxllm.rope.rope_tables).
+      slot_mapping: [tokens] int32, `block_id * block_size + row`, distinct and inside the pool (the
+        allocator guarantees both); negative entries (padding tokens) write nothing.
+
+    Returns (q [tokens, num_q_heads, head_dim] rotated, k_pool, v_pool): the same values as
+    rope_write_kv's first num_q_heads heads and pools (to float32 rounding inside the rotation). In
+    place under a jit that donates the pools (the model step); called eagerly it returns updated copies.
     """
     if k_pool.dtype == jnp.int8:
-        raise ValueError("write_kv_kernel writes float pools; int8 pools (with scales) go through write_kv")
+        raise ValueError("rope_write_kv_kernel writes float pools; int8 pools (with scales) go through rope_write_kv")
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"v_pool {v_pool.shape} {v_pool.dtype} != k_pool {k_pool.shape} {k_pool.dtype}")
-    num_kv_heads = k_pool.shape[1]
-    for name, new, first in (("k", k_new, k_first_head), ("v", v_new, v_first_head)):
-        if new.ndim != 3 or not 0 <= first <= new.shape[1] - num_kv_heads:
-            raise ValueError(f"{name}_first_head {first} + {num_kv_heads} KV heads do not fit {name}_new "
-                             f"{new.shape} ([tokens, heads, head_dim])")
-    heads_used = lambda new: jax.ShapeDtypeStruct((new.shape[0], num_kv_heads, new.shape[2]), new.dtype)
-    _check_new_kv(k_pool, heads_used(k_new), heads_used(v_new), slot_mapping)
+    _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
     interpret = compat.default_interpret(interpret)
-    return tuple(_write_kv_kernel(k_pool, v_pool, k_new, v_new, slot_mapping, k_first_head=k_first_head,
-                                  v_first_head=v_first_head, interpret=interpret))
+    return tuple(_rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, num_q_heads=num_q_heads,
+                                       interpret=interpret))

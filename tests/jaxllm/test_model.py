@@ -125,3 +125,29 @@ def test_kernel_backend_matches_oracle():
     ref = numpy_llama_logits(tensors, config.to_hf(), ids)
     rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
     assert rel < 1e-5, f"seed {seed}: relative error {rel}"
+
+
+def test_kernel_backend_decode_step_matches_oracle():
+    """Prefill all but the last token, then one decode step on the kernel backend (interpret mode): RoPE
+    and the KV write as one kernel, the decode kernel reading the rotated queries it returns."""
+    config = LlamaConfig(**dict(SMALL, num_heads=2), num_kv_heads=1, rope_theta=500.0)  # MQA, head_dim 64
+    seed = np.random.SeedSequence().entropy % 2**31
+    tensors = random_hf_tensors(config.to_hf(), seed)
+    model = init_model(config)
+    load_hf_tensors_into(model, tensors, config)
+    ids = np.random.default_rng(seed).integers(0, config.vocab_size, size=19)
+    block_size, T = 16, len(ids)
+    blocks = np.random.default_rng(seed).permutation(6)[:2].astype(np.int32)
+    kv = init_kv_cache(config, 6, block_size, "float32")
+    slot = lambda pos: blocks[pos // block_size] * block_size + pos % block_size
+    pos = np.arange(T - 1)
+    prefill = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T - 1], jnp.int32),
+                             jnp.asarray([0, T - 1], jnp.int32), jnp.asarray(slot(pos), jnp.int32))
+    _, kv = model(jnp.asarray(ids[:-1], jnp.int32), jnp.asarray(pos, jnp.int32), kv, prefill, backend="triton")
+    decode = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T], jnp.int32), jnp.asarray([0, 1], jnp.int32),
+                            jnp.asarray([slot(T - 1)], jnp.int32), decode=True)
+    hidden, _ = model(jnp.asarray(ids[-1:], jnp.int32), jnp.asarray([T - 1], jnp.int32), kv, decode, backend="triton")
+    ours = np.asarray(model.logits(hidden), np.float64)[-1]
+    ref = numpy_llama_logits(tensors, config.to_hf(), ids)[-1]
+    rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5, f"seed {seed}: relative error {rel}"

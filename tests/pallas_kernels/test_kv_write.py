@@ -1,4 +1,4 @@
-"""KV write: the one-kernel writer (interpret mode) and the scatter path give the same pool."""
+"""KV write: the scatter path, and RoPE + the KV write as one kernel (interpret mode) against it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
-from pallas_kernels.kv_write import write_kv, write_kv_kernel
+from pallas_kernels.kv_write import rope_write_kv, rope_write_kv_kernel, write_kv
 
 
 def _case(rng, num_tokens, num_blocks=6, heads=2, block_size=16, head_dim=64, dtype=jnp.bfloat16):
@@ -22,73 +22,107 @@ def _case(rng, num_tokens, num_blocks=6, heads=2, block_size=16, head_dim=64, dt
     return k_pool, v_pool, k_new, v_new, jnp.asarray(slots)
 
 
-@pytest.mark.parametrize("num_tokens,dtype", [(1, jnp.bfloat16), (7, jnp.float16), (33, jnp.float32)])
-def test_kernel_matches_scatter_and_touches_nothing_else(num_tokens, dtype):
+def _rope_case(rng, num_tokens, q_heads, kv_heads, head_dim, dtype, num_blocks=6, block_size=16):
+    k_pool, v_pool, _, _, slots = _case(rng, num_tokens, num_blocks, kv_heads, block_size, head_dim, dtype)
+    qkv = jnp.asarray(rng.standard_normal((num_tokens, q_heads + 2 * kv_heads, head_dim)), dtype)
+    positions = rng.integers(0, 100_000, num_tokens)
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
+    angles = (positions[:, None] * inv_freq[None, :]).astype(np.float32)
+    return k_pool, v_pool, qkv, jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles)), slots
+
+
+def _rotate_f64(x, cos, sin):
+    """The rotate-half RoPE in float64 numpy: x [T, H, D] by the (float32) angle tables given."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    c, s = (np.asarray(t, np.float64)[:, None, :] for t in (cos, sin))
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def test_scatter_writes_the_new_tokens_and_touches_nothing_else():
     rng = np.random.default_rng()
-    k_pool, v_pool, k_new, v_new, slots = _case(rng, num_tokens, dtype=dtype)
-    want_k, want_v, _, _ = write_kv(k_pool, v_pool, k_new, v_new, slots)
-    got_k, got_v = write_kv_kernel(k_pool, v_pool, k_new, v_new, slots, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32))
+    k_pool, v_pool, k_new, v_new, slots = _case(rng, 9)
+    got_k, got_v, _, _ = write_kv(k_pool, v_pool, k_new, v_new, slots)
+    for got, pool, new in ((got_k, k_pool, k_new), (got_v, v_pool, v_new)):
+        expect = np.asarray(pool, np.float32).copy()
+        for t, slot in enumerate(np.asarray(slots)):
+            if slot >= 0:
+                expect[slot // 16, :, slot % 16] = np.asarray(new[t].astype(pool.dtype), np.float32)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), expect)
+
+
+def _ulps(dtype) -> float:
+    return {jnp.dtype(jnp.bfloat16): 2.0 ** -7, jnp.dtype(jnp.float16): 2.0 ** -10,
+            jnp.dtype(jnp.float32): 2.0 ** -22}[jnp.dtype(dtype)]
+
+
+@pytest.mark.parametrize("num_tokens,q_heads,kv_heads,head_dim,dtype", [
+    (1, 4, 4, 64, jnp.bfloat16), (7, 8, 2, 128, jnp.float16), (33, 4, 1, 64, jnp.float32), (5, 2, 2, 128, jnp.bfloat16)])
+def test_rope_write_kernel_matches_reference_and_touches_nothing_else(num_tokens, q_heads, kv_heads, head_dim, dtype):
+    rng = np.random.default_rng()
+    k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, num_tokens, q_heads, kv_heads, head_dim, dtype)
+    want_q, want_k, want_v, _, _ = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads)
+    got_q, got_k, got_v = rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads,
+                                               interpret=True)
+    assert got_q.shape == (num_tokens, q_heads, head_dim) and got_q.dtype == qkv.dtype
+    # One rounding of the dtype apart at most: float32 rotations may contract into FMAs differently.
+    tol = dict(rtol=_ulps(dtype), atol=_ulps(dtype))
+    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
-    # Independent check against numpy: written rows hold the new tokens, every other row is unchanged.
-    expect = np.asarray(k_pool, np.float32).copy()
+    # Against float64 numpy: q and the written k rotated, v as given, every other pool row unchanged.
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    np.testing.assert_allclose(f64(got_q), _rotate_f64(f64(qkv[:, :q_heads]), cos, sin), rtol=2 * _ulps(dtype),
+                               atol=2 * _ulps(dtype) * 4)
+    k_rot = _rotate_f64(f64(qkv[:, q_heads:q_heads + kv_heads]), cos, sin)
+    expect_k, expect_v = f64(k_pool).copy(), f64(v_pool).copy()
     for t, slot in enumerate(np.asarray(slots)):
         if slot >= 0:
-            expect[slot // 16, :, slot % 16] = np.asarray(k_new[t].astype(dtype), np.float32)
-    np.testing.assert_array_equal(np.asarray(got_k, np.float32), expect)
+            expect_k[slot // 16, :, slot % 16] = k_rot[t]
+            expect_v[slot // 16, :, slot % 16] = f64(qkv[t, q_heads + kv_heads:])
+    np.testing.assert_allclose(f64(got_k), expect_k, rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype) * 4)
+    np.testing.assert_array_equal(f64(got_v), expect_v)
 
 
-def test_kernel_under_jit_with_donated_pools():
+def test_rope_write_kernel_under_jit_with_donated_pools():
     rng = np.random.default_rng()
-    k_pool, v_pool, k_new, v_new, slots = _case(rng, 5)
-    want = write_kv(k_pool, v_pool, k_new, v_new, slots)[:2]
-    step = jax.jit(lambda k, v, kn, vn, s: write_kv_kernel(k, v, kn, vn, s, interpret=True), donate_argnums=(0, 1))
-    got = step(jnp.array(k_pool), jnp.array(v_pool), k_new, v_new, slots)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_heads_read_in_place_from_a_fused_projection(backend):
-    """k and v taken at head offsets of wider arrays (the model's qk after RoPE and its qkv) write
-    exactly what the same heads sliced out would."""
-    rng = np.random.default_rng()
-    k_pool, v_pool, k_new, v_new, slots = _case(rng, 6, heads=2)
-    noise = lambda n: jnp.asarray(rng.standard_normal((6, n, 64)), jnp.float32)
-    qk = jnp.concatenate([noise(4), k_new], axis=1)  # 4 "query" heads, then the 2 KV heads
-    qkv = jnp.concatenate([noise(4), noise(2), v_new], axis=1)
-    want = write_kv(k_pool, v_pool, k_new, v_new, slots)[:2]
-    if backend == "triton":
-        got = write_kv_kernel(k_pool, v_pool, qk, qkv, slots, k_first_head=4, v_first_head=6, interpret=True)
-    else:
-        got = dispatch.write_kv(k_pool, v_pool, qk, qkv, slots, k_first_head=4, v_first_head=6, backend=backend)[:2]
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 5, 4, 2, 64, jnp.float32)
+    want = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=4)
+    step = jax.jit(lambda k, v, *a: rope_write_kv_kernel(k, v, *a, num_q_heads=4, interpret=True),
+                   donate_argnums=(0, 1))
+    got = step(jnp.array(k_pool), jnp.array(v_pool), qkv, cos, sin, slots)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0][:, :4]), rtol=1e-6, atol=1e-6)
+    for a, b in zip(got[1:], want[1:3]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
 def test_bad_inputs_raise():
     rng = np.random.default_rng(0)
-    k_pool, v_pool, k_new, v_new, slots = _case(rng, 4)
+    k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 4, 4, 2, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="int8"):
-        write_kv_kernel(k_pool.astype(jnp.int8), v_pool.astype(jnp.int8), k_new, v_new, slots)
-    with pytest.raises(ValueError, match=r"k_first_head 0 \+ 2 KV heads do not fit k_new \(4, 1, 64\)"):
-        write_kv_kernel(k_pool, v_pool, k_new[:, :1], v_new[:, :1], slots)
-    with pytest.raises(ValueError, match="v_first_head 1 "):
-        write_kv_kernel(k_pool, v_pool, k_new, v_new, slots, v_first_head=1)
-    with pytest.raises(ValueError, match="new K/V shape"):
-        write_kv_kernel(k_pool, v_pool, k_new[..., :32], v_new[..., :32], slots)
+        rope_write_kv_kernel(k_pool.astype(jnp.int8), v_pool.astype(jnp.int8), qkv, cos, sin, slots, num_q_heads=4)
+    with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 64\) != \(tokens, 7, 64\): num_q_heads 3 \+ 2 x 2"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=3)
+    with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 32\)"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv[..., :32], cos, sin, slots, num_q_heads=4)
+    with pytest.raises(ValueError, match=r"sin shape \(4, 16\) != \(tokens, head_dim // 2\) = \(4, 32\)"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin[:, :16], slots, num_q_heads=4)
     with pytest.raises(ValueError, match="slot_mapping shape"):
-        write_kv_kernel(k_pool, v_pool, k_new, v_new, slots[:2])
+        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots[:2], num_q_heads=4)
+    with pytest.raises(ValueError, match="v_pool"):
+        rope_write_kv_kernel(k_pool, v_pool[:, :1], qkv, cos, sin, slots, num_q_heads=4)
 
 
 def test_dispatch_keeps_int8_and_reference_on_the_scatter_path():
     rng = np.random.default_rng(1)
-    k_pool, v_pool, k_new, v_new, slots = _case(rng, 3)
-    ref = dispatch.write_kv(k_pool, v_pool, k_new, v_new, slots, backend="reference")
-    want = write_kv(k_pool, v_pool, k_new, v_new, slots)
-    for a, b in zip(ref[:2], want[:2]):
+    k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 3, 4, 2, 64, jnp.float32)
+    ref = dispatch.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=4, backend="reference")
+    want = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=4)
+    for a, b in zip(ref[:3], want[:3]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     q_pool = jnp.zeros(k_pool.shape, jnp.int8)
     scale = jnp.ones(k_pool.shape[:3], jnp.float32)
-    out = dispatch.write_kv(q_pool, q_pool, k_new, v_new, slots, scale, scale, backend="triton")
-    assert out[0].dtype == jnp.int8 and out[2] is not None  # scales written: the scatter path
+    out = dispatch.rope_write_kv(q_pool, q_pool, qkv, cos, sin, slots, scale, scale, num_q_heads=4, backend="triton")
+    assert out[1].dtype == jnp.int8 and out[3] is not None  # scales written: the scatter path
+    assert out[0].shape == (3, 6, 64)  # rotated q|k: the decode kernel reads the first 4 heads in place

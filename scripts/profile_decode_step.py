@@ -70,12 +70,19 @@ def device_kernels(fn, reps: int, top: int = 60) -> dict:
     calls = defaultdict(int)
     for name, _, _ in events:
         calls[name] += 1
+    # The time from the previous kernel's end to each kernel's start (negative where they overlap, as
+    # XLA's programmatic dependent launches do): the launch bubbles a fused or PDL-launched kernel removes.
+    gap_ns = defaultdict(float)
+    ordered = sorted(events, key=lambda e: e[1])
+    for (_, start0, duration0), (name, start, _) in zip(ordered, ordered[1:]):
+        gap_ns[name] += start - (start0 + duration0)
     return {"kernels_per_step": len(events) / reps,
             "kernel_ms_per_step": sum(t for t, _ in by_kind.values()) / reps / 1e6,
             "span_ms_per_step": (last - first) / reps / 1e6,
             "by_kind": {k: {"us_per_step": t / reps / 1e3, "kernels_per_step": n / reps}
                         for k, (t, n) in by_kind.items()},
-            "top": [{"name": n[:120], "us_per_step": us, "calls_per_step": calls[n] / reps} for n, us in heaviest]}
+            "top": [{"name": n[:120], "us_per_step": us, "calls_per_step": calls[n] / reps,
+                     "gap_before_us_per_step": gap_ns[n] / reps / 1e3} for n, us in heaviest]}
 
 
 def profile(llm, context: int, reps: int) -> dict:
@@ -173,7 +180,8 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     device = jax.devices()[0].device_kind
     result = {"script": "scripts/profile_decode_step.py", "argv": sys.argv[1:], "device": device,
-              "date": datetime.date.today().isoformat(), "jax": jax.__version__, "rows": rows}
+              "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}
     print(f"{'context':>8} {'full':>7} {'full_sync':>9} {'sched':>7} {'pipelined':>10} {'synced':>7} "
           f"{'attention':>10}  (ms)")
     for r in rows:
@@ -189,7 +197,8 @@ def main(argv=None) -> int:
         for kind, v in trace["by_kind"].items():
             print(f"  {kind:>10}: {v['kernels_per_step']:.0f} kernels, {v['us_per_step']:.1f} us")
         for k in trace["top"]:
-            print(f"  {k['us_per_step']:>9.1f} us  {k.get('calls_per_step', 0):>5.0f} x  {k['name']}")
+            print(f"  {k['us_per_step']:>9.1f} us  {k.get('calls_per_step', 0):>5.0f} x  "
+                  f"gaps before {k.get('gap_before_us_per_step', 0):>7.1f} us  {k['name']}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, result_stem(device, "decode-step-profile.json", result["date"]))
     with open(path, "w") as f:

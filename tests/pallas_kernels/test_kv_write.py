@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import compat, dispatch
 from pallas_kernels.kv_write import rope_write_kv, rope_write_kv_kernel, write_kv
 
 
@@ -126,3 +126,20 @@ def test_dispatch_keeps_int8_and_reference_on_the_scatter_path():
     out = dispatch.rope_write_kv(q_pool, q_pool, qkv, cos, sin, slots, scale, scale, num_q_heads=4, backend="triton")
     assert out[1].dtype == jnp.int8 and out[3] is not None  # scales written: the scatter path
     assert out[0].shape == (3, 6, 64)  # rotated q|k: the decode kernel reads the first 4 heads in place
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not compat.on_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("num_tokens,q_heads,kv_heads,dtype", [
+    (1, 32, 32, jnp.bfloat16), (300, 32, 32, jnp.bfloat16), (9, 64, 8, jnp.float16), (5, 8, 1, jnp.float32)])
+def test_gpu_rope_write_kernel_matches_reference(num_tokens, q_heads, kv_heads, dtype):
+    """The compiled kernel (no interpret mode), Llama-2-7B's head_dim and a 256-token rBlock pool."""
+    rng = np.random.default_rng()
+    k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, num_tokens, q_heads, kv_heads, 128, dtype,
+                                                      num_blocks=4, block_size=256)
+    want_q, want_k, want_v, _, _ = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads)
+    got_q, got_k, got_v = rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads)
+    tol = dict(rtol=_ulps(dtype), atol=_ulps(dtype))
+    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32), **tol)
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))

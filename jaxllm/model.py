@@ -64,12 +64,15 @@ class Attention(nnx.Module):
         self.o = _param(rngs, (num_heads, head_dim, hidden), dtype, fan_in=num_heads * head_dim)
 
     def __call__(self, x, cos, sin, layer_kv: LayerKV, batch: AttentionBatch, backend: str):
-        qkv = jnp.einsum("TD,DNH->TNH", x, self.qkv[...])  # [T, Hq + 2 Hkv, hd]
-        # q and k rotated and K/V written by one kernel on the GPU (float pools), reading their heads of
-        # qkv in place; q's first num_heads heads are the rotated queries (read in place in turn).
+        w = self.qkv[...]  # [D, Hq + 2 Hkv, hd]
+        # [T, Hq + 2 Hkv, hd], or on a decode step [S, T, ...] float32 split-K partials, which the next
+        # kernel sums: q and k rotated and K/V written by one kernel on the GPU (float pools), reading
+        # their heads in place; q's first num_heads heads are the rotated queries (read in place in turn).
+        qkv = matmul_unreduced(x, w.reshape(w.shape[0], -1), backend=backend)
+        qkv = qkv.reshape(*qkv.shape[:-1], *w.shape[1:])
         q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(layer_kv.k, layer_kv.v, qkv, cos, sin,
                                                             batch.slot_mapping, layer_kv.k_scale, layer_kv.v_scale,
-                                                            num_q_heads=self.num_heads, backend=backend)
+                                                            num_q_heads=self.num_heads, dtype=x.dtype, backend=backend)
         out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
                                decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=self.num_heads,
                                backend=backend)

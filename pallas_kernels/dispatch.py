@@ -104,10 +104,12 @@ def ragged_attention(
 
 
 def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, num_q_heads: int,
-                  backend: Backend | None = "auto"):
+                  dtype=None, backend: Backend | None = "auto"):
     """RoPE on the step's q and k, and its K/V appended to the pool: `kv_write.rope_write_kv`'s meaning.
 
-    qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection. Returns (q,
+    qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection, or
+    matmul_unreduced's [S, tokens, ...] float32 partials of it (then `dtype`, the projection's dtype,
+    is required: the partials' sum is rounded to it). Returns (q,
     k_pool, v_pool, k_scale, v_scale), where q holds the rotated queries in its first num_q_heads heads
     (pass num_q_heads to ragged_attention). Float pools on the kernel backends ('triton', 'mosaic') take
     the one-kernel `rope_write_kv_kernel`; int8 pools and the reference backend take RoPE as a fusion and
@@ -118,10 +120,10 @@ def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_s
     backend = resolve_backend(backend, k_pool.shape[-1])
     if backend in ("triton", "mosaic") and k_pool.dtype != jnp.int8:
         q, k_pool, v_pool = kv_write.rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping,
-                                                          num_q_heads=num_q_heads)
+                                                          num_q_heads=num_q_heads, dtype=dtype)
         return q, k_pool, v_pool, None, None
     return kv_write.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale,
-                                  num_q_heads=num_q_heads)
+                                  num_q_heads=num_q_heads, dtype=dtype)
 
 
 # Steps up to this many tokens (decode) take the one-kernel add + RMSNorm and the weight-streaming
@@ -135,12 +137,13 @@ def _decode_sized_kernel_step(backend: Backend | None, tokens: int) -> bool:
 
 
 def matmul_unreduced(x: jax.Array, w: jax.Array, *, backend: Backend | None = "auto") -> jax.Array:
-    """x [T, K] @ w [K, N] for a block output that add_rms_norm adds to the residual stream next.
+    """x [T, K] @ w [K, N] for a consumer that sums split-K partials itself: add_rms_norm (the o and
+    down projections, added to the residual stream next) or rope_write_kv (the q/k/v projection).
 
     Decode steps (T <= FUSED_NORM_MAX_TOKENS) on the kernel backends return the skinny matmul's
-    unreduced split-K partials [S, T, N] float32: add_rms_norm sums them in its one pass, so the sum,
-    the residual add and the norm are one kernel (XLA's own split-K GEMM runs its sum as a separate
-    ~1.3 us kernel). Otherwise XLA's matmul: [T, N] in x.dtype.
+    unreduced split-K partials [S, T, N] float32: the consumer sums them in its one pass, so the sum
+    costs no kernel of its own (XLA's own split-K GEMM runs its sum as a separate ~1.3 us kernel).
+    Otherwise XLA's matmul: [T, N] in x.dtype.
     """
     if _decode_sized_kernel_step(backend, x.shape[0]):
         from pallas_kernels.rms_norm import MAX_PARTS

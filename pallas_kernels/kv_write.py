@@ -1,14 +1,14 @@
 """Appending new tokens' K/V into their rBlocks: one pass over the new tokens.
 
 `write_kv` (XLA scatters; every dtype, int8 with scales) writes K/V as given. `rope_write_kv_kernel`
-(one Pallas kernel, float pools) takes the model's fused q|k|v projection and does the step's whole
-RoPE + KV write: it rotates q (returned) and k, and writes the rotated k and v into the pool, so a
-decode step launches one kernel per layer for both instead of a RoPE fusion and a writer. Its meaning
-is `apply_rope` then `write_kv`. `pallas_kernels.dispatch.rope_write_kv` picks between them. Under jit
-with the pool donated both update the pool in place, so a step writes only the new tokens' bytes
-(and, for int8, their scales).
+(one Pallas kernel, float pools) takes the model's fused q|k|v projection (or the skinny matmul's
+float32 split-K partials of it, summed on the way) and does the step's whole RoPE + KV write: it
+rotates q (returned) and k, and writes the rotated k and v into the pool, so a decode step launches
+one kernel per layer for all of it instead of a partial sum, a RoPE fusion and a writer. Its meaning
+is `rope_write_kv`'s (`apply_rope` then `write_kv`); `pallas_kernels.dispatch.rope_write_kv` picks
+between them. Under jit with the pool donated both update the pool in place, so a step writes only the
+new tokens' bytes (and, for int8, their scales).
 """
-
 from __future__ import annotations
 
 import functools
@@ -83,20 +83,30 @@ def write_kv(
 
 
 def _rope_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, k_pool_in_ref, v_pool_in_ref, q_ref, k_pool_ref,
-                       v_pool_ref, *, block_size: int, num_q_heads: int, num_kv_heads: int):
+                       v_pool_ref, *, block_size: int, num_q_heads: int, num_kv_heads: int, num_parts: int):
     """Program (token, head): q head `head` rotated into q_ref; K/V head `head` (rotated k, v as is)
-    into the token's pool slot. Rounding as apply_rope then write_kv: float32 math, the projection's
-    dtype, then the pool's."""
+    into the token's pool slot. qkv_ref is [T, heads, D], or with num_parts [S, T, heads, D] float32
+    split-K partials, summed first. Rounding as rope_write_kv: the projection rounded to q's dtype,
+    the rotation in float32 rounded to it again, then to the pool's dtype."""
     del k_pool_in_ref, v_pool_in_ref  # the same buffers as k_pool_ref / v_pool_ref (aliased)
     token, head = pl.program_id(0), pl.program_id(1)
     half = qkv_ref.shape[-1] // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
+    dtype = q_ref.dtype
+
+    def load(h, cols):
+        """The projection's head h, columns cols, as q's dtype would hold it, in float32."""
+        if not num_parts:
+            return qkv_ref[token, h, cols].astype(dtype).astype(jnp.float32)
+        total = qkv_ref[0, token, h, cols]
+        for part in range(1, num_parts):
+            total = total + qkv_ref[part, token, h, cols]
+        return total.astype(dtype).astype(jnp.float32)
 
     def rotated(h):
-        x1 = qkv_ref[token, h, lo].astype(jnp.float32)
-        x2 = qkv_ref[token, h, hi].astype(jnp.float32)
+        x1, x2 = load(h, lo), load(h, hi)
         c, s = cos_ref[token, :], sin_ref[token, :]
-        return (x1 * c - x2 * s).astype(qkv_ref.dtype), (x2 * c + x1 * s).astype(qkv_ref.dtype)
+        return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
 
     @pl.when(head < num_q_heads)
     def _():
@@ -112,21 +122,24 @@ def _rope_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, k_pool_in_ref, v_po
         r1, r2 = rotated(num_q_heads + head)
         k_pool_ref[block, head, row, lo] = r1.astype(k_pool_ref.dtype)
         k_pool_ref[block, head, row, hi] = r2.astype(k_pool_ref.dtype)
-        v_pool_ref[block, head, row, :] = qkv_ref[token, num_q_heads + num_kv_heads + head, :].astype(
-            v_pool_ref.dtype)
+        v_head = num_q_heads + num_kv_heads + head
+        v_pool_ref[block, head, row, lo] = load(v_head, lo).astype(dtype).astype(v_pool_ref.dtype)
+        v_pool_ref[block, head, row, hi] = load(v_head, hi).astype(dtype).astype(v_pool_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_q_heads", "interpret"))
-def _rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, *, num_q_heads: int, interpret: bool):
-    num_tokens, num_kv_heads, head_dim = qkv.shape[0], k_pool.shape[1], qkv.shape[2]
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "dtype", "interpret"))
+def _rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, *, num_q_heads: int, dtype, interpret: bool):
+    num_parts = qkv.shape[0] if qkv.ndim == 4 else 0
+    num_tokens, _, head_dim = qkv.shape[-3:]
+    num_kv_heads = k_pool.shape[1]
     whole = pl.no_block_spec
     return pl.pallas_call(
         functools.partial(_rope_write_kernel, block_size=k_pool.shape[2], num_q_heads=num_q_heads,
-                          num_kv_heads=num_kv_heads),
+                          num_kv_heads=num_kv_heads, num_parts=num_parts),
         grid=(num_tokens, max(num_q_heads, num_kv_heads)),
         in_specs=[whole] * 6,
         out_specs=[whole] * 3,
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), qkv.dtype),
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
                    jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
         input_output_aliases={4: 1, 5: 2},
         compiler_params=compat.triton_compiler_params(num_warps=1, num_stages=1),
@@ -136,31 +149,49 @@ def _rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, *, num_q_
 
 
 def _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads: int) -> None:
-    """qkv [tokens, num_q_heads + 2 kv_heads, head_dim]; cos, sin [tokens, head_dim // 2]."""
+    """qkv [tokens, num_q_heads + 2 kv_heads, head_dim] (or [S, ...] float32 split-K partials);
+    cos, sin [tokens, head_dim // 2]."""
     num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
     want = (num_q_heads + 2 * num_kv_heads, head_dim)
-    if qkv.ndim != 3 or qkv.shape[1:] != want:
-        raise ValueError(f"qkv shape {qkv.shape} != (tokens, {want[0]}, {head_dim}): num_q_heads {num_q_heads} "
-                         f"+ 2 x {num_kv_heads} KV heads of the pool")
+    if qkv.ndim not in (3, 4) or qkv.shape[-2:] != want:
+        raise ValueError(f"qkv shape {qkv.shape} != ([parts,] tokens, {want[0]}, {head_dim}): num_q_heads "
+                         f"{num_q_heads} + 2 x {num_kv_heads} KV heads of the pool")
+    if qkv.ndim == 4 and qkv.dtype != jnp.float32:
+        raise ValueError(f"qkv as split-K partials ([parts, tokens, heads, head_dim]) must be float32, got {qkv.dtype}")
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for RoPE")
+    tokens = qkv.shape[-3]
     for name, table in (("cos", cos), ("sin", sin)):
-        if table.shape != (qkv.shape[0], head_dim // 2):
-            raise ValueError(f"{name} shape {table.shape} != (tokens, head_dim // 2) = ({qkv.shape[0]}, {head_dim // 2})")
-    if slot_mapping.shape != qkv.shape[:1]:
-        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({qkv.shape[0]},)")
+        if table.shape != (tokens, head_dim // 2):
+            raise ValueError(f"{name} shape {table.shape} != (tokens, head_dim // 2) = ({tokens}, {head_dim // 2})")
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({tokens},)")
 
 
-def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, num_q_heads: int):
+def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, num_q_heads: int,
+                  dtype=None):
     """The reference for rope_write_kv_kernel, every pool dtype: apply_rope to q and k, then write_kv.
 
-    Returns (q, k_pool, v_pool, k_scale, v_scale); q is [tokens, num_q_heads + kv_heads, head_dim], the
-    rotated q|k, whose first num_q_heads heads are the queries (the decode kernel reads them in place).
+    qkv: [tokens, heads, head_dim], or [S, tokens, heads, head_dim] float32 split-K partials of the
+    projection (summed and rounded to `dtype` first, as the projection's output would be). dtype: q's
+    dtype (default qkv's; needed with partials). Returns (q, k_pool, v_pool, k_scale, v_scale); q is
+    [tokens, num_q_heads + kv_heads, head_dim], the rotated q|k, whose first num_q_heads heads are the
+    queries (the decode kernel reads them in place).
     """
     _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
+    qkv = _summed(qkv, dtype)
     k_end = num_q_heads + k_pool.shape[1]
     qk = apply_rope(qkv[:, :k_end], cos, sin)
     return (qk, *write_kv(k_pool, v_pool, qk[:, num_q_heads:], qkv[:, k_end:], slot_mapping, k_scale, v_scale))
+
+
+def _summed(qkv, dtype):
+    """qkv as one [tokens, heads, head_dim] array of `dtype` (partials summed in float32 first)."""
+    if qkv.ndim == 4:
+        if dtype is None:
+            raise ValueError("qkv as split-K partials needs the projection's dtype")
+        return jnp.sum(qkv, axis=0).astype(dtype)
+    return qkv if dtype is None else qkv.astype(dtype)
 
 
 def rope_write_kv_kernel(
@@ -172,16 +203,20 @@ def rope_write_kv_kernel(
     slot_mapping: jax.Array,
     *,
     num_q_heads: int,
+    dtype=None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """RoPE and the KV write of a step as one Pallas kernel (grid: tokens x max(q, KV) heads), float pools.
 
     Args:
       k_pool, v_pool: [num_blocks, kv_heads, block_size, head_dim], float.
-      qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection (q, k, v heads).
+      qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection (q, k, v heads),
+        or [S, tokens, ...] float32 split-K partials of it (the skinny matmul's), summed in the kernel.
       cos, sin: [tokens, head_dim // 2] float32, each token's angles (jaxllm.rope.rope_tables).
       slot_mapping: [tokens] int32, `block_id * block_size + row`, distinct and inside the pool (the
         allocator guarantees both); negative entries (padding tokens) write nothing.
+
+      dtype: q's dtype, what the projection is rounded to (default qkv's; needed with partials).
 
     Returns (q [tokens, num_q_heads, head_dim] rotated, k_pool, v_pool): the same values as
     rope_write_kv's first num_q_heads heads and pools (to float32 rounding inside the rotation). In
@@ -192,6 +227,10 @@ def rope_write_kv_kernel(
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"v_pool {v_pool.shape} {v_pool.dtype} != k_pool {k_pool.shape} {k_pool.dtype}")
     _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
+    if dtype is None:
+        if qkv.ndim == 4:
+            raise ValueError("qkv as split-K partials needs the projection's dtype")
+        dtype = qkv.dtype
     interpret = compat.default_interpret(interpret)
     return tuple(_rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, num_q_heads=num_q_heads,
-                                       interpret=interpret))
+                                       dtype=jnp.dtype(dtype), interpret=interpret))

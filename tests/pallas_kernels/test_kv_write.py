@@ -85,6 +85,33 @@ def test_rope_write_kernel_matches_reference_and_touches_nothing_else(num_tokens
     np.testing.assert_array_equal(f64(got_v), expect_v)
 
 
+@pytest.mark.parametrize("num_parts,dtype", [(1, jnp.bfloat16), (2, jnp.bfloat16), (5, jnp.float16), (3, jnp.float32)])
+def test_rope_write_kernel_sums_split_k_partials(num_parts, dtype):
+    """qkv as the skinny matmul's float32 split-K partials: summed, rounded to dtype, then as a whole qkv."""
+    rng = np.random.default_rng()
+    k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 6, 8, 2, 64, dtype)
+    parts = jnp.asarray(rng.standard_normal((num_parts, *qkv.shape)), jnp.float32)
+    whole = jnp.sum(parts, axis=0).astype(dtype)
+    want = rope_write_kv(k_pool, v_pool, whole, cos, sin, slots, num_q_heads=8)
+    ref = rope_write_kv(k_pool, v_pool, parts, cos, sin, slots, num_q_heads=8, dtype=dtype)
+    for a, b in zip(ref[:3], want[:3]):  # the reference with partials is the reference on their sum
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    got = rope_write_kv_kernel(k_pool, v_pool, parts, cos, sin, slots, num_q_heads=8, dtype=dtype, interpret=True)
+    assert got[0].dtype == dtype
+    # The partials' float32 sum may round differently in the last bit (order of the adds): 2 ulps.
+    tol = dict(rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype))
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0][:, :8], np.float32), **tol)
+    for a, b in zip(got[1:], want[1:3]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+    # Untouched rows stay: the pools differ from the originals only at the written slots.
+    written = np.zeros(k_pool.shape[0] * k_pool.shape[2], bool)
+    written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
+    for got_pool, pool in ((got[1], k_pool), (got[2], v_pool)):
+        unchanged = np.asarray(got_pool, np.float32).transpose(0, 2, 1, 3).reshape(written.size, -1)[~written]
+        np.testing.assert_array_equal(
+            unchanged, np.asarray(pool, np.float32).transpose(0, 2, 1, 3).reshape(written.size, -1)[~written])
+
+
 def test_rope_write_kernel_under_jit_with_donated_pools():
     rng = np.random.default_rng()
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 5, 4, 2, 64, jnp.float32)
@@ -102,7 +129,7 @@ def test_bad_inputs_raise():
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 4, 4, 2, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="int8"):
         rope_write_kv_kernel(k_pool.astype(jnp.int8), v_pool.astype(jnp.int8), qkv, cos, sin, slots, num_q_heads=4)
-    with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 64\) != \(tokens, 7, 64\): num_q_heads 3 \+ 2 x 2"):
+    with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 64\) != \(\[parts,\] tokens, 7, 64\): num_q_heads 3 \+ 2 x 2"):
         rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=3)
     with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 32\)"):
         rope_write_kv_kernel(k_pool, v_pool, qkv[..., :32], cos, sin, slots, num_q_heads=4)
@@ -112,6 +139,11 @@ def test_bad_inputs_raise():
         rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots[:2], num_q_heads=4)
     with pytest.raises(ValueError, match="v_pool"):
         rope_write_kv_kernel(k_pool, v_pool[:, :1], qkv, cos, sin, slots, num_q_heads=4)
+    with pytest.raises(ValueError, match="partials .* must be float32, got bfloat16"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv[None], cos, sin, slots, num_q_heads=4, dtype=jnp.bfloat16)
+    for fn in (rope_write_kv, rope_write_kv_kernel):
+        with pytest.raises(ValueError, match="partials needs the projection's dtype"):
+            fn(k_pool, v_pool, qkv[None].astype(jnp.float32), cos, sin, slots, num_q_heads=4)
 
 
 def test_dispatch_keeps_int8_and_reference_on_the_scatter_path():
@@ -143,3 +175,9 @@ def test_gpu_rope_write_kernel_matches_reference(num_tokens, q_heads, kv_heads, 
     np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
     np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
+    # The same projection as float32 split-K partials (halves: their sum is exact), as a decode step passes it.
+    halves = jnp.stack([qkv.astype(jnp.float32) * 0.5] * 2)
+    got = rope_write_kv_kernel(k_pool, v_pool, halves, cos, sin, slots, num_q_heads=q_heads, dtype=dtype)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want_k, np.float32), **tol)
+    np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want_v, np.float32))

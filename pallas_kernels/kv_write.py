@@ -122,9 +122,9 @@ def _rope_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, k_pool_in_ref, v_po
         r1, r2 = rotated(num_q_heads + head)
         k_pool_ref[block, head, row, lo] = r1.astype(k_pool_ref.dtype)
         k_pool_ref[block, head, row, hi] = r2.astype(k_pool_ref.dtype)
-        v_head = num_q_heads + num_kv_heads + head
-        v_pool_ref[block, head, row, lo] = load(v_head, lo).astype(dtype).astype(v_pool_ref.dtype)
-        v_pool_ref[block, head, row, hi] = load(v_head, hi).astype(dtype).astype(v_pool_ref.dtype)
+        v_head = num_q_heads + num_kv_heads + head  # load() has rounded it to q's dtype already
+        v_pool_ref[block, head, row, lo] = load(v_head, lo).astype(v_pool_ref.dtype)
+        v_pool_ref[block, head, row, hi] = load(v_head, hi).astype(v_pool_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "dtype", "interpret"))
@@ -179,19 +179,22 @@ def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_s
     queries (the decode kernel reads them in place).
     """
     _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
-    qkv = _summed(qkv, dtype)
+    dtype = _projection_dtype(qkv, dtype)
+    if qkv.ndim == 4:
+        qkv = jnp.sum(qkv, axis=0)  # float32, then rounded as the projection's output would be
+    qkv = qkv.astype(dtype)
     k_end = num_q_heads + k_pool.shape[1]
     qk = apply_rope(qkv[:, :k_end], cos, sin)
     return (qk, *write_kv(k_pool, v_pool, qk[:, num_q_heads:], qkv[:, k_end:], slot_mapping, k_scale, v_scale))
 
 
-def _summed(qkv, dtype):
-    """qkv as one [tokens, heads, head_dim] array of `dtype` (partials summed in float32 first)."""
+def _projection_dtype(qkv, dtype):
+    """The dtype q and the projection are rounded to: `dtype`, or qkv's own when it is not partials."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
     if qkv.ndim == 4:
-        if dtype is None:
-            raise ValueError("qkv as split-K partials needs the projection's dtype")
-        return jnp.sum(qkv, axis=0).astype(dtype)
-    return qkv if dtype is None else qkv.astype(dtype)
+        raise ValueError("qkv as split-K partials needs the projection's dtype")
+    return qkv.dtype
 
 
 def rope_write_kv_kernel(
@@ -215,7 +218,6 @@ def rope_write_kv_kernel(
       cos, sin: [tokens, head_dim // 2] float32, each token's angles (jaxllm.rope.rope_tables).
       slot_mapping: [tokens] int32, `block_id * block_size + row`, distinct and inside the pool (the
         allocator guarantees both); negative entries (padding tokens) write nothing.
-
       dtype: q's dtype, what the projection is rounded to (default qkv's; needed with partials).
 
     Returns (q [tokens, num_q_heads, head_dim] rotated, k_pool, v_pool): the same values as
@@ -227,10 +229,6 @@ def rope_write_kv_kernel(
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"v_pool {v_pool.shape} {v_pool.dtype} != k_pool {k_pool.shape} {k_pool.dtype}")
     _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
-    if dtype is None:
-        if qkv.ndim == 4:
-            raise ValueError("qkv as split-K partials needs the projection's dtype")
-        dtype = qkv.dtype
     interpret = compat.default_interpret(interpret)
     return tuple(_rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, num_q_heads=num_q_heads,
-                                       dtype=jnp.dtype(dtype), interpret=interpret))
+                                       dtype=_projection_dtype(qkv, dtype), interpret=interpret))

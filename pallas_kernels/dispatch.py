@@ -109,9 +109,9 @@ def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_s
 
     qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection, or
     matmul_unreduced's [S, tokens, ...] float32 partials of it (then `dtype`, the projection's dtype,
-    is required: the partials' sum is rounded to it). Returns (q,
-    k_pool, v_pool, k_scale, v_scale), where q holds the rotated queries in its first num_q_heads heads
-    (pass num_q_heads to ragged_attention). Float pools on the kernel backends ('triton', 'mosaic') take
+    is required: the partials' sum is rounded to it). Returns (q, k_pool, v_pool, k_scale, v_scale),
+    where q holds the rotated queries in its first num_q_heads heads (pass num_q_heads to
+    ragged_attention). Float pools on the kernel backends ('triton', 'mosaic') take
     the one-kernel `rope_write_kv_kernel`; int8 pools and the reference backend take RoPE as a fusion and
     XLA scatters.
     """

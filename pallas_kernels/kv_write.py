@@ -9,6 +9,7 @@ is `rope_write_kv`'s (`apply_rope` then `write_kv`); `pallas_kernels.dispatch.ro
 between them. Under jit with the pool donated both update the pool in place, so a step writes only the
 new tokens' bytes (and, for int8, their scales).
 """
+
 from __future__ import annotations
 
 import functools

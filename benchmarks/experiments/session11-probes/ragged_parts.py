@@ -8,7 +8,9 @@ Triton in one measure_interleaved): the sequences after a cached prefix alone, t
 short ones, the two 8K-after-8K sequences, and a 16K single beside them.
 
 Run from the repository root on the GPU machine: python3 benchmarks/experiments/session11-probes/ragged_parts.py
-(JSON to $OUT/ragged_parts.json).
+(JSON to $OUT/ragged_parts.json). With --order (the second run): the no-prefix group, the whole batch and
+the 16K single, twice, each also with the work list in packed (sequence-major) order instead of heaviest
+first (row `mosaic 128x2 in order`; JSON to $OUT/ragged_parts-order.json).
 """
 import json
 import os
@@ -36,12 +38,19 @@ def main():
     compat.silence_triton_deprecation()
     plan = ba.Plan(ref_rows=64, reps=5, target_s=0.4, budget_s=400.0)
     bench = ba.Bench(plan, interpret=False)
-    for case, groups in CASES:
-        run_case(bench, case, groups, (32, 32, 128), 256, MosaicPrefillConfig())
+    cases, extra, tag = CASES, (), ""
+    if "--order" in sys.argv:  # the second run: packed (sequence-major) order beside heaviest-first, twice
+        keep = ("no prefix (16 seqs)", "ragged (all 32)", "single 16K")
+        cases = [c for c in CASES if c[0] in keep] * 2
+        extra, tag = (MosaicPrefillConfig(heaviest_first=False),), "-order"
+    for i, (case, groups) in enumerate(cases):
+        if extra:
+            case = f"{case} #{i // 3 + 1}"
+        run_case(bench, case, groups, (32, 32, 128), 256, MosaicPrefillConfig(), extra)
         rows = [r for r in bench.rows["prefill"] if r.get("case") == case and "tflops" in r]
         print(case, {r["impl"]: (r["tflops"], r.get("gpu", {}) and r["gpu"].get("sm_mhz")) for r in rows}, flush=True)
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=bench.rows["prefill"])
-    json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "ragged_parts.json"), "w"), indent=1,
+    json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), f"ragged_parts{tag}.json"), "w"), indent=1,
               default=str)
 
 

@@ -1,14 +1,14 @@
 """jaxllm: long-context Llama-2 inference in JAX over ragged, distributed rBlock attention.
 
-Public names load lazily, so `import jaxllm.config` (or `--help` of a command) stays cheap.
+Public names load lazily, so `import jaxllm.model.config` (or `--help` of a command) stays cheap.
 """
 
 import importlib
 
 _EXPORTS = {
     "LLM": "jaxllm.llm", "Completion": "jaxllm.llm", "EngineOptions": "jaxllm.llm",
-    "LlamaConfig": "jaxllm.config", "RopeScaling": "jaxllm.config", "preset": "jaxllm.config",
-    "SamplingParams": "jaxllm.sampling",
+    "LlamaConfig": "jaxllm.model.config", "RopeScaling": "jaxllm.model.config", "preset": "jaxllm.model.config",
+    "SamplingParams": "jaxllm.engine.sampling",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.allocator import BlockAllocator
-from jaxllm.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
-from jaxllm.runner import InFlight, Runner
-from jaxllm.sampling import SamplingParams
-from jaxllm.scheduler import Scheduler, Sequence, Status, StepPlan
-from jaxllm.tokenizer import StreamDecoder, load_tokenizer
-from jaxllm.weights import load_model
+from jaxllm.engine.allocator import BlockAllocator
+from jaxllm.engine.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
+from jaxllm.engine.runner import InFlight, Runner
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.scheduler import Scheduler, Sequence, Status, StepPlan
+from jaxllm.model.tokenizer import StreamDecoder, load_tokenizer
+from jaxllm.model.weights import load_model
 from pallas_kernels.dispatch import BACKENDS
 
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else

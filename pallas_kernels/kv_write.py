@@ -216,7 +216,7 @@ def rope_write_kv_kernel(
       k_pool, v_pool: [num_blocks, kv_heads, block_size, head_dim], float.
       qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection (q, k, v heads),
         or [S, tokens, ...] float32 split-K partials of it (the skinny matmul's), summed in the kernel.
-      cos, sin: [tokens, head_dim // 2] float32, each token's angles (jaxllm.rope.rope_tables).
+      cos, sin: [tokens, head_dim // 2] float32, each token's angles (jaxllm.model.rope.rope_tables).
       slot_mapping: [tokens] int32, `block_id * block_size + row`, distinct and inside the pool (the
         allocator guarantees both); negative entries (padding tokens) write nothing.
       dtype: q's dtype, what the projection is rounded to (default qkv's; needed with partials).

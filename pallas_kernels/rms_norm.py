@@ -9,7 +9,7 @@ elements, so D is limited to MAX_DIM. delta may also come as a matmul's unreduce
 split-K partials (skinny_matmul_partials), which the kernel sums first: the o and down projections'
 sums then cost no kernel of their own.
 
-Rounding points are HF Llama's (and jaxllm.model.RMSNorm's): h = x + delta rounded to x.dtype;
+Rounding points are HF Llama's (and jaxllm.model.llama.RMSNorm's): h = x + delta rounded to x.dtype;
 n = h * rsqrt(mean(h^2) + eps) in float32, rounded to x.dtype; normed = weight * n rounded to x.dtype.
 The kernel computes each add and product in float32 and rounds once; for bfloat16 and float16 operands
 that equals the correctly rounded result (float32 has more than twice their precision plus two bits),

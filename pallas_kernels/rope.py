@@ -1,6 +1,6 @@
 """Rotary position embeddings, rotate-half layout (Llama-2 and HF checkpoints): the rotation itself.
 
-`jaxllm.rope` builds the angle tables from a model config; the KV writer
+`jaxllm.model.rope` builds the angle tables from a model config; the KV writer
 (`kv_write.rope_write_kv_kernel`) applies the same rotation inside its kernel, with this function as
 its reference.
 """

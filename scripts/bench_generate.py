@@ -153,7 +153,7 @@ def _drive(llm, seqs) -> dict:
 
 
 def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float, weight_bytes: int) -> dict:
-    from jaxllm.sampling import SamplingParams
+    from jaxllm.engine.sampling import SamplingParams
 
     prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
     t0 = time.perf_counter()
@@ -168,7 +168,7 @@ def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float
 
 def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, warm: bool = True) -> dict:
     """The mixed workload; with `warm`, once untimed first, so the timed pass compiles nothing (checked)."""
-    from jaxllm.sampling import SamplingParams
+    from jaxllm.engine.sampling import SamplingParams
 
     lengths = mixed_lengths(num_requests, max_prompt)
     # The timed pass repeats the warm pass's prompts: with the prefix cache it would skip their prefill.
@@ -200,7 +200,7 @@ def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: 
     together; timed with the prefix cache off, then on with the prefix cached by an earlier request
     (as a server sees a system prompt it has served before). Each mode runs once untimed first, so
     no timed pass compiles. Time to first token per request, wall time, prefill tokens computed."""
-    from jaxllm.sampling import SamplingParams
+    from jaxllm.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 259, size=prefix_len).tolist()
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxllm.kv_cache import kv_bytes_per_block
+    from jaxllm.engine.kv_cache import kv_bytes_per_block
 
     result["device"] = jax.devices()[0].device_kind
     os.makedirs(args.out, exist_ok=True)

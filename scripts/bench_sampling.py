@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from device_trace import gpu_kernel_events
-from jaxllm.sampling import greedy_tokens, sample_tokens
+from jaxllm.engine.sampling import greedy_tokens, sample_tokens
 from results import result_stem
 
 

@@ -89,7 +89,7 @@ def profile(llm, context: int, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.sampling import SamplingParams
+    from jaxllm.engine.sampling import SamplingParams
     from pallas_kernels.ragged_decode import ragged_decode
 
     runner, scheduler = llm.runner, llm.scheduler

@@ -24,7 +24,7 @@ from results import result_stem
 def run_one(llm, context: int, new_tokens: int):
     import jax
 
-    from jaxllm.sampling import SamplingParams
+    from jaxllm.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 259, size=context).tolist()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxllm.sampling import SamplingParams
+from jaxllm.engine.sampling import SamplingParams
 
 SEED_LIMIT = 2**31
 

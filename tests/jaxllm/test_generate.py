@@ -39,8 +39,8 @@ def test_output_independent_of_batch_composition(llm):
 def test_greedy_step_variant_changes_no_token(llm):
     """Decode steps whose sequences are all greedy run the argmax-only step variant; beside a sampled
     sequence the step carries the sampler. A greedy request's tokens must be the same either way."""
-    from jaxllm.sampling import SamplingParams
-    from jaxllm.scheduler import Status
+    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.engine.scheduler import Status
 
     calls = []
     step = llm.runner._step

@@ -21,8 +21,8 @@ import itertools
 
 import numpy as np
 
-from jaxllm.allocator import BlockAllocator, OutOfBlocks
-from jaxllm.sampling import SamplingParams
+from jaxllm.engine.allocator import BlockAllocator, OutOfBlocks
+from jaxllm.engine.sampling import SamplingParams
 
 # token_ids of a continuation step (Scheduler.plan_continuation): the real ids are still on the device.
 PENDING_TOKEN = -1

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import LlamaConfig
+from jaxllm.model.config import LlamaConfig
 
 
 def inverse_frequencies(config: LlamaConfig) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.kv_cache import kv_bytes_per_block
+from jaxllm.engine.kv_cache import kv_bytes_per_block
 from pallas_kernels.kv_layout import dequantize
 
 # Small rBlocks and token budget: prompts span several rBlocks and are prefilled in several chunks.

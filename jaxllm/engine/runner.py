@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.kv_cache import AttentionBatch, KVCache
-from jaxllm.model import Llama
-from jaxllm.sampling import greedy_tokens, sample_tokens
-from jaxllm.scheduler import StepPlan
+from jaxllm.engine.kv_cache import AttentionBatch, KVCache
+from jaxllm.model.llama import Llama
+from jaxllm.engine.sampling import greedy_tokens, sample_tokens
+from jaxllm.engine.scheduler import StepPlan
 from pallas_kernels import compat
 
 

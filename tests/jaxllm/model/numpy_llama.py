@@ -1,6 +1,6 @@
 """An independent float64 NumPy Llama-2, over HuggingFace tensor names: the oracle for model tests.
 
-Written from the Llama-2 paper / HF modeling code, sharing nothing with jaxllm/model.py.
+Written from the Llama-2 paper / HF modeling code, sharing nothing with jaxllm/model/llama.py.
 """
 
 from __future__ import annotations

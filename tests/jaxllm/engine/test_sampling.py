@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.allocator import BlockAllocator
-from jaxllm.sampling import SamplingParams, sample_tokens
-from jaxllm.scheduler import Scheduler, Status
+from jaxllm.engine.allocator import BlockAllocator
+from jaxllm.engine.sampling import SamplingParams, sample_tokens
+from jaxllm.engine.scheduler import Scheduler, Status
 
 _sample = jax.jit(sample_tokens)
 

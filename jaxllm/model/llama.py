@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.config import LlamaConfig
-from jaxllm.kv_cache import AttentionBatch, KVCache, LayerKV
-from jaxllm.rope import inverse_frequencies, rope_tables
+from jaxllm.model.config import LlamaConfig
+from jaxllm.engine.kv_cache import AttentionBatch, KVCache, LayerKV
+from jaxllm.model.rope import inverse_frequencies, rope_tables
 from pallas_kernels.dispatch import add_rms_norm, matmul_unreduced, ragged_attention, rope_write_kv
 
 _INIT_STD = 0.02

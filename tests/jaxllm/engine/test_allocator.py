@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from jaxllm.allocator import BlockAllocator, OutOfBlocks
+from jaxllm.engine.allocator import BlockAllocator, OutOfBlocks
 
 
 def _seed() -> int:

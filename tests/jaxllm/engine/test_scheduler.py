@@ -13,9 +13,9 @@ import random
 import numpy as np
 import pytest
 
-from jaxllm.allocator import BlockAllocator
-from jaxllm.sampling import SamplingParams
-from jaxllm.scheduler import Scheduler, Sequence, Status
+from jaxllm.engine.allocator import BlockAllocator
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.scheduler import Scheduler, Sequence, Status
 
 EOS = 0
 
@@ -273,7 +273,7 @@ def test_bad_limits():
 
 
 def test_token_slice_equals_slicing_the_whole_list():
-    from jaxllm.scheduler import Sequence
+    from jaxllm.engine.scheduler import Sequence
 
     rng = np.random.default_rng()
     for _ in range(200):

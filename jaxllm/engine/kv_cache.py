@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import LlamaConfig
+from jaxllm.model.config import LlamaConfig
 
 KV_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32, "int8": jnp.int8}
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.allocator import BlockAllocator
-from jaxllm.sampling import SamplingParams
-from jaxllm.scheduler import PENDING_TOKEN, Scheduler, Status
+from jaxllm.engine.allocator import BlockAllocator
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.scheduler import PENDING_TOKEN, Scheduler, Status
 
 PROMPTS = ["a", "The quick brown fox", "Ragged batches mix very different lengths: " + "x" * 50, "日本語 🙂"]
 GREEDY = dict()
@@ -149,7 +149,7 @@ def test_abandoned_stream_with_a_step_in_flight(llm, continuations):
 
 
 def test_engine_pipelines_and_cancels(llm, continuations):
-    from jaxllm.engine import Engine
+    from jaxllm.engine.threaded import Engine
 
     params = SamplingParams(max_new_tokens=12, **SEEDED)
     reference = _with_pipeline(llm, False, lambda: llm.generate(PROMPTS[:3], max_new_tokens=12, **SEEDED))
@@ -174,7 +174,7 @@ def test_engine_pipelines_and_cancels(llm, continuations):
 
 
 def test_engine_rejects_bad_token_ids(llm):
-    from jaxllm.engine import Engine
+    from jaxllm.engine.threaded import Engine
 
     engine = Engine(llm)
     try:

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxllm import cli, weights
-from jaxllm.config import LlamaConfig
-from jaxllm.kv_cache import AttentionBatch, init_kv_cache
+from jaxllm import cli
+from jaxllm.model import weights
+from jaxllm.model.config import LlamaConfig
+from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache
 from jaxllm.progress import Progress
-from jaxllm.weights import CheckpointError, load_hf, load_model, load_orbax, save_hf, save_orbax
-from tests.jaxllm.numpy_llama import numpy_llama_logits, random_hf_tensors
+from jaxllm.model.weights import CheckpointError, load_hf, load_model, load_orbax, save_hf, save_orbax
+from tests.jaxllm.model.numpy_llama import numpy_llama_logits, random_hf_tensors
 
 BLOCK = 16
 
@@ -161,7 +162,7 @@ def test_float32_checkpoint_without_torch_dtype_converts_to_bf16(tmp_path):
 @pytest.mark.parametrize("dtype,tied", [(jnp.bfloat16, False), (jnp.float32, True)])
 def test_orbax_round_trip_is_bit_exact(tmp_path, dtype, tied):
     config = _config(tied=tied, rope_scaling=None)
-    from jaxllm.model import init_model
+    from jaxllm.model.llama import init_model
 
     model = init_model(config, dtype=dtype, seed=11)
     (tmp_path / "tok").mkdir()
@@ -287,7 +288,7 @@ def test_missing_directory_and_orbax_errors(tmp_path):
         load_orbax(tmp_path)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    from jaxllm.model import init_model
+    from jaxllm.model.llama import init_model
 
     with pytest.raises(CheckpointError, match="refusing to write into .*other"):
         save_orbax(init_model(_config(num_layers=1)), tmp_path / "other")

@@ -1,18 +1,18 @@
-"""The Flax model against the independent float64 NumPy Llama-2 (tests/jaxllm/numpy_llama.py)."""
+"""The Flax model against the independent float64 NumPy Llama-2 (tests.jaxllm.model.numpy_llama.py)."""
 
 import numpy as np
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxllm.config import LlamaConfig, RopeScaling
-from jaxllm.kv_cache import AttentionBatch, init_kv_cache
-from jaxllm.model import init_model
-from tests.jaxllm.numpy_llama import numpy_llama_logits, random_hf_tensors
+from jaxllm.model.config import LlamaConfig, RopeScaling
+from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache
+from jaxllm.model.llama import init_model
+from tests.jaxllm.model.numpy_llama import numpy_llama_logits, random_hf_tensors
 
 
 def load_hf_tensors_into(model, tensors, config):
-    """Our parameter layout from HF tensors, written out here independently of jaxllm/weights.py."""
+    """Our parameter layout from HF tensors, written out here independently of jaxllm/model/weights.py."""
     D, H, hd = config.hidden_size, config.num_heads, config.head_dim
     put = lambda param, value: param.set_value(jnp.asarray(value, param[...].dtype)) if hasattr(param, "set_value") \
         else setattr(param, "value", jnp.asarray(value, param[...].dtype))

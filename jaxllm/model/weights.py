@@ -33,10 +33,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxllm.config import PRESETS, ConfigError, LlamaConfig, preset
-from jaxllm.model import Llama, abstract_model, init_model
+from jaxllm.model.config import PRESETS, ConfigError, LlamaConfig, preset
+from jaxllm.model.llama import Llama, abstract_model, init_model
 from jaxllm.progress import Progress
-from jaxllm.rope import inverse_frequencies
+from jaxllm.model.rope import inverse_frequencies
 
 MODEL_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}

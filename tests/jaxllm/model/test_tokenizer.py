@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import sentencepiece
 
-from jaxllm.tokenizer import (
+from jaxllm.model.tokenizer import (
     BYTE_VOCAB_SIZE,
     ByteTokenizer,
     SentencePieceTokenizer,

@@ -17,9 +17,9 @@ import time
 from typing import Iterator
 
 from jaxllm.llm import LLM, _TextTracker
-from jaxllm.runner import InFlight
-from jaxllm.sampling import SamplingParams
-from jaxllm.scheduler import Sequence, Status
+from jaxllm.engine.runner import InFlight
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.scheduler import Sequence, Status
 
 
 class QueueFull(RuntimeError):

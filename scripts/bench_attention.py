@@ -22,7 +22,7 @@ model step), so dispatch is amortised and every buffer exceeds L2; time per call
 once, in rotated order), not one after another: on an H200 the same kernel measured 3-5% faster when it
 ran first after a pause than after the others' runs, which favoured whichever went first; and each
 timed batch follows an untimed batch of the same implementation, so none is timed in the clock and power
-state another left behind (see Bench.measure_interleaved). Writes `<device>-<date>-<HHMM>-attention[-sections].json`
+state another left behind (see harness.Bench.measure_interleaved). Writes `<device>-<date>-<HHMM>-attention[-sections].json`
 and `.md` under --out
 (default benchmarks/results/).
 """
@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import math
 import os
 import platform
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +45,11 @@ import numpy as np
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.ragged_prefill import ragged_prefill
-from pallas_kernels.residuals import merge_partials
-from gpu_state import GpuSampler
-from results import result_stem
+import harness
+from attention_cases import (mha_part, peer_prefill, pool_from_dense, prefill_errors,
+                             prefill_problem, reference_rows, sdpa_part)
+from harness import gpu_state_table, ratio as _ratio, row_value as _get
 
-HBM_TBPS = 4.8  # H200 datasheet
 K, M = 1024, 1024 * 1024
 
 
@@ -97,155 +94,12 @@ SMOKE = Plan(
 )
 
 
-class Bench:
-    """Runs measurements, prints a progress line each, keeps the rows."""
+class AttentionBench(harness.Bench):
+    """harness.Bench with our decode kernel's schedule (None: its default) for the decode sections."""
 
-    def __init__(self, plan: Plan, interpret: bool, decode_sizes: DecodeBlockSizes | None = None):
-        self.plan, self.interpret = plan, interpret
-        self.decode_sizes = decode_sizes  # our decode kernel's schedule (None: its default)
-        self.t0 = time.time()
-        self.rows: dict[str, list[dict]] = {"decode": [], "ragged": [], "fragmented": [], "prefill": []}
-        self.seed = int(time.time())  # fresh inputs every run; recorded in the JSON
-        self.keys = iter(jax.random.split(jax.random.key(self.seed), 100_000))
-        # Clock and power during each implementation's timed batches (none on CPU machines).
-        self.gpu = None if interpret else GpuSampler.start()
-
-    def normal(self, shape, dtype=jnp.bfloat16):
-        return jax.random.normal(next(self.keys), shape, dtype)
-
-    def over_budget(self) -> bool:
-        return time.time() - self.t0 > self.plan.budget_s
-
-    def measure(self, section, case, impl, fn, shared, layers, *, kv_bytes=None, flops=None, ref=None,
-                err_of=None, note=None):
-        """Time fn(shared, layer) over the layers inside one jit; returns the first layer's output or None."""
-        return self.measure_interleaved(section, case, [dict(impl=impl, fn=fn, shared=shared, layers=layers,
-                                                             ref=ref, err_of=err_of, note=note)],
-                                        kv_bytes=kv_bytes, flops=flops)[0]
-
-    def measure_interleaved(self, section, case, entries, *, kv_bytes=None, flops=None):
-        """Time several implementations of one case in turns: rep r times every entry once, starting at
-        entry r mod n, so a drift of the card's speed over the run (seen: 3-5% between the first and
-        the last of back-to-back measurements) is shared by all of them instead of favouring whichever
-        runs first. With plan.settle each timed batch follows an untimed one of the same
-        implementation: without it, a kernel timed right after another inherits that one's clock and
-        power state (on the H200, causal prefill in plain turns timed the Mosaic kernel 6% faster and
-        the Triton one 7% slower than in sustained blocks, the heavy kernel borrowing the light one's
-        cool-down). entries: dicts of impl, fn, shared, layers, and optional ref (an output to compare
-        with, or the string "first": the first entry's output), err_of, note. Returns each entry's first
-        layer's output (None where it failed)."""
-        prepared, outs = [], []
-        for e in entries:
-            row = dict(case=case, impl=e["impl"])
-            if e.get("note"):
-                row["note"] = e["note"]
-            ref = outs[0] if isinstance(e.get("ref"), str) else e.get("ref")
-            out, timed = None, None
-            try:
-                step = jax.jit(lambda s, ls, fn=e["fn"]: [fn(s, layer) for layer in ls])
-                args = (e["shared"], e["layers"])
-                start = time.perf_counter()
-                outs_all = jax.block_until_ready(step(*args))
-                row["compile_s"] = round(time.perf_counter() - start, 2)
-                out = outs_all[0]
-                del outs_all
-                if not all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree.leaves(out)):
-                    row["nonfinite"] = True
-                if ref is not None:
-                    err_of = e.get("err_of")
-                    row["max_abs_err"] = float(err_of(out, ref) if err_of else
-                                               jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-                calls = size_calls(step, args, reps=self.plan.reps, target_s=self.plan.target_s, max_calls=100)
-                timed = (step, args, calls, len(e["layers"]))
-            except Exception as exc:  # one failing implementation must not hide the others
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-                traceback.print_exc()
-                out = None
-            prepared.append((row, timed, [], []))
-            outs.append(out)
-        live = [p for p in prepared if p[1] is not None]
-        for rep in range(self.plan.reps):
-            for i in range(len(live)):
-                _, (step, args, calls, per), times, windows = live[(rep + i) % len(live)]
-                try:
-                    if self.plan.settle and len(live) > 1:
-                        # Untimed first: the card's clocks and power settle to this kernel's own steady
-                        # state instead of carrying over the previous implementation's.
-                        time_batch(step, args, calls=calls, per=per)
-                    start = time.time()
-                    times.append(time_batch(step, args, calls=calls, per=per))
-                    windows.append((start, time.time()))
-                except Exception as exc:
-                    live[(rep + i) % len(live)][0]["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        for row, timed, times, windows in prepared:
-            if timed is not None and times and "error" not in row:
-                if self.gpu is not None:
-                    row["gpu"] = self.gpu.summary(windows)
-                t = float(np.median(times))
-                row.update(us=round(t * 1e6, 1), calls=timed[2] * len(times), buffers=timed[3],
-                           spread=round((max(times) - min(times)) / t, 3))
-                if len(entries) > 1:
-                    row["timing"] = "interleaved with " + ", ".join(e["impl"] for e in entries if e["impl"] != row["impl"])
-                if kv_bytes is not None:
-                    row.update(tbps=round(kv_bytes / t / 1e12, 3), frac_hbm=round(kv_bytes / t / 1e12 / HBM_TBPS, 3))
-                if flops is not None:
-                    row.update(tflops=round(flops / t / 1e12, 1), ms=round(t * 1e3, 3))
-            self.rows[section].append(row)
-            shown = {k: v for k, v in row.items() if k not in ("case", "impl")}
-            print(f"[{time.time() - self.t0:6.1f}s] {section} | {case} | {row['impl']} | {shown}", flush=True)
-        return outs
-
-    def skip(self, section, case, impl, why):
-        self.rows[section].append(dict(case=case, impl=impl, skipped=why))
-        print(f"[{time.time() - self.t0:6.1f}s] {section} | {case} | {impl} | skipped: {why}", flush=True)
-
-
-def time_batch(step, args: tuple, *, calls: int, per: int) -> float:
-    """Seconds per call / per of step(*args) (compiled and warm): `calls` calls dispatched back to back,
-    one wait at the end, so dispatch overlaps the device work. `per` divides out the layers inside one call."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        r = step(*args)
-    jax.block_until_ready(r)
-    return (time.perf_counter() - start) / calls / per
-
-
-def size_calls(step, args: tuple, *, reps: int, target_s: float, max_calls: int) -> int:
-    """Calls per rep so that `reps` reps take about target_s: one call, not counted, times step(*args)
-    (compiled already); clipped to [1, max_calls]."""
-    start = time.perf_counter()
-    jax.block_until_ready(step(*args))
-    once = time.perf_counter() - start
-    return int(np.clip(target_s / reps / max(once, 1e-6), 1, max_calls))
-
-
-def time_calls(step, args: tuple, *, reps: int, target_s: float, max_calls: int, per: int) -> tuple[list[float], int]:
-    """Times step(*args), compiled already: (seconds per call / per, one value per rep; calls per rep),
-    the calls sized by size_calls, each rep one time_batch."""
-    calls = size_calls(step, args, reps=reps, target_s=target_s, max_calls=max_calls)
-    return [time_batch(step, args, calls=calls, per=per) for _ in range(reps)], calls
-
-
-def consecutive_tables(blocks_per_seq, width: int) -> np.ndarray:
-    """Block tables [seqs, width] int32 giving each sequence the next blocks_per_seq[s] rBlock ids in
-    order, from 0 (the allocator's common case); entries past a sequence's blocks are 0."""
-    tables = np.zeros((len(blocks_per_seq), width), np.int32)
-    at = 0
-    for s, n in enumerate(blocks_per_seq):
-        tables[s, :n] = np.arange(at, at + n)
-        at += n
-    return tables
-
-
-def pool_from_dense(x, lens, block: int):
-    """Seq-major [B, S, H, D] -> head-major rBlock pool [N, H, block, D] holding each sequence's first
-    lens[b] tokens in consecutive rBlocks, and its tables [B, max blocks] (consecutive ids)."""
-    b, s, h, d = x.shape
-    nb = -(-np.asarray(lens) // block)
-    seq = np.repeat(np.arange(b), nb)
-    blk = np.concatenate([np.arange(n) for n in nb])
-    pool = x.reshape(b, s // block, block, h, d)[seq, blk].transpose(0, 2, 1, 3)
-    return pool, jnp.asarray(consecutive_tables(nb, s // block))
+    def __init__(self, plan: Plan, interpret: bool, hbm_tb_s: float | None, decode_sizes: DecodeBlockSizes | None = None):
+        super().__init__(plan, interpret, hbm_tb_s=hbm_tb_s)
+        self.decode_sizes = decode_sizes
 
 
 def _sdpa(impl, with_lengths):
@@ -256,7 +110,7 @@ def _sdpa(impl, with_lengths):
     return fn
 
 
-def _decode_peers(bench: Bench, section, case, with_lengths) -> list[dict]:
+def _decode_peers(bench: AttentionBench, section, case, with_lengths) -> list[dict]:
     """Entries for measure_interleaved: cuDNN (the reference on a GPU; a skip row elsewhere), XLA and
     Pallas gqa on seq-major KV, shared = (q, lens), layers = [(k, v)] seq-major. The first entry's
     output is the others' reference."""
@@ -277,7 +131,7 @@ def _decode_peers(bench: Bench, section, case, with_lengths) -> list[dict]:
     return entries
 
 
-def decode_section(bench: Bench):
+def decode_section(bench: AttentionBench):
     hq, hkv, d = bench.plan.decode_heads
     block = bench.plan.decode_block
     for batch, ctx in bench.plan.decode_cases:
@@ -303,7 +157,7 @@ def decode_section(bench: Bench):
         del dense, pools, entries
 
 
-def ragged_section(bench: Bench):
+def ragged_section(bench: AttentionBench):
     from jax.experimental.pallas.ops.gpu import decode_attention as da
 
     plan = bench.plan
@@ -345,7 +199,7 @@ def ragged_section(bench: Bench):
     del entries, hm, k, v, kp, vp
 
 
-def fragmented_section(bench: Bench):
+def fragmented_section(bench: AttentionBench):
     plan = bench.plan
     hq, hkv, d = plan.decode_heads
     batch, ctx = plan.frag_batch, plan.frag_context
@@ -371,105 +225,7 @@ def fragmented_section(bench: Bench):
         del entries
 
 
-def _prefill_problem(bench: Bench, groups, heads, block):
-    """Dense per-group inputs for the peers and the same values as a packed batch over an rBlock pool."""
-    hq, hkv, d = heads
-    dense, q_parts, k_blocks, v_blocks, rows = [], [], [], [], []
-    kv_lens, q_lens, nblocks = [], [], []
-    for count, q_len, prefix in groups:
-        length = prefix + q_len
-        q = bench.normal((count, q_len, hq, d))
-        k, v = bench.normal((count, length, hkv, d)), bench.normal((count, length, hkv, d))
-        dense.append((q, k[:, :prefix] if prefix else None, v[:, :prefix] if prefix else None,
-                      k[:, prefix:], v[:, prefix:]))
-        padded = -(-length // block) * block
-        for x, out in ((k, k_blocks), (v, v_blocks)):
-            x = jnp.pad(x, ((0, 0), (0, padded - length), (0, 0), (0, 0)))
-            out.append(x.reshape(count * padded // block, block, hkv, d).transpose(0, 2, 1, 3))
-        q_parts.append(q.reshape(count * q_len, hq, d))
-        kv_lens += [length] * count
-        q_lens += [q_len] * count
-        nblocks += [padded // block] * count
-        rows.append((q[0, -bench.plan.ref_rows:], k[0], v[0], prefix + q_len - min(bench.plan.ref_rows, q_len)))
-    tables = consecutive_tables(nblocks, max(nblocks))
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    packed = (jnp.concatenate(q_parts), jnp.concatenate(k_blocks), jnp.concatenate(v_blocks), jnp.asarray(tables),
-              jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu))
-    flops = sum(4.0 * hq * d * count * (q_len * prefix + q_len * (q_len + 1) / 2) for count, q_len, prefix in groups)
-    return dense, packed, rows, flops
-
-
-def _reference_rows(q, k, v, first_pos):
-    """float32 causal attention of one sequence's last query rows q [R, H, D] over its keys k, v [L, Hkv, D]."""
-    r, hq, d = q.shape
-    g = hq // k.shape[1]
-    hi = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("rkgd,lkd->kgrl", q.astype(jnp.float32).reshape(r, -1, g, d), k.astype(jnp.float32),
-                   precision=hi) / math.sqrt(d)
-    visible = jnp.arange(k.shape[0])[None, :] <= (first_pos + jnp.arange(r))[:, None]  # [R, L]
-    p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
-    return jnp.einsum("kgrl,lkd->rkgd", p, v.astype(jnp.float32), precision=hi).reshape(r, hq, d)
-
-
-def _prefill_errors(groups, ref_rows: int):
-    """(packed_err, group_err): err_of functions giving the max |out - ref| over each group's first
-    sequence's last min(ref_rows, tokens) rows, refs being _reference_rows' results per group.
-
-    packed_err reads a packed output [tokens, heads, head_dim] (groups in order); group_err reads one
-    dense output [seqs, tokens, heads, head_dim] per group.
-    """
-    nrows = [min(ref_rows, q) for _, q, _ in groups]
-    starts = np.cumsum([0] + [c * q for c, q, _ in groups])
-
-    def packed_err(out, refs):
-        return max(float(jnp.max(jnp.abs(out[s + q - r: s + q].astype(jnp.float32) - ref)))
-                   for s, (_, q, _), ref, r in zip(starts, groups, refs, nrows))
-
-    def group_err(outs, refs):
-        return max(float(jnp.max(jnp.abs(o[0, -r:].astype(jnp.float32) - ref)))
-                   for o, ref, r in zip(outs, refs, nrows))
-
-    return packed_err, group_err
-
-
-def _peer_prefill(part):
-    """fn(shared=groups, layer=()) running each group as a dense batch; part(q, k, v, causal) -> (out, lse)."""
-    def fn(groups, _):
-        outs = []
-        for q, k_pre, v_pre, k_new, v_new in groups:
-            if k_pre is None:
-                outs.append(part(q, k_new, v_new, True, residual=False))
-                continue
-            o1, l1 = part(q, k_pre, v_pre, False, residual=True)  # every new token sees the whole prefix
-            o2, l2 = part(q, k_new, v_new, True, residual=True)  # top-left causal = causal among new tokens
-            lse = jnp.stack([l1, l2]).astype(jnp.float32)
-            out, _, _ = merge_partials(jnp.stack([o1, o2]), lse, jnp.ones_like(lse))
-            outs.append(out.astype(q.dtype))
-        return outs
-    return fn
-
-
-def _sdpa_part(impl):
-    def part(q, k, v, causal, residual):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl,
-                                            return_residual=residual)  # lse [B, T, H], natural log
-    return part
-
-
-def _mha_part(interpret):
-    from jax.experimental.pallas.ops.gpu import attention as fa
-
-    def part(q, k, v, causal, residual):
-        res = fa.mha(q, k, v, None, sm_scale=1 / math.sqrt(q.shape[-1]), causal=causal, interpret=interpret,
-                     return_residuals=residual)
-        if not residual:
-            return res
-        out, lse2 = res  # lse in base 2, [B, H, T]
-        return out, jnp.swapaxes(lse2, 1, 2) * math.log(2)
-    return part
-
-
-def prefill_section(bench: Bench):
+def prefill_section(bench: AttentionBench):
     plan = bench.plan
     for name, groups in plan.prefill_cases:
         tokens = sum(c * q for c, q, _ in groups)
@@ -477,32 +233,26 @@ def prefill_section(bench: Bench):
         if bench.over_budget():
             bench.skip("prefill", case, "all", "time budget")
             continue
-        dense, packed, rows, flops = _prefill_problem(bench, groups, plan.prefill_heads, plan.prefill_block)
-        refs = [_reference_rows(*r) for r in rows]
+        dense, packed, rows, flops = prefill_problem(bench.normal, groups, plan.prefill_heads, plan.prefill_block,
+                                                     plan.ref_rows)
+        refs = [reference_rows(*r) for r in rows]
         bench.rows["prefill"].append(dict(case=case, query_tokens=tokens, causal_flops=flops, groups=groups))
-        packed_err, group_err = _prefill_errors(groups, plan.ref_rows)
+        packed_err, group_err = prefill_errors(groups, plan.ref_rows)
         peer_note = "dense causal batch per group; after a prefix: 2 calls merged by log-sum-exp"
         ours = lambda s, _: ragged_prefill(*s, interpret=bench.interpret)
         entries = [dict(impl="ours", fn=ours, shared=packed, layers=[()], ref=refs, err_of=packed_err,
                         note=f"one call over the packed batch, rBlock {plan.prefill_block}, consecutive tables"),
-                   dict(impl="pallas_mha", fn=_peer_prefill(_mha_part(bench.interpret)), shared=dense, layers=[()],
+                   dict(impl="pallas_mha", fn=peer_prefill(mha_part(bench.interpret)), shared=dense, layers=[()],
                         ref=refs, err_of=group_err, note=peer_note)]
         if compat.on_gpu():
-            entries.append(dict(impl="cudnn", fn=_peer_prefill(_sdpa_part("cudnn")), shared=dense, layers=[()],
+            entries.append(dict(impl="cudnn", fn=peer_prefill(sdpa_part("cudnn")), shared=dense, layers=[()],
                                 ref=refs, err_of=group_err, note=peer_note + " (cuDNN returns the lse in bf16)"))
         else:  # the same code path through XLA, so the merge is checked without a GPU
             bench.skip("prefill", case, "cudnn", "needs a GPU")
-            entries.append(dict(impl="xla", fn=_peer_prefill(_sdpa_part("xla")), shared=dense, layers=[()],
+            entries.append(dict(impl="xla", fn=peer_prefill(sdpa_part("xla")), shared=dense, layers=[()],
                                 ref=refs, err_of=group_err, note=peer_note + "; stands in for cuDNN on a CPU"))
         bench.measure_interleaved("prefill", case, entries, flops=flops)
         del dense, packed, entries
-
-
-def _get(rows, case, impl, key):
-    for r in rows:
-        if r["case"] == case and r.get("impl") == impl and key in r:
-            return r[key]
-    return None
 
 
 def _cell(rows, case, impl, main, extra, fmt):
@@ -510,31 +260,18 @@ def _cell(rows, case, impl, main, extra, fmt):
     return "-" if value is None else fmt.format(value, other)
 
 
-def _ratio(a, b):
-    return "-" if a is None or b is None else f"{a / b:.2f}"
-
-
-def gpu_state_table(rows) -> str:
-    """Markdown: each timed implementation's median SM clock and power during its timed batches, and the
-    share of samples at the software power cap (gpu_state.py); empty when nothing was sampled."""
-    sampled = [r for r in rows if r.get("gpu")]
-    if not sampled:
-        return ""
-    lines = ["| case | implementation | us | SM MHz | W | power-capped |", "| --- | --- | --- | --- | --- | --- |"]
-    for r in sampled:
-        g = r["gpu"]
-        lines.append(f"| {r['case']} | {r['impl']} | {r['us']:,.1f} | {g['sm_mhz']} | {g['power_w']:.0f} | "
-                     f"{g['power_capped']:.0%} |")
-    return "\n".join(lines) + "\n"
-
-
 def summarize(result: dict) -> tuple[str, dict]:
     """Markdown tables for BENCHMARKS.md and the issue-3 target verdicts."""
     rows, lines, targets = result["sections"], [], {}
     f_us = "{:,.0f} ({:.2f})"
+    hbm = result.get("hbm_floor_tb_s")  # None on a card without a known datasheet bandwidth
+
+    def of_hbm(tb):
+        return "-" if tb is None or hbm is None else f"{tb / hbm:.0%}"
+
     lines += [f"Device {result['device']}, jax {result['jax']}, {result['date']}; `{result['command']}`.", "",
               "Decode, 32 x 128 heads (MHA), bf16: us per call (TB/s of K+V read); x cuDNN = cuDNN time / ours.", "",
-              "| case | ours | cuDNN | XLA | Pallas gqa | ours x cuDNN | ours / 4.8 TB/s |",
+              f"| case | ours | cuDNN | XLA | Pallas gqa | ours x cuDNN | ours / {hbm or '?'} TB/s |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     dec = rows["decode"]
     for case in dict.fromkeys(r["case"] for r in dec):
@@ -542,7 +279,7 @@ def summarize(result: dict) -> tuple[str, dict]:
         tb = _get(dec, case, "ours", "tbps")
         lines.append(f"| {case} | " + " | ".join(_cell(dec, case, i, "us", "tbps", f_us)
                                                 for i in ("ours", "cudnn", "xla", "pallas_gqa"))
-                     + f" | {_ratio(cud, ours)} | {'-' if tb is None else f'{tb / HBM_TBPS:.0%}'} |")
+                     + f" | {_ratio(cud, ours)} | {of_hbm(tb)} |")
         targets[f"decode {case}: >= 4.0 TB/s and >= 1.0x cuDNN"] = (
             None if tb is None or cud is None else bool(tb >= 4.0 and cud / ours >= 1.0))
     rag = rows["ragged"]
@@ -550,12 +287,12 @@ def summarize(result: dict) -> tuple[str, dict]:
         info = rag[0]
         lines += ["", f"Ragged decode batch: {info['case']}, {info.get('real_kv_gb', 0):.2f} GB of real KV "
                   f"({info.get('padded_kv_gb', 0):.2f} GB padded for the dense kernels); TB/s of real KV.", "",
-                  "| kernel | us | TB/s (real KV) | ours x it | / 4.8 TB/s |", "| --- | --- | --- | --- | --- |"]
+                  f"| kernel | us | TB/s (real KV) | ours x it | / {hbm or '?'} TB/s |", "| --- | --- | --- | --- | --- |"]
         ours = _get(rag, info["case"], "ours", "us")
         for impl in ("ours", "cudnn", "xla", "pallas_headmajor", "pallas_gqa"):
             us, tb = _get(rag, info["case"], impl, "us"), _get(rag, info["case"], impl, "tbps")
             if us is not None:
-                lines.append(f"| {impl} | {us:,.0f} | {tb:.2f} | {_ratio(us, ours)} | {tb / HBM_TBPS:.0%} |")
+                lines.append(f"| {impl} | {us:,.0f} | {tb:.2f} | {_ratio(us, ours)} | {of_hbm(tb)} |")
         tb = _get(rag, info["case"], "ours", "tbps")
         targets["ragged 16: >= 3.5 TB/s of real KV"] = None if tb is None else bool(tb >= 3.5)
     frag = rows["fragmented"]
@@ -595,8 +332,7 @@ SECTIONS = {"decode": decode_section, "ragged": ragged_section, "prefill": prefi
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                      "benchmarks", "results"))
+    parser.add_argument("--out", default=harness.RESULTS_DIR)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU the kernels run interpreted")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS),
                         help="run only these parts (the file name then says which)")
@@ -612,19 +348,21 @@ def main(argv=None) -> int:
     compat.silence_triton_deprecation()
     plan = SMOKE if args.smoke else Plan()
     interpret = not compat.on_gpu()
-    device = jax.devices()[0].device_kind
+    device = harness.device_kind()
+    hbm = harness.hbm_floor_tb_s(device)
     print(f"jax {jax.__version__}, {jax.devices()}, interpret={interpret}, smoke={args.smoke}", flush=True)
-    date = datetime.date.today().isoformat()
-    stem = result_stem(device, "attention" + ("-smoke" if args.smoke else ""), date)
+    date = harness.today()
+    stem = harness.result_stem(device, "attention" + ("-smoke" if args.smoke else ""), date)
     if set(args.sections) != set(SECTIONS):
         stem += "-" + "-".join(args.sections)
     os.makedirs(args.out, exist_ok=True)
-    bench = Bench(plan, interpret, decode_sizes)
+    bench = AttentionBench(plan, interpret, hbm, decode_sizes)
     result = dict(script="scripts/bench_attention.py", argv=sys.argv[1:], device=device, date=date,
                   jax=jax.__version__, python=platform.python_version(), smoke=args.smoke, seed=bench.seed,
                   command="XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/bench_attention.py"
                           + (" --smoke" if args.smoke else ""),
-                  plan=dataclasses.asdict(plan), hbm_tbps_datasheet=HBM_TBPS, sections=bench.rows, definitions=dict(
+                  plan=dataclasses.asdict(plan), hbm_tbps_datasheet=hbm, hbm_floor_tb_s=hbm,
+                  sections=bench.rows, definitions=dict(
                       us="median over reps of elapsed / calls / KV buffers, inside one jit per step",
                       tbps="bytes of K and V the call needs (real lengths only) / time",
                       x_cudnn="cuDNN time / this time (> 1: faster than cuDNN)",
@@ -639,15 +377,13 @@ def main(argv=None) -> int:
     for name in args.sections:
         SECTIONS[name](bench)
         result["elapsed_s"] = round(time.time() - bench.t0, 1)
-        with open(path + ".json", "w") as f:  # after each section, so a killed run still leaves its numbers
-            json.dump(result, f, indent=1, default=str)
+        harness.write_json(path + ".json", result)  # after each section, so a killed run still leaves its numbers
     table, targets = summarize(result)
     gpu = gpu_state_table([r for section in bench.rows.values() for r in section])
     if gpu:
         table += "\nClock and power during each implementation's timed batches (nvidia-smi):\n\n" + gpu
     result["targets"] = targets
-    with open(path + ".json", "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    harness.write_json(path + ".json", result)
     with open(path + ".md", "w") as f:
         f.write(table)
     print("\n" + table, flush=True)

@@ -19,7 +19,6 @@ Prints a table, writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -28,9 +27,7 @@ import time
 
 import numpy as np
 
-from results import result_stem
-
-HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the floor column uses it
+import harness
 
 
 def _log(msg: str) -> None:
@@ -152,7 +149,9 @@ def _drive(llm, seqs) -> dict:
     return times
 
 
-def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float, weight_bytes: int) -> dict:
+def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float, weight_bytes: int,
+                   hbm_tb_s: float | None = None) -> dict:
+    """Batch-1 decode ms/token at context; the floor (weights + KV read at hbm_tb_s) is None without it."""
     from jaxllm.engine.sampling import SamplingParams
 
     prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
@@ -161,8 +160,8 @@ def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float
     times = _drive(llm, [seq])
     decode = np.asarray(times["decode"][2:])  # the first decode steps may compile
     ms = float(np.median(decode) * 1e3)
-    floor = (weight_bytes + context * kv_bytes_per_token) / HBM_BYTES_PER_S * 1e3
-    return dict(context=context, ms_per_token=ms, floor_ms=floor, ratio_to_floor=ms / floor,
+    floor = None if hbm_tb_s is None else (weight_bytes + context * kv_bytes_per_token) / (hbm_tb_s * 1e12) * 1e3
+    return dict(context=context, ms_per_token=ms, floor_ms=floor, ratio_to_floor=None if floor is None else ms / floor,
                 prefill_s=float(sum(times["prefill"])), wall_s=time.perf_counter() - t0, decode_steps=int(decode.size))
 
 
@@ -280,7 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync", action="store_true", help="wait for every step's tokens before the next dispatch "
                                                         "(no pipelining), for comparison")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
 
     if args.hf_child:
@@ -289,8 +288,8 @@ def main(argv=None) -> int:
             child["mixed"] = hf_mixed(args.mixed, args.mixed_new_tokens, args.mixed_max_prompt, args.hf_batch_tokens)
         print(json.dumps(child))
         return 0
-    result = {"script": "scripts/bench_generate.py", "argv": sys.argv[1:], "date": datetime.date.today().isoformat(),
-              "hbm_bytes_per_s_for_floor": HBM_BYTES_PER_S, "pipeline": not args.sync}
+    result = {"script": "scripts/bench_generate.py", "argv": sys.argv[1:], "date": harness.today(),
+              "pipeline": not args.sync}
     if args.hf or (args.hf_mixed and args.mixed):
         _log(f"[hf] transformers at {args.hf}{' and on the mixed workload' if args.hf_mixed else ''} in a child process")
         command = [sys.executable, __file__, "--hf-child", "--hf", *map(str, args.hf)]
@@ -313,13 +312,13 @@ def main(argv=None) -> int:
 
     from jaxllm.engine.kv_cache import kv_bytes_per_block
 
-    result["device"] = jax.devices()[0].device_kind
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, result_stem(result["device"], "generate.json", result["date"]))
+    result["device"] = harness.device_kind()
+    hbm = result["hbm_floor_tb_s"] = harness.hbm_floor_tb_s(result["device"])
+    result["hbm_bytes_per_s_for_floor"] = None if hbm is None else hbm * 1e12
+    path = os.path.join(args.out, harness.result_stem(result["device"], "generate.json", result["date"]))
 
     def save():  # after every section, so a run stopped at its time limit keeps what it measured
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        harness.write_json(path, result)
 
     result["jax"] = jax.__version__
     shared_len = args.shared_prefix_tokens + args.shared_suffix_tokens + 1 if args.shared_prefix else 0
@@ -335,7 +334,7 @@ def main(argv=None) -> int:
         _log(f"[jaxllm] pool {result['pool_tokens']} tokens; weights {weight_bytes / 1e9:.2f} GB")
         result["decode"] = []
         for context in args.contexts:
-            row = decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes)
+            row = decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes, hbm)
             result["decode"].append(row)
             _log(f"[jaxllm] {json.dumps(row)}")
             save()
@@ -361,7 +360,7 @@ def main(argv=None) -> int:
         weight_bytes = _weight_bytes(llm)
         _log(f"[jaxllm] longest with {kv_dtype} KV: pool {pool} tokens, prompt {context}")
         try:
-            row = {"kv_dtype": kv_dtype, **decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes)}
+            row = {"kv_dtype": kv_dtype, **decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes, hbm)}
         except Exception as e:  # record, keep the rest of the run
             row = {"kv_dtype": kv_dtype, "context": context, "error": f"{type(e).__name__}: {e}"[:1000]}
         result["longest"].append(row)
@@ -375,7 +374,8 @@ def main(argv=None) -> int:
     for r in result.get("decode", []):
         h = hf.get(r["context"], {}).get("ms_per_token")
         h = "" if h is None else round(h, 1)
-        print(f"{r['context']:>8} {r['ms_per_token']:>9.2f} {r['floor_ms']:>7.2f} {r['ratio_to_floor']:>8.2f} "
+        floor, ratio = ("-", "-") if r["floor_ms"] is None else (f"{r['floor_ms']:.2f}", f"{r['ratio_to_floor']:.2f}")
+        print(f"{r['context']:>8} {r['ms_per_token']:>9.2f} {floor:>7} {ratio:>8} "
               f"{h:>12} {'' if h == '' else round(h / r['ms_per_token'], 1):>7}")
     for r in result["longest"]:
         print(f"longest {r['kv_dtype']}: {r.get('context')} tokens, {r.get('ms_per_token', r.get('error'))}")

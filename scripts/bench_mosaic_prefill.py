@@ -12,7 +12,7 @@ per-sequence calls inside the same jit: causal over a fresh sequence; after a pr
 over the prefix plus causal over the new tokens, merged by log-sum-exp. JAX's `attention_mgpu`
 (block_q 64, block_kv 128, 2 steps) applies to the single sequences only (no lengths, no prefix).
 TFLOP/s count the real causal work, 4 * heads * head_dim * visible (query, key) pairs, for all.
-Timing is scripts/bench_attention.py's (median of reps inside one jit), all implementations of a case
+Timing is scripts/harness.py's (median of reps inside one jit), all implementations of a case
 timed in turns. Writes
 `<device>-<date>-<HHMM>-mosaic-prefill.json` under --out (default benchmarks/results/) and prints a table.
 """
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import platform
 import sys
@@ -32,14 +30,27 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_attention as ba  # noqa: E402  (the timing, problem and error helpers)
-from results import result_stem  # noqa: E402
+import harness  # noqa: E402
+from attention_cases import peer_prefill, prefill_errors, prefill_problem, reference_rows, sdpa_part  # noqa: E402
 
 from pallas_kernels import compat  # noqa: E402
 from pallas_kernels.ragged_prefill import ragged_prefill  # noqa: E402
 from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig, ragged_prefill_mgpu  # noqa: E402
 
 K = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Timing of one run (harness.Bench reads reps, target_s, budget_s, settle)."""
+
+    ref_rows: int = 64  # query rows per sequence checked against a float32 reference
+    reps: int = 5
+    target_s: float = 0.4
+    budget_s: float = 240.0
+    settle: bool = True
+
+
 IMPLS = ("mosaic", "cudnn", "triton", "attention_mgpu")
 
 
@@ -63,12 +74,12 @@ def run_case(bench, case, groups, heads, block, config, extra_configs=()):
 
     extra_configs: more Mosaic schedules to time on the same inputs (rows `mosaic <block_kv>x<steps>`,
     kept out of the table), so a sweep and the peers share one run."""
-    dense, packed, rows, flops = ba._prefill_problem(bench, groups, heads, block)
+    dense, packed, rows, flops = prefill_problem(bench.normal, groups, heads, block, bench.plan.ref_rows)
     bench.rows["prefill"].append(dict(case=case, query_tokens=sum(c * q for c, q, _ in groups), causal_flops=flops,
                                       groups=[list(g) for g in groups]))
     # The float32 reference on each sequence's last rows, an independent check of every impl.
-    refs = [ba._reference_rows(*r) for r in rows]
-    packed_err, group_err = ba._prefill_errors(groups, bench.plan.ref_rows)
+    refs = [reference_rows(*r) for r in rows]
+    packed_err, group_err = prefill_errors(groups, bench.plan.ref_rows)
     # Every implementation of the case is timed in turns (one measure_interleaved, each rep runs all of
     # them once), so a drift of the card's speed over the run favours none of them.
     entries = [dict(impl="mosaic", fn=lambda s, _: ragged_prefill_mgpu(*s, config=config), shared=packed, layers=[()],
@@ -76,7 +87,7 @@ def run_case(bench, case, groups, heads, block, config, extra_configs=()):
     entries += [dict(impl=_config_label(extra), fn=lambda s, _, c=extra: ragged_prefill_mgpu(*s, config=c),
                      shared=packed, layers=[()], ref=refs, err_of=packed_err, note=f"schedule sweep: {extra}")
                 for extra in extra_configs]
-    entries.append(dict(impl="cudnn", fn=ba._peer_prefill(ba._sdpa_part("cudnn")), shared=dense, layers=[()], ref=refs,
+    entries.append(dict(impl="cudnn", fn=peer_prefill(sdpa_part("cudnn")), shared=dense, layers=[()], ref=refs,
                         err_of=group_err, note="dense batch per group of equal lengths; after a prefix 2 calls merged by lse"))
     entries.append(dict(impl="triton", fn=lambda s, _: ragged_prefill(*s), shared=packed, layers=[()], ref=refs,
                         err_of=packed_err, note=f"one call over the packed batch, rBlock {block}"))
@@ -120,18 +131,17 @@ def table(rows) -> str:
     for case in dict.fromkeys(r["case"] for r in rows):
         cells, ms = [], {}
         for impl in IMPLS:
-            tf, t = ba._get(rows, case, impl, "tflops"), ba._get(rows, case, impl, "ms")
+            tf, t = harness.row_value(rows, case, impl, "tflops"), harness.row_value(rows, case, impl, "ms")
             ms[impl] = t
             cells.append("-" if tf is None else f"{tf:.0f} ({t:.2f})")
-        ratios = [ba._ratio(ms[i], ms["mosaic"]) for i in ("cudnn", "triton", "attention_mgpu")]
+        ratios = [harness.ratio(ms[i], ms["mosaic"]) for i in ("cudnn", "triton", "attention_mgpu")]
         lines.append(f"| {case} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                      "benchmarks", "results"))
+    parser.add_argument("--out", default=harness.RESULTS_DIR)
     parser.add_argument("--singles", type=int, nargs="*", default=[4 * K, 16 * K, 64 * K, 128 * K])
     parser.add_argument("--no-ragged", action="store_true")
     parser.add_argument("--budget-s", type=float, default=240.0)
@@ -140,11 +150,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     extra_configs = [_parse_config(c) for c in args.extra_configs]
     compat.silence_triton_deprecation()
-    plan = ba.Plan(ref_rows=64, reps=5, target_s=0.4, budget_s=args.budget_s)
-    bench = ba.Bench(plan, interpret=False)
+    plan = Plan(budget_s=args.budget_s)
+    device = harness.device_kind()
+    bench = harness.Bench(plan, interpret=False, sections=("prefill",), hbm_tb_s=harness.hbm_floor_tb_s(device))
     heads, block, config = (32, 32, 128), 256, MosaicPrefillConfig()
-    device = jax.devices()[0].device_kind
-    date = datetime.date.today().isoformat()
+    date = harness.today()
     print(f"jax {jax.__version__}, {device}, seed {bench.seed}", flush=True)
     cases = [(f"single {n // K}K" if n % K == 0 else f"single {n}", ((1, n, 0),)) for n in args.singles]
     if not args.no_ragged:  # before the longest singles, so a tight time budget still reaches it
@@ -153,25 +163,26 @@ def main(argv=None) -> int:
         cases.insert(at, (f"ragged {sum(c for c, _, _ in groups)} seqs, {sum(c * q for c, q, _ in groups)} query "
                           f"tokens, {sum(c for c, _, p in groups if p)} after a prefix", groups))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, result_stem(device, "mosaic-prefill.json", date))
+    path = os.path.join(args.out, harness.result_stem(device, "mosaic-prefill.json", date))
     rows = bench.rows["prefill"]
     for case, groups in cases:
         if bench.over_budget():
             bench.skip("prefill", case, "all", "time budget")
         else:
             run_case(bench, case, groups, heads, block, config, extra_configs)
-        with open(path, "w") as f:  # after each case, so a killed run still leaves its numbers
-            json.dump(dict(script="scripts/bench_mosaic_prefill.py", argv=sys.argv[1:], device=device, date=date,
-                           jax=jax.__version__, python=platform.python_version(), seed=bench.seed, heads=heads,
+        # After each case, so a killed run still leaves its numbers.
+        harness.write_json(path, dict(
+                           script="scripts/bench_mosaic_prefill.py", argv=sys.argv[1:], device=device, date=date,
+                           hbm_floor_tb_s=bench.hbm_tb_s, jax=jax.__version__, python=platform.python_version(), seed=bench.seed, heads=heads,
                            rblock=block, config=dataclasses.asdict(config), plan=dataclasses.asdict(plan), rows=rows,
-                           table=table(rows), gpu_state=ba.gpu_state_table(rows),
+                           table=table(rows), gpu_state=harness.gpu_state_table(rows),
                            elapsed_s=round(time.time() - bench.t0, 1), definitions=dict(
                                tflops="4 * heads * head_dim * visible causal (query, key) pairs / time, same for all",
-                               us="median over reps of elapsed / calls inside one jit (scripts/bench_attention.py)",
+                               us="median over reps of elapsed / calls inside one jit (scripts/harness.py)",
                                max_abs_err="vs a float32 reference on each sequence's last 64 query rows",
-                               x_cudnn="cuDNN time / Mosaic time (> 1: ours faster)")), f, indent=1, default=str)
+                               x_cudnn="cuDNN time / Mosaic time (> 1: ours faster)")))
     print("\n" + table(rows), flush=True)
-    print(ba.gpu_state_table(rows), flush=True)
+    print(harness.gpu_state_table(rows), flush=True)
     print(f"wrote {path}", flush=True)
     return 0
 

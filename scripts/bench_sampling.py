@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 
 from device_trace import gpu_kernel_events
 from jaxllm.engine.sampling import greedy_tokens, sample_tokens
-from results import result_stem
+import harness
 
 
 def _impls(rows: int):
@@ -73,7 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     args = parser.parse_args(argv)
-    device = jax.devices()[0].device_kind
+    device = harness.device_kind()
     date = datetime.date.today().isoformat()
     rows_out = []
     for rows in args.rows:
@@ -86,10 +85,8 @@ def main(argv=None) -> int:
                 rows_out.append(row)
     result = dict(script="scripts/bench_sampling.py", argv=sys.argv[1:] if argv is None else argv, device=device,
                   date=date, jax=jax.__version__, vocab=args.vocab, rows=rows_out)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, result_stem(device, "sampling", date) + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = os.path.join(args.out, harness.result_stem(device, "sampling", date) + ".json")
+    harness.write_json(path, result)
     print("wrote", path)
     return 0
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
-import json
 import math
 import os
 import platform
@@ -36,11 +34,9 @@ import numpy as np
 
 from pallas_kernels import compat
 from pallas_kernels.skinny_matmul import SkinnyBlockSizes, default_block_sizes, skinny_matmul, skinny_matmul_reference
-from bench_attention import time_calls
+import harness
 from device_trace import kernel_times
-from results import result_stem
-
-HBM_TBPS = 4.8  # H200 datasheet
+from harness import time_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +118,11 @@ class Bench:
             del outs
             times, calls = time_calls(step, (xs, ws), reps=self.plan.reps, target_s=self.plan.target_s,
                                       max_calls=200, per=len(xs))
-            t = float(np.median(times))
+            spread = harness.spread(times)
+            t = spread["median"]
             row.update(us=round(t * 1e6, 2), tbps=round(k * n * 2 / t / 1e12, 3), layers=len(xs),
-                       calls=calls * self.plan.reps, spread=round((max(times) - min(times)) / t, 3))
+                       calls=calls * self.plan.reps, spread=round((spread["max"] - spread["min"]) / t, 3),
+                       iqr=round(spread["iqr"] / t, 3))
             if trace and self.plan.trace_reps and not self.interpret:
                 kernels = kernel_times(lambda: step(xs, ws), self.plan.trace_reps)
                 if kernels:
@@ -209,8 +207,7 @@ def summarize(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                      "benchmarks", "results"))
+    parser.add_argument("--out", default=harness.RESULTS_DIR)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU the kernel runs interpreted")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--budget-s", type=float, default=None, help="skip sweep items past this many seconds")
@@ -220,17 +217,19 @@ def main(argv=None) -> int:
     if args.budget_s is not None:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     interpret = not compat.on_gpu()
-    device = jax.devices()[0].device_kind
+    device = harness.device_kind()
+    hbm = harness.hbm_floor_tb_s(device)
     print(f"jax {jax.__version__}, {jax.devices()}, interpret={interpret}, smoke={args.smoke}", flush=True)
-    date = datetime.date.today().isoformat()
-    stem = result_stem(device, "skinny-matmul" + ("-smoke" if args.smoke else ""), date)
+    date = harness.today()
+    stem = harness.result_stem(device, "skinny-matmul" + ("-smoke" if args.smoke else ""), date)
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(plan, interpret)
     result = dict(script="scripts/bench_skinny_matmul.py", argv=sys.argv[1:], device=device, date=date,
                   jax=jax.__version__, python=platform.python_version(), smoke=args.smoke, seed=bench.seed,
                   command="XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/bench_skinny_matmul.py"
                           + (" --smoke" if args.smoke else ""),
-                  plan=dataclasses.asdict(plan), hbm_tbps_datasheet=HBM_TBPS, sections=bench.rows, definitions=dict(
+                  plan=dataclasses.asdict(plan), hbm_tbps_datasheet=hbm, hbm_floor_tb_s=hbm, sections=bench.rows,
+                  definitions=dict(
                       us="median over reps of elapsed / calls / layers, layers chained inside one jit",
                       tbps="K * N * 2 bytes of bf16 weights / us",
                       xla="jnp.dot(x, w), bf16 in and out, default XLA flags",
@@ -242,12 +241,10 @@ def main(argv=None) -> int:
     for name in args.sections:
         SECTIONS[name](bench)
         result["elapsed_s"] = round(time.time() - bench.t0, 1)
-        with open(path, "w") as f:  # after each section, so a killed run still leaves its numbers
-            json.dump(result, f, indent=1, default=str)
+        harness.write_json(path, result)  # after each section, so a killed run still leaves its numbers
     table = summarize(result)
     result["table_md"] = table
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    harness.write_json(path, result)
     print("\n" + table, flush=True)
     print(f"wrote {path} ({result['elapsed_s']} s)", flush=True)
     return 0

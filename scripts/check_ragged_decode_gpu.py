@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -39,8 +38,8 @@ import numpy as np
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, default_block_sizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.kv_write import quantize_int8
-from bench_attention import consecutive_tables, time_calls
-from results import result_stem
+import harness
+from attention_cases import consecutive_tables
 
 NUM_LAYERS = 4
 
@@ -86,10 +85,8 @@ def correctness(rng) -> list[dict]:
 
 
 def _time(fn, *args) -> float:
-    """Seconds per call of fn(*args): the median of bench_attention's reps (calls back to back)."""
-    jax.block_until_ready(fn(*args))  # compile
-    times, _ = time_calls(fn, args, reps=5, target_s=0.25, max_calls=100, per=1)
-    return float(np.median(times))
+    """Seconds per call of fn(*args): compiled, then the median of 5 reps of calls back to back."""
+    return harness.median_time(fn, *args, reps=5, target_s=0.25)
 
 
 def timing(rng, batch, hq, hkv, lens, block_size, configs, with_cudnn=True, overhead=False) -> list[dict]:
@@ -240,8 +237,7 @@ def _ragged_16_lens(rng) -> np.ndarray:
 
 
 def _write(result: dict, out: str, kind: str) -> None:
-    with open(os.path.join(out, result_stem(result["device_kind"], kind) + ".json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    harness.write_json(os.path.join(out, harness.result_stem(result["device_kind"], kind) + ".json"), result)
 
 
 def main():
@@ -264,8 +260,10 @@ def main():
     compat.silence_triton_deprecation()
     print(jax.__version__, jax.devices(), flush=True)
     rng = np.random.default_rng(0)
-    result = {"device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "script": "scripts/check_ragged_decode_gpu.py", "argv": sys.argv[1:]}
+    kind = harness.device_kind()
+    result = {"device": str(jax.devices()[0]), "device_kind": kind, "jax": jax.__version__,
+              "script": "scripts/check_ragged_decode_gpu.py", "argv": sys.argv[1:], "date": harness.today(),
+              "hbm_floor_tb_s": harness.hbm_floor_tb_s(kind)}
     if args.int8_sweep:
         r = dataclasses.replace
         base = default_block_sizes(jnp.int8)  # int8 -> float16 by the integer trick, 128-token tiles, 4 stages
@@ -333,9 +331,8 @@ def main():
         lens = _ragged_16_lens(rng)
         result["ragged_16"] = timing(rng, len(lens), 64, 8, lens, 1024, configs[:4], with_cudnn=False)
     print(f"timing {time.time() - t0:.0f}s", flush=True)
-    path = os.path.join(args.out, result_stem(result["device_kind"], "ragged-decode-check") + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    path = os.path.join(args.out, harness.result_stem(result["device_kind"], "ragged-decode-check") + ".json")
+    harness.write_json(path, result)
     print("wrote", path)
     ok = isinstance(result["correctness"], list) and all(r["ok"] for r in result["correctness"])
     sys.exit(0 if ok else 1)

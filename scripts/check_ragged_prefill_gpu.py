@@ -15,7 +15,9 @@ Usage (GPU machine, repo root):
    ragged batch of 8 sequences with cached prefixes (TFLOP/s of the real causal work), with the
    output and residual error against ragged_prefill_reference on the first sequence's first tokens.
 TFLOP/s counts causal FLOPs: 4 * H * D * sum over query tokens of (position + 1). Prints a table
-(ratios to mha's defaults and to cuDNN at the same token count), writes ragged_prefill_gpu.json.
+(ratios to mha's defaults and to cuDNN at the same token count), writes
+`<device>-<date>-<HHMM>-ragged-prefill-check.json` under --out (default benchmarks/results/): the
+run's device, date and HBM floor beside `rows`, one dict per entry.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_prefill as rp
+import harness
 
 SWEEP = [(128, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 4, 3)]  # (block_q, block_k, warps, stages)
 MHA_CONFIG = (128, 64, 4, 2)
@@ -43,19 +46,10 @@ H, D = 32, 128
 
 
 def _time(fn, *args, min_s=0.15) -> float:
-    """Best of 3 repetitions of enough calls to take min_s, per call in seconds."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    iters = max(2, min(50, int(min_s / max(time.perf_counter() - t0, 1e-6))))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
+    """Best of 3 repetitions of enough calls to take min_s each (harness.time_calls), per call in seconds."""
+    jax.block_until_ready(fn(*args))  # compile
+    times, _ = harness.time_calls(fn, args, reps=3, target_s=3 * min_s, max_calls=50, per=1)
+    return min(times)
 
 
 def _problem(rng, q_lens, cached, num_kv_heads, block_size, shuffle=False, dtype=jnp.bfloat16):
@@ -133,7 +127,7 @@ def _run_once(fa, tokens):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    parser.add_argument("--out", default=os.environ.get("OUT", harness.RESULTS_DIR))
     parser.add_argument("--tokens", default="4096,16384")
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip remaining entries after this")
     parser.add_argument("--baseline", default=None, help="an older ragged_prefill.py to time beside this one")
@@ -235,8 +229,11 @@ def main():
                 q, jnp.repeat(k, H // 8, axis=2), jnp.repeat(v, H // 8, axis=2), None, sm_scale=D ** -0.5,
                 causal=True)), (qq, kk, vv), flops)
         del inputs
-    with open(os.path.join(args.out, "ragged_prefill_gpu.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    device = harness.device_kind()
+    path = os.path.join(args.out, harness.result_stem(device, "ragged-prefill-check") + ".json")
+    harness.write_json(path, dict(script="scripts/check_ragged_prefill_gpu.py", argv=sys.argv[1:], device=device,
+                                  date=harness.today(), hbm_floor_tb_s=harness.hbm_floor_tb_s(device), rows=rows))
+    print("wrote", path, flush=True)
     _print_table(rows)
     return rows
 

@@ -26,7 +26,7 @@ import numpy as np
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig, mgpu_supported, ragged_prefill_mgpu
 from pallas_kernels.testing import poisoned_ragged_batch
-from results import result_stem
+import harness
 
 # |out - ref| per dtype (approximate exp2 on the GPU, p rounded to the input dtype for P @ V).
 _OUT_TOL = {"bfloat16": 4e-2, "float16": 8e-3}
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     seed = int(time.time()) if args.seed is None else args.seed
     rng = np.random.default_rng(seed)
-    device = jax.devices()[0].device_kind
+    device = harness.device_kind()
     print(f"jax {jax.__version__}, {device}, seed {seed}", flush=True)
     probe = jnp.zeros((1, 1, 128), jnp.bfloat16)
     if not mgpu_supported(probe, jnp.zeros((1, 1, 128, 128), jnp.bfloat16)):
@@ -129,10 +129,9 @@ def main(argv=None) -> int:
         rows.append(dict(case="block_kv 64", ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}"))
     passed = sum(r["ok"] for r in rows)
     print(f"{passed}/{len(rows)} passed", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, result_stem(device, "check-mosaic-prefill.json")), "w") as f:
-        json.dump(dict(script="scripts/check_ragged_prefill_mgpu_gpu.py", device=device, jax=jax.__version__,
-                       seed=seed, rows=rows), f, indent=1)
+    harness.write_json(os.path.join(args.out, harness.result_stem(device, "check-mosaic-prefill.json")),
+                       dict(script="scripts/check_ragged_prefill_mgpu_gpu.py", device=device, jax=jax.__version__,
+                            seed=seed, rows=rows))
     return 0 if passed == len(rows) else 1
 
 

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from results import result_stem
+import harness
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -199,10 +199,8 @@ def main(argv=None) -> int:
         for k in trace["top"]:
             print(f"  {k['us_per_step']:>9.1f} us  {k.get('calls_per_step', 0):>5.0f} x  "
                   f"gaps before {k.get('gap_before_us_per_step', 0):>7.1f} us  {k['name']}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, result_stem(device, "decode-step-profile.json", result["date"]))
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = os.path.join(args.out, harness.result_stem(device, "decode-step-profile.json", result["date"]))
+    harness.write_json(path, result)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from results import result_stem
+import harness
 
 
 def run_one(llm, context: int, new_tokens: int):
@@ -108,10 +108,8 @@ def main(argv=None) -> int:
         p90 = r["decode_ms_per_token_p90"]
         print(f"{r['backend']:10} {r['context']:>8} {med if med is None else round(med, 2):>9} "
               f"{p90 if p90 is None else round(p90, 2):>7} {r['prefill_s_incl_compile']:>10.2f} {r['compiles']:>8}")
-    os.makedirs(args.out, exist_ok=True)
-    name = result_stem(result["device"], "smoke-generate.json", result["date"])
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(result, f, indent=1)
+    name = harness.result_stem(result["device"], "smoke-generate.json", result["date"])
+    harness.write_json(os.path.join(args.out, name), result)
     print(f"wrote {os.path.join(args.out, name)}", file=sys.stderr)
     return 0
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from results import result_stem
+from harness import device_kind, result_stem
 
 # Runs inside a tree (its own pallas_kernels): prints one JSON line with the median microseconds a call.
 _ATTENTION_CHILD = r"""
@@ -90,9 +90,7 @@ def main(argv=None) -> int:
     trees = [t.split("=", 1) for t in args.tree]
     if len(trees) != 2 or any(len(t) != 2 for t in trees):
         p.error(f"--tree must be given twice as NAME=DIR, got {args.tree}")
-    import jax  # only for the device's name; children own the GPU while they run
-
-    device = jax.devices()[0].device_kind
+    device = device_kind()
     runs = []
     for rep in range(args.repeats):
         order = trees if rep % 2 == 0 else trees[::-1]

@@ -51,9 +51,9 @@ class Rule:
     required: bool = True
 
     def __post_init__(self):
-        re.compile(self.pattern)
-        if self.required and not self.axes:
-            raise ValueError(f"rule {self.pattern!r}: a required split needs at least one axis")
+        re.compile(self.pattern)  # a malformed pattern fails at import, not at the first lookup
+        if any(not isinstance(a, int) for a in self.axes):
+            raise ValueError(f"rule {self.pattern!r}: axes must be integers, got {self.axes!r}")
 
 
 RULES: tuple[Rule, ...] = (

@@ -77,7 +77,7 @@ def launch(command: list[str], *, num_processes: int, cpu_devices: int | None = 
     deadline = None if timeout is None else time.monotonic() + timeout
     status = 0
     try:
-        while any(p.poll() is None for p in procs):
+        while any([p.poll() is None for p in procs]):  # a list: poll every process, not up to the first running
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed or (deadline is not None and time.monotonic() > deadline):
                 status = failed[0] if failed else 124

@@ -1,0 +1,86 @@
+"""Single-device kernels run per tensor shard, inside `shard_map`, within a step jitted over the mesh.
+
+XLA partitions the jnp parts of a step from its arrays' shardings (rules.py), but a Pallas kernel is
+a custom call it cannot look inside: given sharded operands it would gather them whole onto every device.
+Wrapped here, each device runs the kernel on its own KV heads and their query heads, which need nothing
+from other devices (a KV-head group is never split: rules.py), so the wrappers add no collective.
+
+`jax.shard_map(..., check_vma=False)` is the same in jax 0.10.2 and 0.11.2 (check_vma off: a Pallas
+call declares no varying-axes information for the checker to follow).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from sharding.mesh import TENSOR, tensor_size
+
+# [tokens, heads, ...] and [blocks, kv_heads, ...]: split on axis 1. Tables and lengths: whole everywhere.
+_HEADS = P(None, TENSOR)
+_WHOLE = P()
+
+
+def per_tensor_shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """`fn` (a single-device function of local shards) as a function of the global arrays on `mesh`."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def tensor_parallel_attention(attention: Callable, mesh: Mesh) -> Callable:
+    """Wrap a single-device ragged attention with `dispatch.ragged_attention`'s signature to run per shard.
+
+    Each device attends with its Hq / N query heads to its Hkv / N KV heads: q [T, Hq, hd] and the
+    pool k, v [blocks, Hkv, block, hd] (int8 scales [blocks, Hkv, block]) split on heads, the rBlock
+    tables and lengths whole. The query heads of KV head h are h*G .. h*G + G - 1, so a contiguous cut of
+    both head axes keeps each group together. N must divide Hkv (replicate KV heads first: rules.py).
+    Returns [T, Hq, hd] split on heads, as a row-parallel o projection wants it.
+    """
+    n = tensor_size(mesh)
+
+    def wrapped(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *, decode: bool, k_scale=None, v_scale=None,
+                num_q_heads: int | None = None, **kwargs):
+        if num_q_heads is not None and q.shape[1] != num_q_heads:
+            # A fused q|k|v input (the model's rope_write_kv output) keeps its query heads first; cut
+            # them out so the head axis splits into whole groups.
+            q = q[:, :num_q_heads]
+        hq, hkv = q.shape[1], k_pool.shape[1]
+        if hkv % n or hq % n:
+            raise ValueError(f"tensor parallel attention over {n} devices needs {hq} query and {hkv} KV heads "
+                             f"divisible by {n}; replicate KV heads first (sharding.rules.prepare_tensor_parallel)")
+
+        def local(q, k_pool, v_pool, k_scale, v_scale, block_tables, kv_lens, cu_q_lens):
+            return attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, decode=decode, k_scale=k_scale,
+                             v_scale=v_scale, num_q_heads=q.shape[1], **kwargs)
+
+        specs = (_HEADS, _HEADS, _HEADS, _HEADS, _HEADS, _WHOLE, _WHOLE, _WHOLE)
+        return per_tensor_shard(local, mesh, specs, _HEADS)(q, k_pool, v_pool, k_scale, v_scale, block_tables,
+                                                             kv_lens, cu_q_lens)
+
+    return wrapped
+
+
+def tensor_parallel_rope_write_kv(rope_write_kv: Callable, mesh: Mesh) -> Callable:
+    """Wrap a single-device RoPE + KV write over the per-KV-head q/k/v layout to run per shard.
+
+    qkv [T, Hkv, G + 2, hd] (or [S, T, Hkv, G + 2, hd] split-K partials: pass `partials=True`), the
+    pools and scales split on KV heads, cos/sin and slot_mapping whole. `rope_write_kv(k_pool, v_pool,
+    qkv, cos, sin, slot_mapping, k_scale, v_scale, **kwargs)` returns (q, k_pool, v_pool, k_scale, v_scale)
+    with q [T, Hkv, ...] per KV head; all outputs stay split on their KV-head axis.
+    """
+
+    def wrapped(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, partials: bool = False,
+                **kwargs):
+        qkv_spec = P(None, None, TENSOR) if partials else _HEADS
+
+        def local(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale):
+            return rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale, **kwargs)
+
+        in_specs = (_HEADS, _HEADS, qkv_spec, _WHOLE, _WHOLE, _WHOLE, _HEADS, _HEADS)
+        out_specs = (_HEADS, _HEADS, _HEADS, _HEADS, _HEADS)
+        return per_tensor_shard(local, mesh, in_specs, out_specs)(k_pool, v_pool, qkv, cos, sin, slot_mapping,
+                                                                  k_scale, v_scale)
+
+    return wrapped

@@ -228,7 +228,11 @@ class LLM:
         sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                         max_tokens_name="max_new_tokens")
-        request_id = self.core.add(self._requests([prompt], sampling)[0])
+        # Checked now, so a bad argument raises here rather than at the first next(); queued when iterated.
+        return self._stream(self._requests([prompt], sampling)[0])
+
+    def _stream(self, request: Request) -> Iterator[str]:
+        request_id = self.core.add(request)
         finished = False
         try:
             # Between yields at most one step is in flight: the stream runs at most one step ahead of

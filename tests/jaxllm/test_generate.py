@@ -211,3 +211,27 @@ def test_shared_prompt_prefix_is_reused_and_changes_no_token():
     again = cached.generate([second], max_new_tokens=12)[0]
     assert again.token_ids == out.token_ids
     assert cached.allocator.num_free == cached.allocator.num_blocks  # cached rBlocks count as free
+
+
+def test_generate_cli_checks_flags_before_echoing_the_prompt(capsys):
+    from jaxllm.generate import main
+
+    assert main(["--max-new-tokens", "0", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "max_new_tokens must be >= 1" in captured.err
+
+
+def test_cli_names_itself_as_started(monkeypatch):
+    from jaxllm import cli
+
+    monkeypatch.setattr("sys.argv", ["/usr/bin/jaxllm"])
+    assert cli.build_parser().prog == "jaxllm"
+    monkeypatch.setattr("sys.argv", ["/x/jaxllm/cli.py"])
+    assert cli.build_parser().prog == "python -m jaxllm.cli"
+
+
+def test_serve_help_shows_one_default_per_flag():
+    from jaxllm.serve import build_parser
+
+    for line in build_parser().format_help().splitlines():
+        assert line.count("default") <= 1 and "None" not in line, line

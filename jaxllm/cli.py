@@ -1,4 +1,4 @@
-"""`python -m jaxllm.cli <command> ...`: command-line tools over the library.
+"""`jaxllm <command> ...` (or `python -m jaxllm.cli`): command-line tools over the library.
 
 Each subcommand is a pair: `_add_<name>(subparsers)` declares its arguments and sets `run`
 to a function of the parsed args that returns an exit code. Adding a command is one more
@@ -38,8 +38,14 @@ def _add_convert(subparsers) -> None:
 _COMMANDS: tuple[Callable, ...] = (_add_convert,)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxllm.cli", description=__doc__.splitlines()[0])
+def _prog() -> str:
+    """How the user started us: the installed `jaxllm` script, or `python -m jaxllm.cli`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m jaxllm.cli" if name in ("", "cli.py", "__main__.py", "-c") else name
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or _prog(), description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _COMMANDS:
         add(subparsers)

@@ -16,19 +16,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
     p.add_argument("--model", default="tiny", help="preset name, HuggingFace directory or Orbax directory (default: tiny)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables it (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
     p.add_argument("--no-stream", action="store_true", help="print each completion when done instead of streaming")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from jaxllm import LLM  # after argument parsing, so --help is instant
 
     try:
@@ -37,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                         top_p=args.top_p, seed=args.seed, stop=args.stop)
         start = time.perf_counter()
         if len(args.prompt) == 1 and not args.no_stream:
+            pieces = llm.stream(args.prompt[0], **sampling)  # checks the arguments before the prompt is echoed
             sys.stdout.write(args.prompt[0])
-            for piece in llm.stream(args.prompt[0], **sampling):
+            for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles]",
               file=sys.stderr)
     except (ValueError, FileNotFoundError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

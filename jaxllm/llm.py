@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator, Sequence as Seq
+from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,11 @@ import numpy as np
 
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.engine.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
-from jaxllm.engine.runner import InFlight, Runner
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Scheduler, Sequence, Status, StepPlan
-from jaxllm.model.tokenizer import StreamDecoder, load_tokenizer
+from jaxllm.engine.core import EngineCore, EngineInfo, Request, RequestOutput
+from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
+from jaxllm.engine.runner import Runner
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.model.tokenizer import load_tokenizer
 from jaxllm.model.weights import load_model
 from pallas_kernels.dispatch import BACKENDS
 
@@ -60,41 +61,6 @@ class EngineOptions:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of {BACKENDS}")
 
 
-class _TextTracker:
-    """Incremental text of one sequence, and stop-string matching on it."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.decoder = StreamDecoder(tokenizer)
-        self.stop = stop
-        self.longest_stop = max((len(s) for s in stop), default=0)
-        self.text = ""
-        self.emitted = 0  # characters already handed to a streaming caller
-        self.stopped = False
-
-    def push(self, token_id: int) -> None:
-        before = len(self.text)
-        self.text += self.decoder.push(token_id)
-        if self.stop:
-            window_start = max(0, before - self.longest_stop + 1)
-            hits = [i for i in (self.text.find(s, window_start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.stopped = True
-
-    def finish(self) -> None:
-        if not self.stopped:
-            self.text += self.decoder.flush()
-
-    def take(self, final: bool) -> str:
-        """Text not yet emitted; holds back a tail that might still grow into a stop string."""
-        end = len(self.text)
-        if not final and self.stop:
-            end = max(self.emitted, end - (self.longest_stop - 1))
-        piece = self.text[self.emitted:end]
-        self.emitted = end
-        return piece
-
-
 class LLM:
     """A Llama-2 family model ready to generate.
 
@@ -129,8 +95,12 @@ class LLM:
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
                                    max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
-        self._inflight: InFlight | None = None  # dispatched, its tokens not yet recorded
-        self._trackers: dict[int, _TextTracker] = {}  # seq_id -> text of every live generate/stream sequence
+        self.model_name = model
+        self.pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
+        self.limits = RequestLimits(context_limit=min(self.max_context, num_blocks * block_size),
+                                    vocab_size=self.config.vocab_size)
+        self.core = EngineCore(self.scheduler, self.runner, self.tokenizer, self.limits,
+                               pipeline=self.options.pipeline)
 
     def _default_num_blocks(self, block_size: int, pool_dtype: str, on_gpu: bool) -> int:
         per_block = kv_bytes_per_block(self.config, block_size, pool_dtype)
@@ -146,7 +116,8 @@ class LLM:
             raise MemoryError(f"no room for a KV pool: one rBlock needs {per_block} bytes, {budget} are free")
         return num_blocks
 
-    # ----- limits -----
+
+    # ----- what it is -----
 
     def warm_up(self, progress: bool = True) -> None:
         """Compile every step shape up front (servers do this before reporting ready)."""
@@ -164,174 +135,123 @@ class LLM:
 
     @property
     def context_limit(self) -> int:
-        """The most tokens (prompt + generated) one sequence can reach: max_context, or the pool if smaller."""
-        return min(self.max_context, self.pool_tokens)
+        """The most tokens (prompt + generated) one sequence can reach: max_context, or the pool if smaller.
+        A prompt may have at most context_limit - 1 tokens (one new token must fit)."""
+        return self.limits.context_limit
 
-    def _encode(self, prompt, index: int) -> list[int]:
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt {index} must be a string, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError(f"prompt {index} is empty")
-        ids = self.tokenizer.encode(prompt)
-        self._check_length(len(ids), f"prompt {index}")
-        return ids
+    def info(self) -> EngineInfo:
+        """A frozen description of the loaded model and engine."""
+        cfg = self.config
+        return EngineInfo(
+            model=self.model_name, architecture=cfg.name, dtype=jnp.dtype(self.model.embedding[...].dtype).name,
+            kv_dtype=self.pool_dtype, context_limit=self.context_limit, vocab_size=cfg.vocab_size,
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, block_size=self.runner.block_size, num_blocks=self.allocator.num_blocks,
+            max_seqs=self.scheduler.max_seqs, max_tokens_per_step=self.scheduler.max_tokens_per_step)
 
-    def _check_length(self, num_tokens: int, what: str) -> None:
-        if num_tokens > self.max_context:
-            raise ValueError(f"{what} has {num_tokens} tokens, more than max_context {self.max_context}")
-        if num_tokens > self.pool_tokens:
-            raise ValueError(f"{what} has {num_tokens} tokens, more than the KV pool holds ({self.pool_tokens})")
+    # ----- generation -----
 
-    def _check_ids(self, ids: list[int], what: str) -> None:
-        """Token ids a caller passed: not empty, inside the vocabulary, within the context limits."""
-        if not ids:
-            raise ValueError(f"{what} is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        self._check_length(len(ids), what)
+    def _requests(self, prompts: Seq, sampling: dict) -> list[Request]:
+        """Check every prompt and its sampling settings before any is queued."""
+        requests = []
+        for i, prompt in enumerate(prompts):
+            ids = prompt_token_ids(prompt, self.tokenizer, self.limits, what=f"prompt {i}")
+            requests.append(Request(ids, sampling_params(self.limits, len(ids), **sampling)))
+        return requests
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> Sequence:
-        return self.scheduler.add(ids, params, max_len=self.context_limit)
+    def run(self, requests: Iterable[Request],
+            on_step: Callable[[list[RequestOutput]], None] | None = None) -> dict[int, list[RequestOutput]]:
+        """Run requests (already built) to their ends; returns every output by request id, in order.
 
-    # ----- the loop -----
-
-    # At most one step is in flight: dispatched, its tokens not yet recorded by `scheduler.update`.
-    # scheduler.plan() runs only when none is (it may preempt, and a preempted sequence must have no
-    # step outstanding); while one is, the only step queued behind it is its continuation
-    # (Scheduler.plan_continuation), which takes its input tokens from the device. A step dropped
-    # unrecorded (an exception, an abandoned stream) is harmless: the scheduler never moved past it.
-
-    def _advance(self, run_ahead: bool = True, idle_ok: bool = False) -> StepPlan | None:
-        """Record one step's tokens (dispatching it first if none is in flight); returns its plan.
-
-        With run_ahead (and options.pipeline), the step after it is dispatched before its tokens are read.
-        When no step is in flight and the scheduler plans none: None with idle_ok (the server's engine,
-        between requests), else RuntimeError. Only this LLM's own generate/stream sequences get their
-        stop strings checked here; the engine checks its requests'.
+        on_step(outputs) is called after each recorded step (benchmarks time the gaps). Returns with no
+        step in flight; on an error (or KeyboardInterrupt) every request is cancelled first.
         """
-        inflight, self._inflight = self._inflight, None
-        if inflight is None:
-            plan = self.scheduler.plan()
-            if plan is None:
-                if idle_ok:
-                    return None
-                raise RuntimeError("scheduler has waiting work but could plan no step (pool too small?)")
-            inflight = self.runner.dispatch(plan)
-        following = None
-        if run_ahead and self.options.pipeline:
-            continuation = self.scheduler.plan_continuation(inflight.plan)
-            if continuation is not None:
-                following = self.runner.dispatch(continuation, token_source=inflight)
-        advanced = self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_id)
-        self._inflight = following
-        for seq in advanced:
-            tracker = self._trackers.get(seq.seq_id)
-            if tracker is None:
-                continue
-            tracker.push(seq.output_ids[-1])
-            if tracker.stopped and seq.status is not Status.FINISHED:
-                # A continuation already queued for it is dropped by update (it skips finished sequences).
-                self.scheduler.finish(seq, "stop")
-        return inflight.plan
+        ids = [self.core.add(r) for r in requests]
+        outputs: dict[int, list[RequestOutput]] = {i: [] for i in ids}
+        pending = set(ids)
+        try:
+            while pending:
+                step_outputs = self.core.step()
+                self._record(step_outputs, outputs, pending)
+                if on_step is not None:
+                    on_step(step_outputs)
+            step_outputs = self.core.drain()
+            if on_step is not None and step_outputs is not None:
+                on_step(step_outputs)
+        except BaseException:
+            self.core.drop_in_flight()  # dropped unrecorded: harmless (EngineCore says why)
+            for i in pending:
+                self.core.cancel(i)
+            raise
+        return outputs
 
-    def _drain(self, on_step: Callable[[StepPlan], None] | None = None) -> None:
-        """Record the step in flight, if any, and queue nothing after it."""
-        if self._inflight is not None:
-            plan = self._advance(run_ahead=False)
-            if on_step is not None:
-                on_step(plan)
+    @staticmethod
+    def _record(step_outputs, outputs, pending) -> None:
+        for out in step_outputs:
+            if out.request_id in outputs:
+                outputs[out.request_id].append(out)
+                if out.finished:
+                    pending.discard(out.request_id)
 
-    def _run_until(self, done: Callable[[], bool], on_step: Callable[[StepPlan], None] | None = None) -> None:
-        """Run steps until done() holds, then drain: returns with no step in flight.
+    def generate(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]], *, max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
+                 ignore_eos: bool = False) -> list[Completion]:
+        """Complete each prompt (text, or a list of token ids); all prompts run together, continuously batched.
 
-        on_step(plan) is called after each step's tokens are recorded (benchmarks time the gaps).
-        """
-        while not done():
-            plan = self._advance()
-            if on_step is not None:
-                on_step(plan)
-        self._drain(on_step)
-
-    def generate(self, prompts: str | Seq[str], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
-                 stop_token_ids: Seq[int] | None = None, ignore_eos: bool = False) -> list[Completion]:
-        """Complete each prompt; all prompts run together, continuously batched.
-
+        A prompt may have at most context_limit - 1 tokens, and max_new_tokens may be at most the room
+        left (context_limit minus the prompt's tokens): more is a ValueError, never capped silently.
         ignore_eos: keep generating past the tokenizer's EOS (benchmarks); stop strings and
         stop_token_ids still stop.
         """
-        if isinstance(prompts, str):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty")
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
-        seqs = [self._submit(ids, params) for ids in encoded]
-        trackers = {s.seq_id: _TextTracker(self.tokenizer, params.stop) for s in seqs}
-        self._trackers.update(trackers)
-        try:
-            self._run_until(lambda: all(s.status is Status.FINISHED for s in seqs))
-        except BaseException:
-            self._inflight = None  # dropped unrecorded: harmless (see above)
-            for s in seqs:
-                self.scheduler.cancel(s)
-            raise
-        finally:
-            for s in seqs:
-                self._trackers.pop(s.seq_id, None)
-        out = []
-        for s in seqs:
-            tracker = trackers[s.seq_id]
-            tracker.finish()
-            out.append(Completion(tracker.text, list(s.output_ids), s.finish_reason))
-        return out
+        sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                        max_tokens_name="max_new_tokens")
+        outputs = self.run(self._requests(prompts, sampling))
+        completions = []
+        for outs in outputs.values():
+            completions.append(Completion("".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
+                                          outs[-1].finish_reason))
+        return completions
 
-    def stream(self, prompt: str, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+    def stream(self, prompt: str | Seq[int], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
                stop_token_ids: Seq[int] | None = None, ignore_eos: bool = False) -> Iterator[str]:
-        """Yield text pieces of one completion as its tokens are produced (arguments as generate's)."""
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed, stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
-        seq = self._submit(self._encode(prompt, 0), params)
-        tracker = _TextTracker(self.tokenizer, params.stop)
-        self._trackers[seq.seq_id] = tracker
+        """Yield text pieces of one completion as its tokens are produced (arguments as generate's).
+
+        Text that could still grow into a stop string is held back until it cannot.
+        """
+        sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                        max_tokens_name="max_new_tokens")
+        # Checked now, so a bad argument raises here rather than at the first next(); queued when iterated.
+        return self._stream(self._requests([prompt], sampling)[0])
+
+    def _stream(self, request: Request) -> Iterator[str]:
+        request_id = self.core.add(request)
+        finished = False
         try:
             # Between yields at most one step is in flight: the stream runs at most one step ahead of
             # its reader.
-            while seq.status is not Status.FINISHED:
-                self._advance()
-                piece = tracker.take(final=False)
-                if piece:
-                    yield piece
-            self._drain()
-            tracker.finish()
-            piece = tracker.take(final=True)
-            if piece:
-                yield piece
+            while not finished:
+                for out in self.core.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        if finished:
+                            self.core.drain()
+                        if out.text:
+                            yield out.text
         finally:
             # A caller that stops iterating early (or an error) frees the sequence's rBlocks; a step it
-            # left in flight is dropped unrecorded, which is harmless (see above).
-            self._inflight = None  # None already unless the loop was left early
-            self.scheduler.cancel(seq)
-            self._trackers.pop(seq.seq_id, None)
+            # left in flight is dropped unrecorded, which is harmless (EngineCore says why).
+            if not finished:
+                self.core.drop_in_flight()
+                self.core.cancel(request_id)
 
     def logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Teacher-forced logits [len(token_ids), vocab] (float32), prefilled in chunks."""
-        ids = [int(t) for t in token_ids]
-        self._check_ids(ids, "token_ids")
-        if self.scheduler.has_work() or self._inflight is not None:
-            raise RuntimeError("logits() cannot run while generation is in progress")
-        # One sequence, prefilled chunk by chunk; max_new_tokens=1 so the scheduler never samples past it.
-        # Every position's logits are wanted: nothing may come from the prefix cache.
-        seq = self.scheduler.add(ids, SamplingParams(max_new_tokens=1), max_len=len(ids) + 1, reuse_prefix=False)
-        chunks = []
-        try:
-            while seq.num_computed < len(ids):
-                plan = self.scheduler.plan()
-                chunks.append(self.runner.logits(plan))
-                seq.num_computed = int(plan.kv_lens[0])
-        finally:
-            self.scheduler.cancel(seq)
-        return np.concatenate(chunks, axis=0)
+        return self.core.logits(token_ids)

@@ -23,32 +23,42 @@ import time
 from jaxllm.engine.threaded import Engine
 from jaxllm.engine.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
+from jaxllm.model.config import PRESETS
 from jaxllm.model.weights import MODEL_DTYPES
 
+
+def check_model_name(model: str) -> None:
+    """A preset name or an existing directory; anything else is refused before the port is announced
+    (loading happens after, and reports a bad checkpoint directory in full)."""
+    if model not in PRESETS and not os.path.isdir(model):
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                         f"nor a checkpoint directory")
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Defaults are written into each help text (no ArgumentDefaultsHelpFormatter, which would add a
+    # second, raw "(default: None)" to flags whose default is computed).
+    p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="preset name (tiny, llama2-7b, ...; random weights) "
-                   "or a HuggingFace / Orbax checkpoint directory")
+                   "or a HuggingFace / Orbax checkpoint directory (default: tiny)")
     p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default=None, help="parameter dtype (default: the "
                    "checkpoint's; float32 for presets)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for every interface)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (printed)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for every interface; default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one (printed) (default: 50051)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics HTTP port (default: --port + 1, or a free one when --port is 0)")
     p.add_argument("--no-metrics", action="store_true", help="no metrics endpoint")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-running", type=int, default=256, help="sequences batched together")
-    p.add_argument("--max-tokens-per-step", type=int, default=None, help="token budget of one step")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED (default: 256)")
+    p.add_argument("--max-running", type=int, default=256, help="sequences batched together (default: 256)")
+    p.add_argument("--max-tokens-per-step", type=int, default=None, help="token budget of one step (default: 4096 on a GPU, 512 on the CPU)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock (default: 256 on a GPU, 16 on the CPU)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV rBlocks per layer (default: from memory)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None, help="KV pool dtype (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of reusing the KV of identical prompt prefixes")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
-    p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted")
-    p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none (default: 256)")
+    p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted, in bytes (default: 4 MiB)")
+    p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM (default: 10)")
     p.add_argument("--no-warm-up", action="store_true", help="skip compiling every step shape before SERVING "
                    "(shapes then compile on first use)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -64,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_metrics:
         metrics_port = args.metrics_port if args.metrics_port is not None else (args.port + 1 if args.port else 0)
     try:
+        check_model_name(args.model)
         config = ServerConfig(host=args.host, port=args.port, metrics_port=metrics_port,
                               max_running=args.max_running, max_queue=args.max_queue,
                               max_message_bytes=args.max_message_bytes, default_max_tokens=args.default_max_tokens,

@@ -21,7 +21,7 @@ import time
 import grpc
 import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 import jaxllm
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
@@ -33,6 +33,9 @@ from serve.validation import RequestLimits, to_engine_request
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LLMService"].full_name  # "jaxllm.v1.LLMService"
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED}
+# grpcio-reflection (to 1.85 at least) ships only v1alpha; v1 is the same protocol under another
+# package name (identical messages, field for field), and current grpcurl asks for v1 first.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 _SPARE_THREADS = 16  # health checks, ModelInfo, Tokenize, streams writing their last message
 
 
@@ -72,32 +75,33 @@ class _Metrics:
         r = registry
         self.requests = r.counter("jaxllm_requests_total", "Generate calls, by final gRPC status code", ["code"])
         r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted",
-                  fn=engine_value(lambda e: e.stats.prompt_tokens_total))
+                  fn=engine_value(lambda e: e.stats().prompt_tokens_total))
         r.counter("jaxllm_generation_tokens_total", "tokens generated",
-                  fn=engine_value(lambda e: e.stats.generated_tokens_total))
+                  fn=engine_value(lambda e: e.stats().generated_tokens_total))
         r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
-                  fn=engine_value(lambda e: e.stats.requests_cancelled))
+                  fn=engine_value(lambda e: e.stats().requests_cancelled))
         r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
-                  fn=engine_value(lambda e: e.stats.requests_rejected))
-        r.counter("jaxllm_engine_steps_total", "engine steps run", fn=engine_value(lambda e: e.stats.steps_total))
+                  fn=engine_value(lambda e: e.stats().requests_rejected))
+        r.counter("jaxllm_engine_steps_total", "engine steps run", fn=engine_value(lambda e: e.stats().steps_total))
         r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
-                  fn=engine_value(lambda e: e.llm.compile_count))
+                  fn=engine_value(lambda e: e.stats().compile_count))
         self.ttft = r.histogram("jaxllm_time_to_first_token_seconds", "request arrival to its first token")
-        self.tpot = r.histogram("jaxllm_time_per_output_token_seconds", "time between streamed tokens")
+        self.tpot = r.histogram("jaxllm_time_per_output_token_seconds",
+                                "a request's mean time per output token after the first")
         self.duration = r.histogram("jaxllm_request_duration_seconds", "Generate call, arrival to last message")
-        r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=engine_value(lambda e: e.queue_depth()))
+        r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=engine_value(lambda e: e.stats().queue_depth))
         r.gauge("jaxllm_running_requests", "requests in the running batch",
-                fn=engine_value(lambda e: e.num_running()))
+                fn=engine_value(lambda e: e.stats().running))
         self.streams = r.gauge("jaxllm_active_streams", "Generate calls in progress")
         r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use",
-                fn=engine_value(lambda e: e.pool_usage()))
+                fn=engine_value(lambda e: e.stats().pool_usage))
         r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool",
-                fn=engine_value(lambda e: e.llm.allocator.num_blocks))
+                fn=engine_value(lambda e: e.stats().pool_blocks))
         r.counter("jaxllm_prefix_cache_hit_tokens_total",
                   "tokens whose KV came from the prefix cache instead of a prefill",
-                  fn=engine_value(lambda e: e.llm.scheduler.cached_tokens))
+                  fn=engine_value(lambda e: e.stats().prefix_cache_hit_tokens))
         r.gauge("jaxllm_prefix_cache_blocks", "full KV rBlocks registered in the prefix cache (held or evictable)",
-                fn=engine_value(lambda e: e.llm.allocator.num_cached))
+                fn=engine_value(lambda e: e.stats().prefix_cache_blocks))
         r.gauge("jaxllm_ready", "1 once the model is loaded and warm",
                 fn=lambda: float(servicer.engine is not None))
 
@@ -108,12 +112,14 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         self.engine: Engine | None = None
         self.model_name = ""
         self.limits: RequestLimits | None = None
+        self.tokenizer = None
         self.metrics = _Metrics(registry, self)
 
     def attach(self, engine: Engine, model_name: str) -> None:
-        llm = engine.llm
-        self.limits = RequestLimits(context_limit=llm.context_limit,
-                                    vocab_size=llm.config.vocab_size,
+        info = engine.info()
+        self.tokenizer = engine.llm.tokenizer
+        self.limits = RequestLimits(context_limit=info.context_limit,
+                                    vocab_size=info.vocab_size,
                                     default_max_tokens=self.config.default_max_tokens,
                                     max_stop_strings=self.config.max_stop_strings,
                                     max_stop_length=self.config.max_stop_length)
@@ -131,7 +137,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         code = grpc.StatusCode.OK
         self.metrics.streams.inc()
         try:
-            yield from self._generate(request, context, start)
+            yield from self._generate(request, context)
         except Exception:
             code = context.code() or grpc.StatusCode.UNKNOWN  # abort() set it; anything else is a bug
             raise
@@ -144,10 +150,10 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             self.metrics.duration.observe(time.monotonic() - start)
             self.metrics.streams.inc(-1)
 
-    def _generate(self, request, context, start: float):
+    def _generate(self, request, context):
         engine = self._ready_engine(context)
         try:
-            ids, params = to_engine_request(request, engine.llm.tokenizer, self.limits)
+            ids, params = to_engine_request(request, self.tokenizer, self.limits)
             stream = engine.submit(ids, params)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -160,17 +166,14 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         if not context.add_callback(stream.cancel):
             stream.cancel()
             return
-        last = None
         for event in stream:
             if event.error is not None:
                 context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event.error}")
-            if event.token_ids:
-                now = time.monotonic()
-                if last is None:
-                    self.metrics.ttft.observe(now - start)
-                else:
-                    self.metrics.tpot.observe((now - last) / len(event.token_ids))
-                last = now
+            if event.timings is not None:  # the last event: the engine measured them (once)
+                if event.timings.ttft_s is not None:
+                    self.metrics.ttft.observe(event.timings.ttft_s)
+                if event.timings.tpot_s is not None:
+                    self.metrics.tpot.observe(event.timings.tpot_s)
             response = pb.GenerateResponse(
                 text=event.text, token_ids=event.token_ids,
                 usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens))
@@ -180,21 +183,27 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
 
     def Tokenize(self, request, context):  # noqa: N802
         engine = self._ready_engine(context)
-        return pb.TokenizeResponse(token_ids=engine.llm.tokenizer.encode(request.text))
+        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context):  # noqa: N802
         engine = self._ready_engine(context)
-        llm, cfg = engine.llm, engine.llm.config
-        kv = llm.runner.kv_cache
+        info = engine.info()
         return pb.ModelInfoResponse(
-            model=self.model_name, architecture=cfg.name, dtype=str(llm.model.embedding[...].dtype),
-            vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, max_context=self.limits.context_limit,
-            kv_block_size=llm.runner.block_size, kv_num_blocks=llm.allocator.num_blocks,
-            kv_dtype=str(kv.layers[0].k.dtype),
-            max_running=llm.scheduler.max_seqs, max_queue=engine.max_waiting,
+            model=self.model_name, architecture=info.architecture, dtype=info.dtype,
+            vocab_size=info.vocab_size, num_layers=info.num_layers, hidden_size=info.hidden_size,
+            num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, max_context=info.context_limit,
+            kv_block_size=info.block_size, kv_num_blocks=info.num_blocks, kv_dtype=info.kv_dtype,
+            max_running=info.max_seqs, max_queue=info.max_queue or 0,
             default_max_tokens=self.limits.default_max_tokens, max_stop_strings=self.limits.max_stop_strings,
             max_stop_length=self.limits.max_stop_length, backend=jax.default_backend(), version=jaxllm.__version__)
+
+
+def _serve_reflection_v1(servicer, server) -> None:
+    """Answer grpc.reflection.v1 with the v1alpha servicer: the wire format is the same."""
+    handlers = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, handlers),))
 
 
 class Server:
@@ -216,9 +225,10 @@ class Server:
                      ("grpc.so_reuseport", 0)])  # a second server on the same port must fail, not share it
         pb_grpc.add_LLMServiceServicer_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._grpc)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+                 REFLECTION_V1)
+        reflection.enable_server_reflection(names, self._grpc)
+        _serve_reflection_v1(reflection.ReflectionServicer(names), self._grpc)
         address = grpc_target(config.host, config.port)
         try:
             self.port = self._grpc.add_insecure_port(address)

@@ -33,11 +33,11 @@ class SamplingParams:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and self.temperature < float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise ValueError(f"top_k must be >= 0 (an integer; 0 disables it), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**31):
-            raise ValueError(f"seed must be an integer in [0, 2**31), got {self.seed!r}")
+            raise ValueError(f"seed must be in [0, 2**31) (an integer), got {self.seed!r}")
         stop = self.stop
         if stop is None:
             stop = ()
@@ -49,6 +49,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
         for s in stop:
             if not isinstance(s, str) or not s:
+                # "" and [""] alike: an empty stop string would end every request at once.
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         object.__setattr__(self, "stop", stop)
         ids = () if self.stop_token_ids is None else self.stop_token_ids

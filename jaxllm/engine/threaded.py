@@ -1,14 +1,13 @@
-"""A thread-safe front of an `LLM`: one background thread runs steps while callers submit and cancel.
+"""A thread-safe front of an `LLM`'s EngineCore: one background thread runs steps while callers submit and cancel.
 
-The server (and any multi-threaded caller) talks to this; `LLM.generate/stream` drive the same
-scheduler and runner synchronously. Requests are validated on submit, so a bad one is refused
+The servers (gRPC, HTTP, any multi-threaded caller) talk to this; `LLM.generate/stream` drive the
+same EngineCore synchronously. Requests are validated on submit, so a bad one is refused
 before it is queued; an accepted request always ends with exactly one final event (finished,
 cancelled, or failed with the engine's error), never silently.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import queue
@@ -16,10 +15,11 @@ import threading
 import time
 from typing import Iterator
 
-from jaxllm.llm import LLM, _TextTracker
-from jaxllm.engine.runner import InFlight
+from jaxllm.engine.core import EngineInfo, EngineStats, Request, RequestOutput
+from jaxllm.engine.output import RequestTimings
+from jaxllm.engine.requests import check_params, prompt_token_ids
 from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Sequence, Status
+from jaxllm.llm import LLM
 
 
 class QueueFull(RuntimeError):
@@ -40,21 +40,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-
-
-@dataclasses.dataclass
-class EngineStats:
-    requests_total: int = 0
-    requests_finished: int = 0
-    requests_cancelled: int = 0
-    requests_rejected: int = 0
-    prompt_tokens_total: int = 0
-    generated_tokens_total: int = 0
-    steps_total: int = 0
-    # Recent samples only (for percentiles and histograms), so a long-running server stays bounded.
-    time_to_first_token_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=10000))
-    time_per_output_token_s: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=10000))
+    timings: RequestTimings | None = None  # on the last event: the request's TTFT and TPOT
 
 
 class RequestStream:
@@ -66,6 +52,12 @@ class RequestStream:
         self.prompt_tokens = prompt_tokens
         self._events: queue.Queue[Event] = queue.Queue()
         self.finished = threading.Event()
+
+    def put(self, event: Event) -> None:
+        """Deliver an event (the engine's thread does); the last one marks the stream finished."""
+        self._events.put(event)
+        if event.finish_reason is not None:
+            self.finished.set()
 
     def __iter__(self) -> Iterator[Event]:
         try:
@@ -83,76 +75,85 @@ class RequestStream:
 
 
 @dataclasses.dataclass(eq=False)
-class _Request:
+class _Pending:
+    """A request accepted by submit, not yet handed to the core."""
+
     stream: RequestStream
-    prompt_ids: list[int]
-    params: SamplingParams
-    submitted_at: float
-    seq: Sequence | None = None
-    tracker: _TextTracker | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    sent_tokens: int = 0
+    request: Request
 
 
 class Engine:
+    """A thread-safe front of an `LLM`'s EngineCore (see the module docstring)."""
+
     def __init__(self, llm: LLM, *, max_waiting: int = 1024):
         self.llm = llm
         self.max_waiting = max_waiting
-        self.stats = EngineStats()
+        self._core = llm.core
         self._lock = threading.Condition()
-        self._incoming: list[_Request] = []
+        self._incoming: list[_Pending] = []
         self._cancels: set[int] = set()
-        self._requests: dict[int, _Request] = {}  # accepted, not yet final
+        self._streams: dict[int, RequestStream] = {}  # accepted, not yet final, by request id
         self._ids = itertools.count()
         self._accepting = True
         self._stop = False
-        self._by_seq: dict[int, _Request] = {}  # engine thread only: admitted requests by sequence id
+        self._requests_rejected = 0
+        self._core_ids: dict[int, int] = {}  # engine thread only: request id -> core request id
+        self._by_core_id: dict[int, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
     # ----- callers' side -----
 
     def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; raises ValueError for bad input, QueueFull, EngineStopped."""
-        if isinstance(prompt, str):
-            ids = self.llm._encode(prompt, 0)
-        else:
-            ids = list(prompt)
-            self.llm._check_ids(ids, "prompt")
+        """Queue a request; raises ValueError for bad input (jaxllm.engine.requests' rules), QueueFull,
+        EngineStopped."""
+        limits = self._core.limits
+        ids = prompt_token_ids(prompt, self.llm.tokenizer, limits)
+        check_params(params, len(ids), limits)
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
-            waiting = len(self._incoming) + len(self.llm.scheduler.waiting)
+            waiting = len(self._incoming) + self._core.stats().queue_depth
             if waiting >= self.max_waiting:
-                self.stats.requests_rejected += 1
+                self._requests_rejected += 1
                 raise QueueFull(f"{waiting} requests are already waiting (limit {self.max_waiting})")
             request_id = next(self._ids)
             stream = RequestStream(self, request_id, len(ids))
-            request = _Request(stream, ids, params, time.monotonic())
-            self._requests[request_id] = request
-            self._incoming.append(request)
-            self.stats.requests_total += 1
-            self.stats.prompt_tokens_total += len(ids)
+            self._streams[request_id] = stream
+            self._incoming.append(_Pending(stream, Request(ids, params, arrival=time.monotonic())))
             self._lock.notify_all()
         return stream
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
-            if request_id in self._requests:
+            if request_id in self._streams:
                 self._cancels.add(request_id)
                 self._lock.notify_all()
 
-    def queue_depth(self) -> int:
+    def info(self) -> EngineInfo:
+        """What is loaded (model, dtypes, limits, pool); frozen."""
+        return dataclasses.replace(self.llm.info(), max_queue=self.max_waiting)
+
+    def stats(self) -> EngineStats:
+        """Counters and current load, a snapshot; requests queued here and not yet in the core count as
+        waiting (and as accepted)."""
         with self._lock:
-            return len(self._incoming) + len(self.llm.scheduler.waiting)
+            incoming = [p.request for p in self._incoming]
+            rejected = self._requests_rejected
+        stats = self._core.stats()
+        return dataclasses.replace(
+            stats, requests_total=stats.requests_total + len(incoming), requests_rejected=rejected,
+            prompt_tokens_total=stats.prompt_tokens_total + sum(len(r.prompt_ids) for r in incoming),
+            queue_depth=stats.queue_depth + len(incoming))
+
+    def queue_depth(self) -> int:
+        return self.stats().queue_depth
 
     def num_running(self) -> int:
-        return len(self.llm.scheduler.running)
+        return self.stats().running
 
     def pool_usage(self) -> float:
-        allocator = self.llm.allocator
-        return 1.0 - allocator.num_free / allocator.num_blocks
+        return self.stats().pool_usage
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -164,112 +165,76 @@ class Engine:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._requests:
+                if not self._streams:
                     break
             time.sleep(0.01)
         with self._lock:
-            self._cancels.update(self._requests)
+            self._cancels.update(self._streams)
             self._stop = True
             self._lock.notify_all()
         self._thread.join(timeout=max(grace_s, 1.0) + 5.0)
 
+    def idle(self) -> bool:
+        """No request accepted and unfinished, and no step in flight."""
+        with self._lock:
+            return not (self._streams or self._incoming) and not self._core.has_work()
+
     # ----- the engine thread -----
 
     def _loop(self) -> None:
-        scheduler = self.llm.scheduler
+        core = self._core
         while True:
             with self._lock:
-                while not (self._stop or self._incoming or self._cancels or scheduler.has_work()
-                           or self.llm._inflight is not None):
+                while not (self._stop or self._incoming or self._cancels or core.has_work()):
                     self._lock.wait()
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, set()
                 stop = self._stop
-            for request in incoming:
-                request.seq = self.llm._submit(request.prompt_ids, request.params)
-                request.tracker = _TextTracker(self.llm.tokenizer, request.params.stop)
-                self._by_seq[request.seq.seq_id] = request
+            for pending in incoming:
+                try:
+                    core_id = core.add(pending.request)
+                except ValueError as e:  # submit checked it; only a limit changed meanwhile could land here
+                    self._deliver(pending.stream, Event("", [], "error", prompt_tokens=pending.stream.prompt_tokens,
+                                                        error=f"{type(e).__name__}: {e}"))
+                    continue
+                self._core_ids[pending.stream.request_id] = core_id
+                self._by_core_id[core_id] = pending.stream
             for request_id in cancels:
-                request = self._requests.get(request_id)
-                if request is not None and request.seq is not None:
-                    # A step in flight that holds it still runs; update drops its result.
-                    scheduler.cancel(request.seq)
-                    self._finish(request, "cancelled")
-            if stop and not scheduler.has_work():
-                self.llm._inflight = None  # only finished sequences' steps can be left: nothing to record
+                core_id = self._core_ids.get(request_id)
+                if core_id is not None:
+                    # A step in flight that holds it still runs; the core drops its result.
+                    self._emit(core.cancel(core_id))
+            if stop and not core.scheduler.has_work():
+                core.drop_in_flight()  # only finished sequences' steps can be left: nothing to record
                 return
-            if not (scheduler.has_work() or self.llm._inflight is not None):
+            if not core.has_work():
                 continue
             try:
-                self._step()
+                # Requests or cancels that arrived meanwhile are taken in before the next step instead:
+                # a continuation would delay admission by a step, or run a step for a sequence about to
+                # go. (An unlocked peek: a stale answer costs at most one step of latency.)
+                for output in core.step(run_ahead=not (self._incoming or self._cancels)):
+                    self._emit(output)
             except Exception as e:  # a failed step fails its requests, not the server
-                self.llm._inflight = None  # dropped unrecorded: harmless (LLM._advance says why)
-                for request in list(self._by_seq.values()):
-                    if request.seq is not None:
-                        scheduler.cancel(request.seq)
-                        self._finish(request, "error", error=f"{type(e).__name__}: {e}")
+                core.drop_in_flight()  # dropped unrecorded: harmless (EngineCore says why)
+                for core_id in list(self._by_core_id):
+                    self._emit(core.cancel(core_id), error=f"{type(e).__name__}: {e}")
 
-    @property
-    def _inflight(self) -> InFlight | None:
-        """The step dispatched and not yet recorded (the LLM's: one pipeline for both front ends)."""
-        return self.llm._inflight
-
-    def _step(self) -> None:
-        """Record one step's tokens with LLM._advance (the next decode step queued before they are read),
-        then stream them to their requests."""
-        llm = self.llm
-        # Requests or cancels that arrived meanwhile are taken in before the next step instead: a
-        # continuation would delay admission by a step, or run a step for a sequence about to go.
-        # (An unlocked peek: a stale answer costs at most one step of latency, never correctness.)
-        plan = llm._advance(run_ahead=not (self._incoming or self._cancels), idle_ok=True)
-        if plan is None:
+    def _emit(self, output: RequestOutput | None, error: str | None = None) -> None:
+        if output is None:
             return
-        self.stats.steps_total += 1
-        now = time.monotonic()
-        for seq in plan.seqs:
-            request = self._by_seq.get(seq.seq_id)
-            if request is None:
-                continue
-            new_ids = seq.output_ids[request.sent_tokens:]
-            for token in new_ids:
-                request.tracker.push(token)
-            if new_ids:
-                if request.first_token_at is None:
-                    request.first_token_at = now
-                    self.stats.time_to_first_token_s.append(now - request.submitted_at)
-                elif request.last_token_at is not None:
-                    self.stats.time_per_output_token_s.append((now - request.last_token_at) / len(new_ids))
-                request.last_token_at = now
-                self.stats.generated_tokens_total += len(new_ids)
-            if request.tracker.stopped and seq.status is not Status.FINISHED:
-                llm.scheduler.finish(seq, "stop")
-            if seq.status is Status.FINISHED:
-                request.tracker.finish()
-                self._emit(request, new_ids, final=True)
-                self._finish(request, seq.finish_reason, emitted=True)
-            elif new_ids:
-                self._emit(request, new_ids, final=False)
+        stream = self._by_core_id.get(output.request_id)
+        if stream is None:
+            return
+        reason = "error" if error is not None else output.finish_reason
+        self._deliver(stream, Event(output.text, list(output.token_ids), reason, prompt_tokens=output.prompt_tokens,
+                                    completion_tokens=output.completion_tokens, error=error, timings=output.timings))
+        if output.finished:
+            del self._by_core_id[output.request_id]
+            self._core_ids.pop(stream.request_id, None)
 
-    def _emit(self, request: _Request, new_ids: list[int], final: bool) -> None:
-        request.sent_tokens += len(new_ids)
-        text = request.tracker.take(final=final)
-        if text or new_ids or final:
-            request.stream._events.put(Event(
-                text, list(new_ids), request.seq.finish_reason if final else None,
-                prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.seq.output_ids)))
-
-    def _finish(self, request: _Request, reason: str, *, emitted: bool = False, error: str | None = None) -> None:
-        with self._lock:
-            if self._requests.pop(request.stream.request_id, None) is None:
-                return
-        if request.seq is not None:
-            self._by_seq.pop(request.seq.seq_id, None)
-        if reason == "cancelled":
-            self.stats.requests_cancelled += 1
-        else:
-            self.stats.requests_finished += 1
-        if not emitted:
-            completion = len(request.seq.output_ids) if request.seq else 0
-            request.stream._events.put(Event("", [], reason, prompt_tokens=len(request.prompt_ids),
-                                             completion_tokens=completion, error=error))
-        request.stream.finished.set()
+    def _deliver(self, stream: RequestStream, event: Event) -> None:
+        if event.finish_reason is not None:
+            with self._lock:
+                self._streams.pop(stream.request_id, None)
+        stream.put(event)

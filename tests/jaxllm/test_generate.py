@@ -39,8 +39,8 @@ def test_output_independent_of_batch_composition(llm):
 def test_greedy_step_variant_changes_no_token(llm):
     """Decode steps whose sequences are all greedy run the argmax-only step variant; beside a sampled
     sequence the step carries the sampler. A greedy request's tokens must be the same either way."""
+    from jaxllm.engine.core import Request
     from jaxllm.engine.sampling import SamplingParams
-    from jaxllm.engine.scheduler import Status
 
     calls = []
     step = llm.runner._step
@@ -49,14 +49,15 @@ def test_greedy_step_variant_changes_no_token(llm):
         alone = llm.generate([PROMPTS[1]], max_new_tokens=8)[0].token_ids
         assert True in calls  # the greedy variant ran
         calls.clear()
-        greedy = llm._submit(llm._encode(PROMPTS[1], 0), SamplingParams(max_new_tokens=8))
-        sampled = llm._submit(llm._encode(PROMPTS[2], 1),  # outlives the greedy one (no EOS stop)
-                              SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, ignore_eos=True))
-        llm._run_until(lambda: greedy.status is Status.FINISHED and sampled.status is Status.FINISHED)
+        greedy = Request(llm.tokenizer.encode(PROMPTS[1]), SamplingParams(max_new_tokens=8))
+        sampled = Request(llm.tokenizer.encode(PROMPTS[2]),  # outlives the greedy one (no EOS stop)
+                          SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, ignore_eos=True))
+        outputs = list(llm.run([greedy, sampled]).values())
     finally:
         llm.runner._step = step
     assert True not in calls  # a sampled sequence was in every step
-    assert list(greedy.output_ids) == alone
+    assert [t for out in outputs[0] for t in out.token_ids] == alone
+    assert sum(len(out.token_ids) for out in outputs[1]) == 16
 
 
 def test_preemption_gives_the_same_tokens():
@@ -210,3 +211,27 @@ def test_shared_prompt_prefix_is_reused_and_changes_no_token():
     again = cached.generate([second], max_new_tokens=12)[0]
     assert again.token_ids == out.token_ids
     assert cached.allocator.num_free == cached.allocator.num_blocks  # cached rBlocks count as free
+
+
+def test_generate_cli_checks_flags_before_echoing_the_prompt(capsys):
+    from jaxllm.generate import main
+
+    assert main(["--max-new-tokens", "0", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "max_new_tokens must be >= 1" in captured.err
+
+
+def test_cli_names_itself_as_started(monkeypatch):
+    from jaxllm import cli
+
+    monkeypatch.setattr("sys.argv", ["/usr/bin/jaxllm"])
+    assert cli.build_parser().prog == "jaxllm"
+    monkeypatch.setattr("sys.argv", ["/x/jaxllm/cli.py"])
+    assert cli.build_parser().prog == "python -m jaxllm.cli"
+
+
+def test_serve_help_shows_one_default_per_flag():
+    from jaxllm.serve import build_parser
+
+    for line in build_parser().format_help().splitlines():
+        assert line.count("default") <= 1 and "None" not in line, line

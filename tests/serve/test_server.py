@@ -182,7 +182,14 @@ def test_health_goes_not_serving_then_serving(server):
 def test_reflection_describes_the_service(server):
     db = ProtoReflectionDescriptorDatabase(server.channel)
     services = set(db.get_services())
-    assert {SERVICE, "grpc.health.v1.Health"} <= services
+    assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= services
+    # v1 (what current grpcurl asks first) answers too, in the same wire format as v1alpha.
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+    v1 = server.channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                      request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                                      response_deserializer=rpb.ServerReflectionResponse.FromString)
+    reply = next(iter(v1(iter([rpb.ServerReflectionRequest(list_services="")]), timeout=10)))
+    assert SERVICE in {s.name for s in reply.list_services_response.service}
     method = DescriptorPool(db).FindServiceByName(SERVICE).methods_by_name["Generate"]
     assert method.server_streaming and method.output_type.full_name == "jaxllm.v1.GenerateResponse"
 
@@ -191,6 +198,7 @@ def test_model_info_and_tokenize(server, llm):
     info = server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
     assert (info.model, info.architecture, info.vocab_size, info.max_context) == ("tiny", "tiny", 259, MAX_CONTEXT)
     assert info.num_layers == llm.config.num_layers and info.kv_num_blocks > 0 and info.backend
+    assert (info.dtype, info.kv_dtype) == ("float32", "float32")
     text = "Tokenize me: ünïcode ✓"
     tokenized = server.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=10)
     assert list(tokenized.token_ids) == llm.tokenizer.encode(text)
@@ -285,10 +293,10 @@ def test_cancel_and_deadline_free_the_pool_at_once(server):
 
 BAD = [
     (dict(prompt=""), "prompt is empty"),
-    (dict(prompt="x" * 1100), "prompt has 1101 tokens; the context limit is 1024"),
+    (dict(prompt="x" * 1100), "prompt has 1101 tokens, more than max_context 1024 allows"),
     (dict(prompt="x" * 1023), "at most 1023"),  # 1024 tokens with BOS: no room for output
     (dict(prompt="a", prompt_token_ids=[1, 70]), "both set"),
-    (dict(prompt_token_ids=[1, 259]), "prompt_token_ids[1] = 259 is outside the vocabulary [0, 259)"),
+    (dict(prompt_token_ids=[1, 259]), "prompt_token_ids[1]: token id 259 is outside the vocabulary [0, 259)"),
     (dict(prompt="a", max_tokens=0), "max_tokens must be >= 1, got 0"),
     (dict(prompt="a", max_tokens=-3), "max_tokens must be >= 1, got -3"),
     (dict(prompt="a", max_tokens=1023), "max_tokens 1023 is over the limit 1022"),

@@ -6,8 +6,6 @@ counter on Runner.dispatch proves the pipelined run really fed steps from device
 Scheduler-level tests (no device) pin down when plan_continuation may and may not run ahead.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -42,12 +40,12 @@ def continuations(llm, monkeypatch):
 
 
 def _with_pipeline(llm, pipeline: bool, fn):
-    saved = llm.options
-    llm.options = dataclasses.replace(saved, pipeline=pipeline)
+    saved = llm.core.pipeline
+    llm.core.pipeline = pipeline
     try:
         return fn()
     finally:
-        llm.options = saved
+        llm.core.pipeline = saved
 
 
 def _both(llm, continuations, fn):
@@ -62,7 +60,7 @@ def _both(llm, continuations, fn):
 
 
 def _check_idle(llm):
-    assert llm._inflight is None, "a step was left in flight"
+    assert not llm.core.has_step_in_flight(), "a step was left in flight"
     assert not llm.scheduler.has_work()
     assert llm.allocator.num_free == llm.allocator.num_blocks, "rBlocks leaked"
 
@@ -138,9 +136,9 @@ def test_abandoned_stream_with_a_step_in_flight(llm, continuations):
     it = llm.stream(PROMPTS[1], max_new_tokens=100)
     for _ in range(20):
         next(it)
-        if llm._inflight is not None:
+        if llm.core.has_step_in_flight():
             break
-    assert llm._inflight is not None, "no step was ever in flight"
+    assert llm.core.has_step_in_flight(), "no step was ever in flight"
     it.close()
     _check_idle(llm)
     # The dropped step wrote KV into rBlocks now free: later requests must not see it.
@@ -169,7 +167,7 @@ def test_engine_pipelines_and_cancels(llm, continuations):
     assert victim_events[-1].finish_reason == "cancelled" and len(victim_events) < 200
     assert tokens == [c.token_ids for c in reference]
     assert any(continuations)
-    assert engine._inflight is None
+    assert engine.idle()
     _check_idle(llm)
 
 
@@ -177,12 +175,13 @@ def test_engine_rejects_bad_token_ids(llm):
     from jaxllm.engine.threaded import Engine
 
     engine = Engine(llm)
+    before = engine.stats().requests_total  # the core's count since start-up: generate()'s requests too
     try:
         for ids, message in (([], "prompt is empty"), ([5, llm.config.vocab_size], "outside the vocabulary"),
                              ([5, -1], "token id -1"), ([5] * (llm.context_limit + 1), "more than")):
             with pytest.raises(ValueError, match=message):
                 engine.submit(ids, SamplingParams(max_new_tokens=2))
-        assert engine.stats.requests_total == 0  # nothing was accepted
+        assert engine.stats().requests_total == before  # nothing was accepted
     finally:
         engine.shutdown(grace_s=1.0)
 

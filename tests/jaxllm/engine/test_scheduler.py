@@ -282,3 +282,29 @@ def test_token_slice_equals_slicing_the_whole_list():
         start = int(rng.integers(0, seq.num_tokens + 1))
         end = int(rng.integers(start, seq.num_tokens + 1))
         assert seq.token_slice(start, end) == seq.token_ids[start:end]
+
+
+# ----- edge cases that random draws only sometimes hit, made deterministic -----
+
+def test_first_sequence_writes_kv_slot_zero():
+    alloc = BlockAllocator(4)
+    sched = Scheduler(alloc, 4, max_tokens_per_step=16, max_seqs=2)
+    sched.add([5, 6, 7], SamplingParams(max_new_tokens=4), max_len=16)
+    plan = sched.plan()
+    assert plan.block_tables[0, 0] == 0 and plan.slot_mapping.tolist() == [0, 1, 2]
+    assert plan.positions.tolist() == [0, 1, 2] and plan.kv_lens.tolist() == [3]
+
+
+def test_preempted_sequence_computed_length_resets_to_zero():
+    alloc = BlockAllocator(3)
+    sched = Scheduler(alloc, 4, max_tokens_per_step=16, max_seqs=2, prefix_caching=False)
+    old = sched.add([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=10), max_len=16)  # 2 rBlocks
+    young = sched.add([6, 7, 8], SamplingParams(max_new_tokens=10), max_len=16)  # 1 rBlock
+    plan = sched.plan()
+    sched.update(plan, np.array([9, 9]), eos_id=0)
+    assert young.num_computed == 3 and young.status is Status.RUNNING
+    sched.update(sched.plan(), np.array([9, 9]), eos_id=0)  # young fills its rBlock (4 tokens)
+    plan = sched.plan()  # young needs a second rBlock, old a third: none is free, so young goes
+    assert young.status is Status.WAITING and young.num_computed == 0 and young.num_preemptions == 1
+    assert sched.waiting[0] is young and not alloc.blocks(young.seq_id)
+    assert [s.seq_id for s in sched.running] == [old.seq_id]

@@ -1,0 +1,300 @@
+"""EngineCore: the one step loop. `add(request) / cancel(request_id) / step() -> outputs`.
+
+It owns the scheduler, the runner and the output processing of every request; the synchronous
+`LLM` and the threaded server `Engine` are thin front ends over it. Not thread-safe: one thread
+drives it (the threaded Engine's own thread does).
+
+The pipeline. At most one step is in flight: dispatched, its tokens not yet recorded by
+`scheduler.update`. scheduler.plan() runs only when none is (it may preempt, and a preempted
+sequence must have no step outstanding); while one is, the only step queued behind it is its
+continuation (Scheduler.plan_continuation), which takes its input tokens from the device, so
+host dispatch overlaps device work. A step dropped unrecorded (an exception, an abandoned
+stream: `drop_in_flight`) is harmless: the scheduler never moved past it, and plan() recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Sequence as Seq
+
+import numpy as np
+
+from jaxllm.engine.output import RequestClock, RequestTimings, TextStream
+from jaxllm.engine.requests import RequestLimits, check_params, check_token_ids
+from jaxllm.engine.runner import InFlight, Runner
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.scheduler import Scheduler, Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request: prompt token ids (already encoded) and how to sample.
+
+    arrival: time.monotonic() when the request reached the front end (TTFT counts from it);
+    None means when `add` is called.
+    """
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if not isinstance(self.params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(self.params).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: new text and token ids; `finish_reason` set on the last.
+
+    finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or the context
+    limit), "cancelled". timings are set on the last output.
+    """
+
+    request_id: int
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    timings: RequestTimings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What a loaded engine is (for ModelInfo endpoints and logs); never changes while it runs."""
+
+    model: str
+    architecture: str
+    dtype: str
+    kv_dtype: str
+    context_limit: int
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    block_size: int  # tokens per rBlock
+    num_blocks: int  # rBlocks per layer
+    max_seqs: int
+    max_tokens_per_step: int
+    max_queue: int | None = None  # the threaded Engine's waiting limit (None: unbounded)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of counters since start-up and of the current load.
+
+    ttft/tpot: count and sum of per-request samples (seconds); their mean is sum / count.
+    """
+
+    requests_total: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_rejected: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    steps_total: int = 0
+    queue_depth: int = 0
+    running: int = 0
+    pool_blocks: int = 0
+    pool_blocks_free: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_blocks: int = 0
+    compile_count: int = 0
+    ttft_count: int = 0
+    ttft_sum_s: float = 0.0
+    tpot_count: int = 0
+    tpot_sum_s: float = 0.0
+
+    @property
+    def pool_usage(self) -> float:
+        """Fraction of rBlocks in use."""
+        return 1.0 - self.pool_blocks_free / self.pool_blocks if self.pool_blocks else 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """A request the core holds: its sequence, its text, its clock."""
+
+    seq: Sequence
+    text: TextStream
+    clock: RequestClock
+    sent: int = 0  # output token ids already handed out
+
+
+class EngineCore:
+    """The step loop over a scheduler and a runner; see the module docstring.
+
+    Args:
+      scheduler, runner: built by the front end over one allocator and KV pool.
+      tokenizer: encodes nothing here; decodes tokens and names EOS.
+      limits: the request limits every `add` is checked against.
+      pipeline: queue the next decode step before reading this one's tokens (same tokens either way).
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer, limits: RequestLimits, *,
+                 pipeline: bool = True):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.pipeline = pipeline
+        self._inflight: InFlight | None = None
+        self._live: dict[int, _Live] = {}  # request id -> state, until its final output
+        self._by_seq: dict[int, int] = {}  # seq_id -> request id
+        self._ids = itertools.count()
+        self._counts = dict(requests_total=0, requests_finished=0, requests_cancelled=0, prompt_tokens_total=0,
+                            generated_tokens_total=0, steps_total=0, ttft_count=0, ttft_sum_s=0.0, tpot_count=0,
+                            tpot_sum_s=0.0)
+
+    # ----- requests -----
+
+    def add(self, request: Request) -> int:
+        """Queue a request (checked against the limits; ValueError if it breaks one); returns its id."""
+        ids = check_token_ids(request.prompt_ids, self.limits)
+        params = check_params(request.params, len(ids), self.limits)
+        request_id = next(self._ids)
+        seq = self.scheduler.add(ids, params, max_len=self.limits.context_limit)
+        arrival = time.monotonic() if request.arrival is None else request.arrival
+        self._live[request_id] = _Live(seq, TextStream(self.tokenizer, params.stop), RequestClock(arrival))
+        self._by_seq[seq.seq_id] = request_id
+        self._counts["requests_total"] += 1
+        self._counts["prompt_tokens_total"] += len(ids)
+        return request_id
+
+    def cancel(self, request_id: int) -> RequestOutput | None:
+        """End a request now and free its rBlocks; returns its final output ("cancelled"), None if it
+        already ended (or never was). A step in flight that holds it still runs; its result is dropped."""
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        self.scheduler.cancel(live.seq)
+        return self._final(request_id, live, "cancelled")
+
+    def has_work(self) -> bool:
+        """Whether step() has anything to do: requests to run, or a step in flight to record."""
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def has_step_in_flight(self) -> bool:
+        return self._inflight is not None
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet finished."""
+        return len(self._live)
+
+    # ----- the loop -----
+
+    def step(self, run_ahead: bool = True) -> list[RequestOutput]:
+        """Record one step's tokens (dispatching it first if none is in flight); the outputs of every
+        request that got text, tokens or its end. With run_ahead (and pipeline), the next decode step
+        is dispatched before this one's tokens are read. Idle (no work): []."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            plan = self.scheduler.plan()
+            if plan is None:
+                if self.scheduler.has_work():
+                    raise RuntimeError("the scheduler has waiting work but could plan no step (KV pool too small?)")
+                return []
+            inflight = self.runner.dispatch(plan)
+        following = None
+        if run_ahead and self.pipeline:
+            continuation = self.scheduler.plan_continuation(inflight.plan)
+            if continuation is not None:
+                following = self.runner.dispatch(continuation, token_source=inflight)
+        # Every sequence of the step is running now (plan() admitted it), so the ones that may have
+        # advanced or finished are among these.
+        candidates = list(self.scheduler.running)
+        self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_id)
+        self._inflight = following
+        self._counts["steps_total"] += 1
+        return self._collect(candidates, time.monotonic())
+
+    def drain(self) -> list[RequestOutput]:
+        """Record the step in flight, if any, queueing nothing after it (returns with none in flight)."""
+        return self.step(run_ahead=False) if self._inflight is not None else []
+
+    def drop_in_flight(self) -> None:
+        """Forget the step in flight unrecorded (after an error, or when its caller left): harmless,
+        see the module docstring."""
+        self._inflight = None
+
+    def _collect(self, candidates: list[Sequence], now: float) -> list[RequestOutput]:
+        outputs = []
+        for seq in candidates:
+            request_id = self._by_seq.get(seq.seq_id)
+            if request_id is None:
+                continue  # not a request of this core (logits())
+            live = self._live[request_id]
+            new_ids = seq.output_ids[live.sent:]
+            for token in new_ids:
+                live.text.push(token)
+            live.clock.tokens_at(now, len(new_ids))
+            self._counts["generated_tokens_total"] += len(new_ids)
+            if live.text.stopped and seq.status is not Status.FINISHED:
+                # A continuation already queued for it is dropped by update (it skips finished sequences).
+                self.scheduler.finish(seq, "stop")
+            if seq.status is Status.FINISHED:
+                outputs.append(self._final(request_id, live, seq.finish_reason))
+            elif new_ids:
+                live.sent = len(seq.output_ids)
+                outputs.append(RequestOutput(request_id, live.text.take(), tuple(new_ids), len(seq.prompt_ids),
+                                             len(seq.output_ids)))
+        return outputs
+
+    def _final(self, request_id: int, live: _Live, reason: str) -> RequestOutput:
+        del self._live[request_id]
+        self._by_seq.pop(live.seq.seq_id, None)
+        seq = live.seq
+        new_ids = tuple(seq.output_ids[live.sent:])
+        live.sent = len(seq.output_ids)
+        live.text.finish()
+        timings = live.clock.timings()
+        counts = self._counts
+        counts["requests_cancelled" if reason == "cancelled" else "requests_finished"] += 1
+        if timings.ttft_s is not None:
+            counts["ttft_count"] += 1
+            counts["ttft_sum_s"] += timings.ttft_s
+        if timings.tpot_s is not None:
+            counts["tpot_count"] += 1
+            counts["tpot_sum_s"] += timings.tpot_s
+        return RequestOutput(request_id, live.text.take(final=True), new_ids, len(seq.prompt_ids),
+                             len(seq.output_ids), reason, timings)
+
+    # ----- teacher forcing -----
+
+    def logits(self, token_ids: Seq[int]) -> np.ndarray:
+        """Teacher-forced logits [len(token_ids), vocab] (float32), prefilled in chunks."""
+        ids = check_token_ids(token_ids, self.limits, "token_ids", max_tokens=self.limits.context_limit)
+        if self.has_work():
+            raise RuntimeError("logits() cannot run while generation is in progress")
+        # One sequence, prefilled chunk by chunk; max_new_tokens=1 so the scheduler never samples past it.
+        # Every position's logits are wanted: nothing may come from the prefix cache.
+        seq = self.scheduler.add(ids, SamplingParams(max_new_tokens=1), max_len=len(ids) + 1, reuse_prefix=False)
+        chunks = []
+        try:
+            while seq.num_computed < len(ids):
+                plan = self.scheduler.plan()
+                chunks.append(self.runner.logits(plan))
+                seq.num_computed = int(plan.kv_lens[0])
+        finally:
+            self.scheduler.cancel(seq)
+        return np.concatenate(chunks, axis=0)
+
+    # ----- snapshots -----
+
+    def stats(self) -> EngineStats:
+        """Counters and current load (safe to call from another thread: it only reads)."""
+        allocator = self.scheduler.allocator
+        return EngineStats(**self._counts, queue_depth=len(self.scheduler.waiting),
+                           running=len(self.scheduler.running), pool_blocks=allocator.num_blocks,
+                           pool_blocks_free=allocator.num_free, prefix_cache_hit_tokens=self.scheduler.cached_tokens,
+                           prefix_cache_blocks=allocator.num_cached, compile_count=self.runner.compile_count)

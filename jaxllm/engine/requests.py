@@ -1,0 +1,144 @@
+"""Request limits and checks, in one place for every front end (LLM, threaded Engine, gRPC, HTTP).
+
+The rules, the same everywhere:
+- a prompt (text or token ids) is not empty, its ids lie in the vocabulary, and it has at most
+  `context_limit - 1` tokens, so at least one new token fits;
+- `max_tokens` may be at most the room left (`context_limit - prompt tokens`); more is refused
+  with a ValueError naming the room, never capped silently; unset, it is the default capped at
+  the room;
+- stop strings: at most `max_stop_strings` of them, each non-empty and at most `max_stop_length`
+  characters; `stop=""` and `stop=[""]` are the same empty stop string and both refused.
+Every check raises ValueError naming the value and the limit (servers answer INVALID_ARGUMENT / 400).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Sequence
+
+from jaxllm.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for; the context limit comes from the loaded model and its KV pool."""
+
+    context_limit: int  # prompt + generated tokens of one sequence
+    vocab_size: int
+    default_max_tokens: int = 256  # max_tokens of a request that sets none (capped at the room left)
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters per stop string
+
+    def __post_init__(self):
+        for name in ("context_limit", "vocab_size", "default_max_tokens", "max_stop_strings", "max_stop_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.context_limit < 2:
+            raise ValueError(f"context_limit must be at least 2 (one prompt token and one new), got {self.context_limit}")
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted: one new token must still fit."""
+        return self.context_limit - 1
+
+    def room(self, num_prompt_tokens: int) -> int:
+        """The most new tokens a prompt of this length may ask for."""
+        return self.context_limit - num_prompt_tokens
+
+
+def check_token_ids(ids: Sequence[int], limits: RequestLimits, what: str = "prompt", *,
+                    max_tokens: int | None = None) -> list[int]:
+    """Token ids a caller passed, as a list: not empty, in the vocabulary, and at most max_tokens long
+    (default limits.max_prompt_tokens)."""
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"{what} is empty")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < limits.vocab_size:
+            raise ValueError(f"{what}[{i}]: token id {t!r} is outside the vocabulary [0, {limits.vocab_size})")
+    return check_length([int(t) for t in ids], limits, what, max_tokens=max_tokens)
+
+
+def check_length(ids: list[int], limits: RequestLimits, what: str = "prompt", *,
+                 max_tokens: int | None = None) -> list[int]:
+    """ids, if there are at most max_tokens of them (default limits.max_prompt_tokens)."""
+    if max_tokens is None:
+        if len(ids) > limits.max_prompt_tokens:
+            raise ValueError(f"{what} has {len(ids)} tokens, more than max_context {limits.context_limit} allows: "
+                             f"a prompt may have at most {limits.max_prompt_tokens}, so that one new token fits")
+    elif len(ids) > max_tokens:
+        raise ValueError(f"{what} has {len(ids)} tokens, more than max_context {limits.context_limit} allows "
+                         f"(at most {max_tokens})")
+    return ids
+
+
+def prompt_token_ids(prompt: str | Sequence[int], tokenizer, limits: RequestLimits, what: str = "prompt") -> list[int]:
+    """A prompt's token ids (text is encoded with BOS first), checked against the limits."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"{what} is empty")
+        return check_length(tokenizer.encode(prompt), limits, what)
+    if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{what} must be a string or a list of token ids, got {type(prompt).__name__}")
+    return check_token_ids(prompt, limits, what)
+
+
+def normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """stop as a tuple: None -> (), "x" -> ("x",); "" is kept (and refused by check_params), never dropped."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    try:
+        return tuple(stop)
+    except TypeError:
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}") from None
+
+
+def check_params(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits, *,
+                 max_tokens_name: str = "max_tokens") -> SamplingParams:
+    """params, if they fit the limits for a prompt of num_prompt_tokens (max_tokens, stop strings).
+
+    max_tokens_name: what the caller calls params.max_new_tokens, for the message.
+    """
+    room = limits.room(num_prompt_tokens)
+    if params.max_new_tokens > room:
+        raise ValueError(f"{max_tokens_name} {params.max_new_tokens} is over the limit {room}: max_context "
+                         f"{limits.context_limit} minus the prompt's {num_prompt_tokens} tokens")
+    check_stop(params.stop, limits)
+    return params
+
+
+def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> tuple[str, ...]:
+    """stop, if within the count and length limits and none is empty."""
+    if len(stop) > limits.max_stop_strings:
+        raise ValueError(f"stop has {len(stop)} strings, over the limit {limits.max_stop_strings}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise ValueError(f"stop[{i}] is not a string: {s!r}")
+        if not s:
+            raise ValueError(f"stop[{i}] is empty; stop strings must be non-empty")
+        if len(s) > limits.max_stop_length:
+            raise ValueError(f"stop[{i}] has {len(s)} characters, over the limit {limits.max_stop_length}")
+    return stop
+
+
+def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens: int | None = None,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                    stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                    ignore_eos: bool = False, max_tokens_name: str = "max_tokens") -> SamplingParams:
+    """Build and check one request's SamplingParams; max_tokens None means the default, capped at the room.
+
+    max_tokens_name: what the caller calls max_tokens (LLM.generate: max_new_tokens), for messages.
+    """
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, limits.room(num_prompt_tokens))
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
+        raise ValueError(f"{max_tokens_name} must be >= 1, got {max_tokens!r}")
+    # Stop strings before SamplingParams: the count limit comes first, and each message names the index.
+    stop = check_stop(normalize_stop(stop), limits)
+    params = SamplingParams(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    return check_params(params, num_prompt_tokens, limits, max_tokens_name=max_tokens_name)

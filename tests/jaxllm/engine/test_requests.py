@@ -1,0 +1,122 @@
+"""Request limits: every limit on both sides (at the limit accepted, one past refused), and the Python
+API, the threaded Engine and the gRPC adapter agreeing on the same prompts (max_context=64)."""
+
+import types
+
+import pytest
+
+from jaxllm import LLM, EngineOptions
+from jaxllm.engine.requests import RequestLimits, check_params, prompt_token_ids, sampling_params
+from jaxllm.engine.sampling import SamplingParams
+
+LIMITS = RequestLimits(context_limit=64, vocab_size=259, default_max_tokens=16, max_stop_strings=3, max_stop_length=5)
+
+
+def test_prompt_length_limit_both_sides():
+    assert len(prompt_token_ids([7] * 63, None, LIMITS)) == 63
+    with pytest.raises(ValueError, match="64 tokens, more than max_context 64 allows: a prompt may have at most 63"):
+        prompt_token_ids([7] * 64, None, LIMITS)
+
+
+def test_vocabulary_both_sides():
+    assert prompt_token_ids([0, 258], None, LIMITS) == [0, 258]
+    for bad in (259, -1):
+        with pytest.raises(ValueError, match=rf"prompt\[1\]: token id {bad} is outside the vocabulary \[0, 259\)"):
+            prompt_token_ids([0, bad], None, LIMITS)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        prompt_token_ids([], None, LIMITS)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        prompt_token_ids("", None, LIMITS)
+
+
+def test_max_tokens_equal_to_the_room_is_accepted_one_more_refused():
+    assert sampling_params(LIMITS, 60, max_tokens=4).max_new_tokens == 4
+    with pytest.raises(ValueError, match="max_tokens 5 is over the limit 4: max_context 64 minus the prompt's 60"):
+        sampling_params(LIMITS, 60, max_tokens=5)
+    assert sampling_params(LIMITS, 63, max_tokens=1).max_new_tokens == 1
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        sampling_params(LIMITS, 10, max_tokens=0)
+
+
+def test_default_max_tokens_is_capped_at_the_room():
+    assert sampling_params(LIMITS, 10).max_new_tokens == 16
+    assert sampling_params(LIMITS, 60).max_new_tokens == 4
+
+
+def test_stop_string_count_and_length_both_sides():
+    assert sampling_params(LIMITS, 1, stop=["a", "b", "c"]).stop == ("a", "b", "c")
+    with pytest.raises(ValueError, match="stop has 4 strings, over the limit 3"):
+        sampling_params(LIMITS, 1, stop=["a", "b", "c", "d"])
+    assert sampling_params(LIMITS, 1, stop="abcde").stop == ("abcde",)
+    with pytest.raises(ValueError, match="stop\\[0\\] has 6 characters, over the limit 5"):
+        sampling_params(LIMITS, 1, stop="abcdef")
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["ok", ""]])
+def test_an_empty_stop_string_is_refused_however_written(stop):
+    with pytest.raises(ValueError, match="is empty; stop strings must be non-empty"):
+        sampling_params(LIMITS, 1, stop=stop)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        SamplingParams(stop=stop)
+
+
+def test_check_params_applies_the_same_rules_to_built_params():
+    assert check_params(SamplingParams(max_new_tokens=4), 60, LIMITS).max_new_tokens == 4
+    with pytest.raises(ValueError, match="over the limit 4"):
+        check_params(SamplingParams(max_new_tokens=5), 60, LIMITS)
+    with pytest.raises(ValueError, match="over the limit 3"):
+        check_params(SamplingParams(max_new_tokens=4, stop=("a", "b", "c", "d")), 1, LIMITS)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", max_context=64, options=EngineOptions(block_size=4, max_tokens_per_step=32), progress=False)
+
+
+def _grpc_request(prompt_ids, max_tokens=None):
+    """A stand-in for pb.GenerateRequest with the fields the adapter reads (no grpc import needed)."""
+    fields = dict(prompt="", prompt_token_ids=list(prompt_ids), temperature=0.0, top_k=0, seed=0, stop=[],
+                  ignore_eos=False, max_tokens=max_tokens, top_p=1.0)
+    request = types.SimpleNamespace(**fields)
+    request.HasField = lambda name: name == "max_tokens" and max_tokens is not None
+    return request
+
+
+def test_python_api_engine_and_grpc_agree_at_max_context_64(llm):
+    """With max_context=64 the same prompt lengths and max_tokens are accepted and refused everywhere."""
+    validation = pytest.importorskip("serve.validation")
+    from jaxllm.engine.threaded import Engine
+
+    limits = RequestLimits(context_limit=llm.context_limit, vocab_size=llm.config.vocab_size)
+    assert llm.context_limit == 64
+    engine = Engine(llm)
+    try:
+        for n, max_tokens, ok in ((63, 1, True), (64, 1, False), (60, 4, True), (60, 5, False)):
+            ids = [7] * n
+            outcomes = []
+            for call in (lambda: llm.generate([ids], max_new_tokens=max_tokens),
+                         lambda: list(engine.submit(ids, SamplingParams(max_new_tokens=max_tokens))),
+                         lambda: validation.to_engine_request(_grpc_request(ids, max_tokens), None, limits)):
+                try:
+                    call()
+                    outcomes.append(True)
+                except ValueError:
+                    outcomes.append(False)
+            assert outcomes == [ok] * 3, (n, max_tokens, outcomes)
+    finally:
+        engine.shutdown(grace_s=5.0)
+    out = llm.generate([[7] * 60], max_new_tokens=4, ignore_eos=True)[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"  # the whole room is usable
+
+
+def test_text_prompt_at_the_limit(llm):
+    text = "x" * 62  # 63 tokens with BOS
+    assert len(llm.tokenizer.encode(text)) == 63
+    assert len(llm.generate(text, max_new_tokens=1)[0].token_ids) <= 1
+    with pytest.raises(ValueError, match="more than max_context 64"):
+        llm.generate(text + "x", max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens 2 is over the limit 1"):
+        llm.generate(text, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        llm.stream(text, max_new_tokens=0)  # checked at the call, before any iteration
+    assert not llm.scheduler.has_work()

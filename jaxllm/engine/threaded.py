@@ -226,10 +226,11 @@ class Engine:
             return
         self.stats.steps_total += 1
         now = time.monotonic()
-        for seq in plan.seqs:
-            request = self._by_seq.get(seq.seq_id)
+        for seq_id in plan.seq_ids:
+            request = self._by_seq.get(int(seq_id))
             if request is None:
                 continue
+            seq = request.seq
             new_ids = seq.output_ids[request.sent_tokens:]
             for token in new_ids:
                 request.tracker.push(token)

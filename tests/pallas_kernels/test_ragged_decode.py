@@ -244,8 +244,12 @@ def test_query_heads_read_in_place_from_the_grouped_layout(num_q_heads, num_kv_h
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     ref, (rm, rl) = ragged_decode_reference(q, clean["k"], clean["v"], tables, kv_lens, return_residuals=True)
     assert_matches((got, m, l), (ref, rm, rl), jnp.bfloat16)
-    with pytest.raises(ValueError, match=f"num_q_heads {num_q_heads + 1}"):
-        ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=num_q_heads + 1)
+    too_many = num_q_heads + 2 * num_kv_heads  # more than the group's rows hold
+    with pytest.raises(ValueError, match=f"num_q_heads {too_many} must be a multiple"):
+        ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=too_many)
+    if num_kv_heads > 1:
+        with pytest.raises(ValueError, match=f"num_q_heads {num_q_heads + 1} must be a multiple"):
+            ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=num_q_heads + 1)
     with pytest.raises(ValueError, match="grouped q"):
         ragged_decode(wide[:, :1] if num_kv_heads > 1 else jnp.concatenate([wide] * 2, axis=1),
                       pools["k"], pools["v"], tables, kv_lens)

@@ -90,7 +90,7 @@ def default_kernels(backend: Backend | None = "auto", *, head_dim: int | None = 
     'auto' is the Pallas kernels on a GPU (decode on Triton, prefill on Mosaic on Hopper, else Triton)
     and the pure-jnp reference elsewhere: on the CPU the kernels run only in interpret mode, far slower
     than the reference, so the CPU uses them in kernel tests, not in the model. A head_dim outside
-    SUPPORTED_HEAD_DIMS also takes the reference under 'auto'. 'triton' is every kernel with Triton
+    SUPPORTED_HEAD_DIMS takes the reference attention and RoPE under 'auto'. 'triton' is every kernel with Triton
     prefill; 'mosaic' is 'triton' with the Mosaic prefill where the GPU is a Hopper. on_gpu and
     compute_capability default to the device found.
     """
@@ -99,9 +99,11 @@ def default_kernels(backend: Backend | None = "auto", *, head_dim: int | None = 
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
     if on_gpu is None:
         on_gpu = compat.on_gpu()
-    if backend == "reference" or (backend == "auto" and not (on_gpu and (head_dim is None
-                                                                           or kernels_support(head_dim)))):
+    if backend == "reference" or (backend == "auto" and not on_gpu):
         return REFERENCE
+    if backend == "auto" and head_dim is not None and not kernels_support(head_dim):
+        # No attention or RoPE kernel for this head_dim; the decode-layer kernels take any width.
+        return Kernels(decode_layer="pallas")
     if on_gpu and compute_capability is None:
         compute_capability = compat.gpu_compute_capability()
     hopper = compute_capability is not None and compute_capability[0] == 9

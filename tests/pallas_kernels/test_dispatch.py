@@ -56,6 +56,7 @@ def test_gpu_auto_prefers_mosaic_prefill_on_hopper_where_it_applies(monkeypatch)
         "triton", "mosaic", "pallas", "pallas") and not auto.interpret  # decode runs Triton, as it always did
     unsupported = dispatch.default_kernels("auto", head_dim=96)  # no attention kernel for this head_dim
     assert unsupported.decode_attention == unsupported.prefill_attention == unsupported.rope_kv_write == "reference"
+    assert unsupported.decode_layer == "pallas" and not unsupported.interpret  # add + norm, matmuls: any width
     q = jnp.zeros((512, 8, 128), jnp.bfloat16)
     pool = jnp.zeros((4, 8, 256, 128), jnp.bfloat16)
     mosaic, triton = auto, dispatch.default_kernels("triton")

@@ -1,64 +1,130 @@
-"""The one place that chooses a kernel backend (reference, Triton-lowered Pallas, Mosaic GPU).
+"""The one place that maps an op onto a kernel: `Kernels` names the implementation and schedule of each.
 
 Callers name what they want computed (ragged attention over the rBlock pool, RoPE + the KV write, a decode
-layer's add + RMSNorm and unreduced output projections); this module picks the implementation for
-the device and the step's size. Nothing else branches on backends.
+layer's add + RMSNorm and unreduced output projections) and hand over a `Kernels`; this module reads its
+fields and nothing else: no backend string is resolved and no device is queried inside a trace.
+`default_kernels` resolves a backend name ("auto" included) once, outside any trace; a tuner or
+`sharding/` supplies other `Kernels` (it is frozen and hashable, a static argument of the jitted step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import compat, validation
-from pallas_kernels.ragged_prefill import ragged_prefill_reference
-from pallas_kernels.skinny_matmul import MAX_ROWS as SKINNY_MAX_ROWS
+from pallas_kernels.ragged_decode import DecodeBlockSizes
+from pallas_kernels.ragged_prefill import PrefillBlockSizes, ragged_prefill_reference
+from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig
+from pallas_kernels.rms_norm import RmsNormBlockSizes
+from pallas_kernels.skinny_matmul import MAX_ROWS as SKINNY_MAX_ROWS, SkinnyBlockSizes
 
 Backend = Literal["auto", "reference", "triton", "mosaic"]
 BACKENDS = ("auto", "reference", "triton", "mosaic")
+DECODE_ATTENTION = ("reference", "triton")
+PREFILL_ATTENTION = ("reference", "triton", "mosaic")
+ROPE_KV_WRITE = ("reference", "pallas")
+DECODE_LAYER = ("reference", "pallas")
 # Prefill steps shorter than one Mosaic CTA tile (2 x 64 query rows) stay on the Triton kernel: they
 # are cheap either way, and the Mosaic kernel was checked on the GPU from 180 tokens up.
 MOSAIC_MIN_TOKENS = 128
+# Steps up to this many tokens (decode) take the one-kernel add + RMSNorm and the weight-streaming
+# matmul: as many rows as the skinny matmul takes.
+FUSED_NORM_MAX_TOKENS = SKINNY_MAX_ROWS
 
 
 def kernels_support(head_dim: int) -> bool:
     return head_dim in validation.SUPPORTED_HEAD_DIMS
 
 
-def resolve_backend(backend: Backend | None = "auto", head_dim: int | None = None) -> str:
-    """'auto' is the Pallas kernels on a GPU and the pure-jnp reference elsewhere.
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which implementation and schedule every op of a step uses (frozen, hashable: a jit static argument).
 
-    On the CPU the Pallas kernels run only in interpret mode, far slower than the reference,
-    so the CPU uses them in kernel tests, not in the model. Shapes the kernels do not support
-    (head_dim outside SUPPORTED_HEAD_DIMS) also take the reference under 'auto'; naming
-    'triton' or 'mosaic' for them raises. Which kernel a GPU prefill takes ('mosaic' on Hopper where it
-    applies, else 'triton') is `prefill_kernel`'s choice; decode is always the Triton kernel.
+    decode_attention: "reference" | "triton" (one query token per sequence, `ragged_decode`).
+    prefill_attention: "reference" | "triton" | "mosaic" (Mosaic where its shapes apply and the step has
+      at least mosaic_min_tokens tokens, Triton otherwise: int8 KV, short steps, rBlocks below its tile).
+    rope_kv_write: "reference" (RoPE as an XLA fusion, then scatters) | "pallas" (one kernel; float pools
+      only, int8 pools take the reference).
+    decode_layer: "reference" | "pallas": steps of at most fused_norm_max_tokens tokens take the one-pass
+      add + RMSNorm kernel and the skinny matmul's unreduced split-K partials (the next kernel sums them).
+    *_block_sizes / mosaic_prefill: each kernel's schedule; None is the kernel's own default.
+    interpret: run the Pallas kernels in the interpreter (the CPU, tests).
+    """
+
+    decode_attention: str = "reference"
+    prefill_attention: str = "reference"
+    rope_kv_write: str = "reference"
+    decode_layer: str = "reference"
+    decode_block_sizes: DecodeBlockSizes | None = None
+    prefill_block_sizes: PrefillBlockSizes | None = None
+    mosaic_prefill: MosaicPrefillConfig | None = None
+    skinny_block_sizes: SkinnyBlockSizes | None = None
+    rms_norm_block_sizes: RmsNormBlockSizes | None = None
+    mosaic_min_tokens: int = MOSAIC_MIN_TOKENS
+    fused_norm_max_tokens: int = FUSED_NORM_MAX_TOKENS
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name, allowed in (("decode_attention", DECODE_ATTENTION), ("prefill_attention", PREFILL_ATTENTION),
+                              ("rope_kv_write", ROPE_KV_WRITE), ("decode_layer", DECODE_LAYER)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Kernels.{name} {getattr(self, name)!r} is not one of {allowed}")
+        if self.mosaic_min_tokens < 1:
+            raise ValueError(f"Kernels.mosaic_min_tokens {self.mosaic_min_tokens} must be >= 1")
+        if not 0 <= self.fused_norm_max_tokens <= SKINNY_MAX_ROWS:
+            raise ValueError(f"Kernels.fused_norm_max_tokens {self.fused_norm_max_tokens} must be in "
+                             f"[0, {SKINNY_MAX_ROWS}] (the skinny matmul's row limit)")
+
+
+REFERENCE = Kernels()
+
+
+def default_kernels(backend: Backend | None = "auto", *, head_dim: int | None = None, on_gpu: bool | None = None,
+                    compute_capability: tuple[int, int] | None = None) -> Kernels:
+    """Today's defaults for a backend name, resolved once, outside any trace.
+
+    'auto' is the Pallas kernels on a GPU (decode on Triton, prefill on Mosaic on Hopper, else Triton)
+    and the pure-jnp reference elsewhere: on the CPU the kernels run only in interpret mode, far slower
+    than the reference, so the CPU uses them in kernel tests, not in the model. A head_dim outside
+    SUPPORTED_HEAD_DIMS takes the reference attention and RoPE under 'auto'. 'triton' is every kernel with Triton
+    prefill; 'mosaic' is 'triton' with the Mosaic prefill where the GPU is a Hopper. on_gpu and
+    compute_capability default to the device found.
     """
     backend = backend or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
-    if backend == "auto":
-        supported = head_dim is None or kernels_support(head_dim)
-        return "mosaic" if compat.on_gpu() and supported else "reference"
-    return backend
+    if on_gpu is None:
+        on_gpu = compat.on_gpu()
+    if backend == "reference" or (backend == "auto" and not on_gpu):
+        return REFERENCE
+    if backend == "auto" and head_dim is not None and not kernels_support(head_dim):
+        # No attention or RoPE kernel for this head_dim; the decode-layer kernels take any width.
+        return Kernels(decode_layer="pallas")
+    if on_gpu and compute_capability is None:
+        compute_capability = compat.gpu_compute_capability()
+    hopper = compute_capability is not None and compute_capability[0] == 9
+    prefill = "mosaic" if backend in ("auto", "mosaic") and on_gpu and hopper else "triton"
+    return Kernels(decode_attention="triton", prefill_attention=prefill, rope_kv_write="pallas",
+                   decode_layer="pallas", interpret=not on_gpu)
 
 
-def prefill_kernel(q: jax.Array, k_pool: jax.Array, backend: str) -> str:
-    """'mosaic' or 'triton' for a GPU prefill step of these shapes under a resolved kernel backend.
+def prefill_kernel(q: jax.Array, k_pool: jax.Array, kernels: Kernels) -> str:
+    """'reference', 'triton' or 'mosaic': the implementation a prefill step of these shapes takes.
 
-    'triton' always takes the Triton kernel. 'mosaic' takes the Mosaic GPU kernel where it applies
-    (Hopper, bf16/fp16 q and KV of one dtype, rBlocks a multiple of its KV tile: see mgpu_supported)
-    and steps of at least MOSAIC_MIN_TOKENS tokens, and the Triton kernel otherwise (int8 KV, other
-    GPUs, short steps). On the H200 it ran 1.02-1.04x cuDNN and 1.29-1.37x the Triton kernel
-    (benchmarks/results/nvidia-h200-2026-11-22-0215-mosaic-prefill.json).
+    Mosaic only where kernels name it and it applies (bf16/fp16 q and KV of one dtype, rBlocks a
+    multiple of its KV tile: `mgpu_shapes_supported`) on steps of at least mosaic_min_tokens tokens.
     """
-    if backend != "mosaic" or q.shape[0] < MOSAIC_MIN_TOKENS:
-        return "triton"
-    from pallas_kernels.ragged_prefill_mgpu import mgpu_supported
+    if kernels.prefill_attention != "mosaic":
+        return kernels.prefill_attention
+    from pallas_kernels.ragged_prefill_mgpu import mgpu_shapes_supported
 
-    return "mosaic" if mgpu_supported(q, k_pool) else "triton"
+    if q.shape[0] >= kernels.mosaic_min_tokens and mgpu_shapes_supported(q, k_pool, kernels.mosaic_prefill):
+        return "mosaic"
+    return "triton"
 
 
 def ragged_attention(
@@ -70,108 +136,108 @@ def ragged_attention(
     cu_q_lens: jax.Array,
     *,
     decode: bool,
+    kernels: Kernels = REFERENCE,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     num_q_heads: int | None = None,
-    backend: Backend | None = "auto",
 ) -> jax.Array:
-    """Causal attention of packed query tokens [T, Hq, D] to their sequences' KV in the pool.
+    """Causal attention of packed query tokens to their sequences' KV in the pool.
 
-    `decode` (static) promises one query token per sequence (T == num_seqs,
-    cu_q_lens == arange), which lets the decode kernel split long KV across programs.
-    num_q_heads: attend with only the first num_q_heads heads of q (the model passes its fused
-    q|k projection after RoPE; the decode kernel reads them in place, the others get a slice).
-    Returns [T, num_q_heads, D]. Semantics are ragged_prefill_reference's.
+    q: [T, Hq, D], or grouped per KV head [T, Hkv, Gh, D] of which the first num_q_heads // Hkv of each
+    group are the queries (rope_write_kv's q: the decode kernel reads them in place, the others get a
+    slice). `decode` (static) promises one query token per sequence (T == num_seqs, cu_q_lens ==
+    arange), which lets the decode kernel split long KV across programs. Returns [T, Hq, D] (heads in
+    group order, h = kv_head * G + g). Semantics are ragged_prefill_reference's.
     """
-    backend = resolve_backend(backend, q.shape[-1])
-    if backend in ("triton", "mosaic") and decode:
+    if decode and kernels.decode_attention == "triton":
         from pallas_kernels.ragged_decode import ragged_decode
 
         return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
-                             num_q_heads=num_q_heads)
-    if num_q_heads is not None:
-        q = q[:, :num_q_heads]
-    if backend in ("triton", "mosaic"):
-        if prefill_kernel(q, k_pool, backend) == "mosaic":
-            from pallas_kernels.ragged_prefill_mgpu import ragged_prefill_mgpu
+                             num_q_heads=num_q_heads, block_sizes=kernels.decode_block_sizes,
+                             interpret=kernels.interpret)
+    if q.ndim == 4:
+        group = q.shape[2] if num_q_heads is None else num_q_heads // q.shape[1]
+        q = q[:, :, :group].reshape(q.shape[0], -1, q.shape[-1])  # [T, Hq, D]
+    elif num_q_heads is not None and num_q_heads != q.shape[1]:
+        raise ValueError(f"num_q_heads {num_q_heads} != the {q.shape[1]} heads of q {q.shape}")
+    impl = "reference" if decode else prefill_kernel(q, k_pool, kernels)
+    if impl == "mosaic":
+        from pallas_kernels.ragged_prefill_mgpu import ragged_prefill_mgpu
 
-            return ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens)
+        return ragged_prefill_mgpu(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens,
+                                   config=kernels.mosaic_prefill, interpret=kernels.interpret)
+    if impl == "triton":
         from pallas_kernels.ragged_prefill import ragged_prefill
 
-        return ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale=k_scale, v_scale=v_scale)
+        return ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale=k_scale, v_scale=v_scale,
+                              block_sizes=kernels.prefill_block_sizes, interpret=kernels.interpret)
     return ragged_prefill_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens,
                                     k_scale=k_scale, v_scale=v_scale)
 
 
-def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, num_q_heads: int,
-                  dtype=None, backend: Backend | None = "auto"):
+def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, dtype=None,
+                  kernels: Kernels = REFERENCE):
     """RoPE on the step's q and k, and its K/V appended to the pool: `kv_write.rope_write_kv`'s meaning.
 
-    qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection, or
-    matmul_unreduced's [S, tokens, ...] float32 partials of it (then `dtype`, the projection's dtype,
-    is required: the partials' sum is rounded to it). Returns (q, k_pool, v_pool, k_scale, v_scale),
-    where q holds the rotated queries in its first num_q_heads heads (pass num_q_heads to
-    ragged_attention). Float pools on the kernel backends ('triton', 'mosaic') take
-    the one-kernel `rope_write_kv_kernel`; int8 pools and the reference backend take RoPE as a fusion and
-    XLA scatters.
+    qkv: [tokens, kv_heads, G + 2, head_dim], the model's fused projection grouped per KV head (G
+    query heads, then k, then v), or matmul_unreduced's [S, tokens, ...] float32 partials of it (then
+    `dtype`, the projection's dtype, is required: the partials' sum is rounded to it). Returns (q,
+    k_pool, v_pool, k_scale, v_scale), q [tokens, kv_heads, Gh, head_dim] holding the rotated queries
+    in the first G of each group (pass num_q_heads to ragged_attention). Float pools under
+    rope_kv_write "pallas" take the one-kernel `rope_write_kv_kernel`; int8 pools and the reference
+    take RoPE as a fusion and XLA scatters.
     """
     from pallas_kernels import kv_write
 
-    backend = resolve_backend(backend, k_pool.shape[-1])
-    if backend in ("triton", "mosaic") and k_pool.dtype != jnp.int8:
-        q, k_pool, v_pool = kv_write.rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping,
-                                                          num_q_heads=num_q_heads, dtype=dtype)
+    if kernels.rope_kv_write == "pallas" and k_pool.dtype != jnp.int8:
+        q, k_pool, v_pool = kv_write.rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, dtype=dtype,
+                                                          interpret=kernels.interpret)
         return q, k_pool, v_pool, None, None
-    return kv_write.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale,
-                                  num_q_heads=num_q_heads, dtype=dtype)
+    return kv_write.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale, dtype=dtype)
 
 
-# Steps up to this many tokens (decode) take the one-kernel add + RMSNorm and the weight-streaming
-# matmul on the kernel backends: as many rows as the skinny matmul takes.
-FUSED_NORM_MAX_TOKENS = SKINNY_MAX_ROWS
-
-
-def _decode_sized_kernel_step(backend: Backend | None, tokens: int) -> bool:
+def _decode_sized_kernel_step(kernels: Kernels, tokens: int) -> bool:
     """Whether a step of `tokens` rows takes the decode-layer kernels (add + norm, unreduced matmul)."""
-    return resolve_backend(backend) in ("triton", "mosaic") and tokens <= FUSED_NORM_MAX_TOKENS
+    return kernels.decode_layer == "pallas" and tokens <= kernels.fused_norm_max_tokens
 
 
-def matmul_unreduced(x: jax.Array, w: jax.Array, *, backend: Backend | None = "auto") -> jax.Array:
+def matmul_unreduced(x: jax.Array, w: jax.Array, *, kernels: Kernels = REFERENCE) -> jax.Array:
     """x [T, K] @ w [K, N] for a consumer that sums split-K partials itself: add_rms_norm (the o and
     down projections, added to the residual stream next) or rope_write_kv (the q/k/v projection).
 
-    Decode steps (T <= FUSED_NORM_MAX_TOKENS) on the kernel backends return the skinny matmul's
-    unreduced split-K partials [S, T, N] float32: the consumer sums them in its one pass, so the sum
-    costs no kernel of its own (XLA's own split-K GEMM runs its sum as a separate ~1.3 us kernel).
-    Otherwise XLA's matmul: [T, N] in x.dtype.
+    Decode-sized steps under decode_layer "pallas" return the skinny matmul's unreduced split-K
+    partials [S, T, N] float32: the consumer sums them in its one pass, so the sum costs no kernel of
+    its own (XLA's split-K GEMM runs its sum as a separate kernel). Otherwise XLA's matmul: [T, N] in
+    x.dtype.
     """
-    if _decode_sized_kernel_step(backend, x.shape[0]):
+    if _decode_sized_kernel_step(kernels, x.shape[0]):
         from pallas_kernels.rms_norm import MAX_PARTS
         from pallas_kernels.skinny_matmul import default_block_sizes, skinny_matmul_partials
 
         # No more partials than the norm kernel sums: a narrow model's defaults split K finer (the
         # tiny preset's 688 x 256 down projection: 43 splits of 16 rows).
-        sizes = default_block_sizes(x.shape[0], x.shape[1], w.shape[1], max_splits=MAX_PARTS)
-        return skinny_matmul_partials(x, w, block_sizes=sizes)
+        sizes = kernels.skinny_block_sizes or default_block_sizes(x.shape[0], x.shape[1], w.shape[1],
+                                                                  max_splits=MAX_PARTS)
+        return skinny_matmul_partials(x, w, block_sizes=sizes, interpret=kernels.interpret)
     return jnp.dot(x, w)
 
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float,
-                 backend: Backend | None = "auto") -> tuple[jax.Array, jax.Array]:
+                 kernels: Kernels = REFERENCE) -> tuple[jax.Array, jax.Array]:
     """(RMSNorm(x + delta) * weight, x + delta) for x, delta [T, D] (delta None: x itself, not added;
     delta [S, T, D] float32: matmul_unreduced's partials, summed first).
 
-    `rms_norm.add_rms_norm`'s meaning (HF Llama's rounding points). Decode steps (T <=
-    FUSED_NORM_MAX_TOKENS) on the kernel backends take the one-pass Pallas kernel, one launch where
-    XLA runs three (the add, the reduction and the scale, each ~1.4 us on an H200 at batch 1); longer
-    steps and the CPU take the reference, which XLA fuses.
+    `rms_norm.add_rms_norm`'s meaning (HF Llama's rounding points). Decode-sized steps under
+    decode_layer "pallas" take the one-pass Pallas kernel, one launch where XLA runs three (the add,
+    the reduction, the scale); other steps take the reference, which XLA fuses.
     """
     from pallas_kernels import rms_norm
 
-    if _decode_sized_kernel_step(backend, x.shape[0]):
+    if _decode_sized_kernel_step(kernels, x.shape[0]):
+        sizes, interpret = kernels.rms_norm_block_sizes, kernels.interpret
         if delta is None:
-            return rms_norm.rms_norm(x, weight, eps=eps), x
-        return rms_norm.add_rms_norm(x, delta, weight, eps=eps)
+            return rms_norm.rms_norm(x, weight, eps=eps, block_sizes=sizes, interpret=interpret), x
+        return rms_norm.add_rms_norm(x, delta, weight, eps=eps, block_sizes=sizes, interpret=interpret)
     if delta is None:
         return rms_norm.rms_norm_reference(x, weight, eps=eps), x
     return rms_norm.add_rms_norm_reference(x, delta, weight, eps=eps)

@@ -1,8 +1,9 @@
 """Appending new tokens' K/V into their rBlocks: one pass over the new tokens.
 
 `write_kv` (XLA scatters; every dtype, int8 with scales) writes K/V as given. `rope_write_kv_kernel`
-(one Pallas kernel, float pools) takes the model's fused q|k|v projection (or the skinny matmul's
-float32 split-K partials of it, summed on the way) and does the step's whole RoPE + KV write: it
+(one Pallas kernel, float pools) takes the model's fused q|k|v projection, grouped per KV head
+([tokens, kv_heads, G + 2, head_dim]: G query heads, then k, then v), or the skinny matmul's float32
+split-K partials of it, summed on the way, and does the step's whole RoPE + KV write: it
 rotates q (returned) and k, and writes the rotated k and v into the pool, so a decode step launches
 one kernel per layer for all of it instead of a partial sum, a RoPE fusion and a writer. Its meaning
 is `rope_write_kv`'s (`apply_rope` then `write_kv`); `pallas_kernels.dispatch.rope_write_kv` picks
@@ -84,11 +85,12 @@ def write_kv(
 
 
 def _rope_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, k_pool_in_ref, v_pool_in_ref, q_ref, k_pool_ref,
-                       v_pool_ref, *, block_size: int, num_q_heads: int, num_kv_heads: int, num_parts: int):
+                       v_pool_ref, *, block_size: int, group: int, num_kv_heads: int, num_parts: int):
     """Program (token, head): q head `head` rotated into q_ref; K/V head `head` (rotated k, v as is)
-    into the token's pool slot. qkv_ref is [T, heads, D], or with num_parts [S, T, heads, D] float32
-    split-K partials, summed first. Rounding as rope_write_kv: the projection rounded to q's dtype,
-    the rotation in float32 rounded to it again, then to the pool's dtype."""
+    into the token's pool slot. qkv_ref is [T, Hkv * (G + 2), D] (the grouped layout, flattened), or
+    with num_parts [S, T, Hkv * (G + 2), D] float32 split-K partials, summed first. Rounding as
+    rope_write_kv: the projection rounded to q's dtype, the rotation in float32 rounded to it again,
+    then to the pool's dtype."""
     del k_pool_in_ref, v_pool_in_ref  # the same buffers as k_pool_ref / v_pool_ref (aliased)
     token, head = pl.program_id(0), pl.program_id(1)
     half = qkv_ref.shape[-1] // 2
@@ -109,9 +111,11 @@ def _rope_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, k_pool_in_ref, v_po
         c, s = cos_ref[token, :], sin_ref[token, :]
         return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
 
+    num_q_heads, stride = num_kv_heads * group, group + 2  # stride: rows of one KV head's group
+
     @pl.when(head < num_q_heads)
     def _():
-        r1, r2 = rotated(head)
+        r1, r2 = rotated((head // group) * stride + head % group)
         q_ref[token, head, lo] = r1
         q_ref[token, head, hi] = r2
 
@@ -120,22 +124,23 @@ def _rope_write_kernel(slots_ref, qkv_ref, cos_ref, sin_ref, k_pool_in_ref, v_po
     @pl.when((head < num_kv_heads) & (slot >= 0))
     def _():
         block, row = slot // block_size, slot % block_size
-        r1, r2 = rotated(num_q_heads + head)
+        r1, r2 = rotated(head * stride + group)
         k_pool_ref[block, head, row, lo] = r1.astype(k_pool_ref.dtype)
         k_pool_ref[block, head, row, hi] = r2.astype(k_pool_ref.dtype)
-        v_head = num_q_heads + num_kv_heads + head  # load() has rounded it to q's dtype already
+        v_head = head * stride + group + 1  # load() has rounded it to q's dtype already
         v_pool_ref[block, head, row, lo] = load(v_head, lo).astype(v_pool_ref.dtype)
         v_pool_ref[block, head, row, hi] = load(v_head, hi).astype(v_pool_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_q_heads", "dtype", "interpret"))
-def _rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, *, num_q_heads: int, dtype, interpret: bool):
-    num_parts = qkv.shape[0] if qkv.ndim == 4 else 0
-    num_tokens, _, head_dim = qkv.shape[-3:]
-    num_kv_heads = k_pool.shape[1]
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def _rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, *, dtype, interpret: bool):
+    num_parts = qkv.shape[0] if qkv.ndim == 5 else 0
+    num_tokens, num_kv_heads, stride, head_dim = qkv.shape[-4:]
+    group = stride - 2
+    num_q_heads = num_kv_heads * group
     whole = pl.no_block_spec
-    return pl.pallas_call(
-        functools.partial(_rope_write_kernel, block_size=k_pool.shape[2], num_q_heads=num_q_heads,
+    q, k_pool, v_pool = pl.pallas_call(
+        functools.partial(_rope_write_kernel, block_size=k_pool.shape[2], group=group,
                           num_kv_heads=num_kv_heads, num_parts=num_parts),
         grid=(num_tokens, max(num_q_heads, num_kv_heads)),
         in_specs=[whole] * 6,
@@ -146,22 +151,24 @@ def _rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, *, num_q_
         compiler_params=compat.triton_compiler_params(num_warps=1, num_stages=1),
         interpret=interpret,
         name="rope_write_kv",
-    )(slot_mapping.astype(jnp.int32), qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), k_pool, v_pool)
+    )(slot_mapping.astype(jnp.int32), qkv.reshape(*qkv.shape[:-3], num_kv_heads * stride, head_dim),
+      cos.astype(jnp.float32), sin.astype(jnp.float32), k_pool, v_pool)  # the reshape is free: contiguous
+    return q.reshape(num_tokens, num_kv_heads, group, head_dim), k_pool, v_pool
 
 
-def _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads: int) -> None:
-    """qkv [tokens, num_q_heads + 2 kv_heads, head_dim] (or [S, ...] float32 split-K partials);
+def _check_qkv(k_pool, qkv, cos, sin, slot_mapping) -> None:
+    """qkv [tokens, kv_heads, G + 2, head_dim] (or [S, ...] float32 split-K partials), G >= 1;
     cos, sin [tokens, head_dim // 2]."""
     num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[3]
-    want = (num_q_heads + 2 * num_kv_heads, head_dim)
-    if qkv.ndim not in (3, 4) or qkv.shape[-2:] != want:
-        raise ValueError(f"qkv shape {qkv.shape} != ([parts,] tokens, {want[0]}, {head_dim}): num_q_heads "
-                         f"{num_q_heads} + 2 x {num_kv_heads} KV heads of the pool")
-    if qkv.ndim == 4 and qkv.dtype != jnp.float32:
-        raise ValueError(f"qkv as split-K partials ([parts, tokens, heads, head_dim]) must be float32, got {qkv.dtype}")
+    if qkv.ndim not in (4, 5) or qkv.shape[-3] != num_kv_heads or qkv.shape[-2] < 3 or qkv.shape[-1] != head_dim:
+        raise ValueError(f"qkv shape {qkv.shape} != ([parts,] tokens, {num_kv_heads}, G + 2, {head_dim}) with G >= 1: "
+                         f"the {num_kv_heads} KV heads of the pool, each with its G query heads, k and v")
+    if qkv.ndim == 5 and qkv.dtype != jnp.float32:
+        raise ValueError(f"qkv as split-K partials ([parts, tokens, kv_heads, G + 2, head_dim]) must be float32, "
+                         f"got {qkv.dtype}")
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for RoPE")
-    tokens = qkv.shape[-3]
+    tokens = qkv.shape[-4]
     for name, table in (("cos", cos), ("sin", sin)):
         if table.shape != (tokens, head_dim // 2):
             raise ValueError(f"{name} shape {table.shape} != (tokens, head_dim // 2) = ({tokens}, {head_dim // 2})")
@@ -169,31 +176,33 @@ def _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads: int) -> None:
         raise ValueError(f"slot_mapping shape {slot_mapping.shape} != (num_tokens,) = ({tokens},)")
 
 
-def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, num_q_heads: int,
-                  dtype=None):
+def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, dtype=None):
     """The reference for rope_write_kv_kernel, every pool dtype: apply_rope to q and k, then write_kv.
 
-    qkv: [tokens, heads, head_dim], or [S, tokens, heads, head_dim] float32 split-K partials of the
-    projection (summed and rounded to `dtype` first, as the projection's output would be). dtype: q's
-    dtype (default qkv's; needed with partials). Returns (q, k_pool, v_pool, k_scale, v_scale); q is
-    [tokens, num_q_heads + kv_heads, head_dim], the rotated q|k, whose first num_q_heads heads are the
-    queries (the decode kernel reads them in place).
+    qkv: [tokens, kv_heads, G + 2, head_dim] (per KV head: G query heads, k, v), or [S, ...] float32
+    split-K partials of the projection (summed and rounded to `dtype` first, as the projection's output
+    would be). dtype: q's dtype (default qkv's; needed with partials). Returns (q, k_pool, v_pool,
+    k_scale, v_scale); q is [tokens, kv_heads, G + 1, head_dim], the rotated q|k of each group, whose
+    first G heads are the queries (the decode kernel reads them in place).
     """
-    _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
+    _check_qkv(k_pool, qkv, cos, sin, slot_mapping)
     dtype = _projection_dtype(qkv, dtype)
-    if qkv.ndim == 4:
+    if qkv.ndim == 5:
         qkv = jnp.sum(qkv, axis=0)  # float32, then rounded as the projection's output would be
     qkv = qkv.astype(dtype)
-    k_end = num_q_heads + k_pool.shape[1]
-    qk = apply_rope(qkv[:, :k_end], cos, sin)
-    return (qk, *write_kv(k_pool, v_pool, qk[:, num_q_heads:], qkv[:, k_end:], slot_mapping, k_scale, v_scale))
+    tokens, num_kv_heads, stride, head_dim = qkv.shape
+    group = stride - 2
+    # apply_rope takes [T, heads, D]: the group axes flattened and back (free reshapes).
+    qk = apply_rope(qkv[:, :, :group + 1].reshape(tokens, -1, head_dim), cos, sin)
+    qk = qk.reshape(tokens, num_kv_heads, group + 1, head_dim)
+    return (qk, *write_kv(k_pool, v_pool, qk[:, :, group], qkv[:, :, group + 1], slot_mapping, k_scale, v_scale))
 
 
 def _projection_dtype(qkv, dtype):
     """The dtype q and the projection are rounded to: `dtype`, or qkv's own when it is not partials."""
     if dtype is not None:
         return jnp.dtype(dtype)
-    if qkv.ndim == 4:
+    if qkv.ndim == 5:
         raise ValueError("qkv as split-K partials needs the projection's dtype")
     return qkv.dtype
 
@@ -206,7 +215,6 @@ def rope_write_kv_kernel(
     sin: jax.Array,
     slot_mapping: jax.Array,
     *,
-    num_q_heads: int,
     dtype=None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -214,22 +222,23 @@ def rope_write_kv_kernel(
 
     Args:
       k_pool, v_pool: [num_blocks, kv_heads, block_size, head_dim], float.
-      qkv: [tokens, num_q_heads + 2 kv_heads, head_dim], the model's fused projection (q, k, v heads),
-        or [S, tokens, ...] float32 split-K partials of it (the skinny matmul's), summed in the kernel.
+      qkv: [tokens, kv_heads, G + 2, head_dim], the model's fused projection grouped per KV head (its G
+        query heads, then k, then v; read in place), or [S, tokens, ...] float32 split-K partials of it
+        (the skinny matmul's), summed in the kernel.
       cos, sin: [tokens, head_dim // 2] float32, each token's angles (jaxllm.model.rope.rope_tables).
       slot_mapping: [tokens] int32, `block_id * block_size + row`, distinct and inside the pool (the
         allocator guarantees both); negative entries (padding tokens) write nothing.
       dtype: q's dtype, what the projection is rounded to (default qkv's; needed with partials).
 
-    Returns (q [tokens, num_q_heads, head_dim] rotated, k_pool, v_pool): the same values as
-    rope_write_kv's first num_q_heads heads and pools (to float32 rounding inside the rotation). In
+    Returns (q [tokens, kv_heads, G, head_dim] rotated, k_pool, v_pool): the same values as the first
+    G heads of each group of rope_write_kv's q, and its pools (to float32 rounding inside the rotation). In
     place under a jit that donates the pools (the model step); called eagerly it returns updated copies.
     """
     if k_pool.dtype == jnp.int8:
         raise ValueError("rope_write_kv_kernel writes float pools; int8 pools (with scales) go through rope_write_kv")
     if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"v_pool {v_pool.shape} {v_pool.dtype} != k_pool {k_pool.shape} {k_pool.dtype}")
-    _check_qkv(k_pool, qkv, cos, sin, slot_mapping, num_q_heads)
+    _check_qkv(k_pool, qkv, cos, sin, slot_mapping)
     interpret = compat.default_interpret(interpret)
-    return tuple(_rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, num_q_heads=num_q_heads,
+    return tuple(_rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping,
                                        dtype=_projection_dtype(qkv, dtype), interpret=interpret))

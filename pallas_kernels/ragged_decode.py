@@ -6,8 +6,8 @@ batch of one 500K sequence and a batch of mixed 1K..500K lengths both spread eve
 and no program touches padding); the grid runs over `(work item, kv_head)` and each program works
 out its own item from kv_lens. Each program reads its rBlocks straight from the pool through the
 block table (nothing is gathered, copied or transposed), processes all query heads of one KV head's
-group together (one read of K and V per group; the query rows are read in place, from a q that may
-hold more heads than it uses), and either writes the result (a sequence with one item) or a
+group together (one read of K and V per group; the group's query rows are read in place, from a q
+grouped per KV head that may hold more rows a group than it uses: the model's rotated q|k), and either writes the result (a sequence with one item) or a
 partial `(out, row_max, row_sum)`; the last program of a sequence and head to finish (an atomic
 arrival counter) merges that sequence's partials exactly with `residuals.merge_run` and writes the
 output in the layout the output projection reads.
@@ -175,7 +175,7 @@ def _int8_to_float16(x: jax.Array) -> jax.Array:
 def _decode_kernel(
     kv_lens_ref,  # [num_seqs] int32
     block_tables_ref,  # [num_seqs, max_blocks]
-    q_ref,  # [num_seqs * q_heads_held, head_dim] (the first num_q_heads of each sequence's heads are used)
+    q_ref,  # [num_seqs * num_kv_heads * group_held, head_dim] (the first `group` rows of each KV head's are used)
     k_ref,  # [num_blocks, num_kv_heads, block_size, head_dim]
     v_ref,  # [num_blocks, num_kv_heads, block_size, head_dim]
     *refs,  # (k_scale_ref, v_scale_ref [num_blocks, num_kv_heads, block_size])?, counters_in_ref (aliased),
@@ -192,7 +192,7 @@ def _decode_kernel(
     merged_rows: int,
     num_seqs: int,
     seqs_pow2: int,
-    q_heads_held: int,
+    group_held: int,
     block_sizes: DecodeBlockSizes,
     interpret: bool,
 ):
@@ -210,7 +210,7 @@ def _decode_kernel(
     rows = jnp.arange(group_rows, dtype=jnp.int32)
     real = rows < group
     # This group's query rows of q: tl.dot needs >= 16 rows, the rest are masked (never read).
-    first_q_row = seq * q_heads_held + head * group
+    first_q_row = (seq * num_kv_heads + head) * group_held
     first_row = (seq * num_kv_heads + head) * group  # of the outputs [S * Hq, ...]
 
     def write_final(out, m, l, n_rows):  # out normalised [n_rows, D]; rows >= group are not this group's
@@ -284,8 +284,8 @@ def _decode_kernel(
                                              "interpret"))
 def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *, num_q_heads, sm_scale,
                    return_residuals, block_sizes, interpret):
-    num_seqs, q_heads_held, head_dim = q.shape
-    _, num_kv_heads, block_size, _ = k_pool.shape
+    num_seqs, num_kv_heads, group_held, head_dim = q.shape
+    block_size = k_pool.shape[2]
     group = num_q_heads // num_kv_heads
     group_rows = max(MIN_DOT_ROWS, 1 << (group - 1).bit_length())
     merged_rows = 1 << (group - 1).bit_length()  # Triton loads power-of-two shapes
@@ -299,7 +299,7 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, tile=tile, block_size=block_size,
                                quantized=quantized, compute_dtype=compute_dtype, group=group, group_rows=group_rows,
                                merged_rows=merged_rows, num_seqs=num_seqs,
-                               seqs_pow2=1 << (num_seqs - 1).bit_length(), q_heads_held=q_heads_held,
+                               seqs_pow2=1 << (num_seqs - 1).bit_length(), group_held=group_held,
                                block_sizes=block_sizes,
                                interpret=interpret)
     scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
@@ -326,7 +326,7 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
         compiler_params=compat.triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="ragged_decode",
-    )(kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q.reshape(num_seqs * q_heads_held, head_dim), k_pool,
+    )(kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), q.reshape(-1, head_dim), k_pool,
       v_pool, *scales, counters)
 
     out = out.reshape(num_seqs, num_q_heads, head_dim)
@@ -353,7 +353,9 @@ def ragged_decode(
     """Decode attention of one query token per sequence over its KV in the rBlock pool.
 
     Args:
-      q: [num_seqs, heads, head_dim] (float32, bfloat16 or float16), heads >= num_q_heads.
+      q: [num_seqs, num_q_heads, head_dim] (float32, bfloat16 or float16), or grouped per KV head
+        [num_seqs, num_kv_heads, group_held, head_dim] of which the first num_q_heads // num_kv_heads
+        of each group are the queries (the model's rotated q|k, read in place: no slice, no copy).
       k_pool, v_pool: [num_blocks, num_kv_heads, block_size, head_dim] (float, or int8 with scales);
         block_size a multiple of 16; num_q_heads a multiple of num_kv_heads (MHA, GQA, MQA).
       block_tables: [num_seqs, max_blocks_per_seq] int32 rBlock ids.
@@ -362,22 +364,34 @@ def ragged_decode(
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       return_residuals: also return the row max and row sum of exponentials.
       block_sizes: kernel schedule (default: default_block_sizes(k_pool.dtype)).
-      num_q_heads: use only the first num_q_heads heads of q (default all): q may be the model's fused
-        q|k projection after RoPE, read in place.
+      num_q_heads: query heads (default all of q's: num_kv_heads x group_held for a grouped q).
       interpret: run the kernel in the Pallas interpreter; None means on unless on a GPU.
 
     Returns:
-      out [num_seqs, num_q_heads, head_dim] in q.dtype, and with residuals
+      out [num_seqs, num_q_heads, head_dim] in q.dtype (head h = kv_head * group + g), and with residuals
       `(out, (row_max, row_sum))`, each [num_seqs, num_q_heads] float32 (-inf and 0 where kv_len is 0).
     """
-    heads_held = q.shape[1] if q.ndim == 3 else None
-    if num_q_heads is None:
-        num_q_heads = heads_held
-    elif heads_held is None or not 1 <= num_q_heads <= heads_held:
-        raise ValueError(f"num_q_heads {num_q_heads} must be in [1, heads of q]; q is {q.shape}")
-    # The checks see only the heads used (an eager slice would copy q).
-    used = q if heads_held is None else jax.ShapeDtypeStruct((q.shape[0], num_q_heads, q.shape[2]), q.dtype)
+    num_kv_heads = k_pool.shape[1] if k_pool.ndim == 4 else None
+    if q.ndim == 4:
+        if q.shape[1] != num_kv_heads:
+            raise ValueError(f"grouped q {q.shape} must be [num_seqs, num_kv_heads, group_held, head_dim] with the "
+                             f"pool's {num_kv_heads} KV heads")
+        held = q.shape[1] * q.shape[2]
+        if num_q_heads is None:
+            num_q_heads = held
+        elif not (1 <= num_q_heads <= held and num_q_heads % num_kv_heads == 0):
+            raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of the {num_kv_heads} KV heads, at "
+                             f"most the {held} rows of q {q.shape}")
+        # The checks see only the heads used (an eager slice would copy q).
+        used = jax.ShapeDtypeStruct((q.shape[0], num_q_heads, q.shape[3]), q.dtype)
+    else:
+        if num_q_heads is not None and (q.ndim != 3 or num_q_heads != q.shape[1]):
+            raise ValueError(f"num_q_heads {num_q_heads} != the heads of q {q.shape}")
+        used = q
     check_ragged_decode_args(used, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale)
+    num_q_heads = used.shape[1]
+    if q.ndim == 3:  # [S, Hq, D] is [S, Hkv, G, D]: a free reshape
+        q = q.reshape(q.shape[0], num_kv_heads, num_q_heads // num_kv_heads, q.shape[2])
     interpret = compat.default_interpret(interpret)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5

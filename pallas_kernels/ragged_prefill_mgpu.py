@@ -88,13 +88,16 @@ def _unsupported_reason(q: jax.Array, k_pool: jax.Array, config: MosaicPrefillCo
     return None
 
 
+def mgpu_shapes_supported(q: jax.Array, k_pool: jax.Array, config: MosaicPrefillConfig | None = None) -> bool:
+    """True when this kernel takes these shapes and dtypes (bf16/fp16 q and KV of one dtype, head_dim
+    64 or 128, an rBlock size that is a multiple of block_kv); asks nothing of the device."""
+    return k_pool.ndim == 4 and _unsupported_reason(q, k_pool, config or MosaicPrefillConfig()) is None
+
+
 def mgpu_supported(q: jax.Array, k_pool: jax.Array, config: MosaicPrefillConfig | None = None) -> bool:
-    """True when this kernel runs these inputs here: a Hopper GPU (wgmma), bf16/fp16 q and KV of one
-    dtype, head_dim 64 or 128, and an rBlock size that is a multiple of block_kv."""
-    config = config or MosaicPrefillConfig()
+    """True when this kernel runs these inputs here: a Hopper GPU (wgmma) and mgpu_shapes_supported."""
     cc = compat.gpu_compute_capability()
-    return (cc is not None and cc[0] == 9 and k_pool.ndim == 4
-            and _unsupported_reason(q, k_pool, config) is None)
+    return cc is not None and cc[0] == 9 and mgpu_shapes_supported(q, k_pool, config)
 
 
 def _work_list(cu_q_lens, kv_lens, block_tables, num_tokens: int, tile_q: int, block_kv: int,

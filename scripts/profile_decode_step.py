@@ -117,18 +117,13 @@ def profile(llm, context: int, reps: int) -> dict:
     sampled = runner.step(plan)
     row["scheduler_ms"] = _median_ms(lambda: (scheduler.update(plan, sampled, eos_id=-1), scheduler.plan()), 1)
     # Re-run one fixed decode step (it rewrites the same KV slot each time: fine for timing).
-    decode, tokens, positions, tables, kv_lens, cu, slots = runner._pad(plan)
-    s_pad = len(kv_lens)
-    sampling = (np.zeros(s_pad, np.float32), np.zeros(s_pad, np.int32), np.ones(s_pad, np.float32),
-                np.zeros(s_pad, np.int32))
-    args = [jax.device_put(a) for a in (tokens, positions, tables, kv_lens, cu, slots)]
-    sampling = tuple(jax.device_put(a) for a in sampling)
+    decode = plan.is_decode
+    inputs = jax.device_put(runner.step_inputs(plan))  # the sequence is greedy: so are its sampling arrays
+    s_pad = inputs.num_seqs
 
     def call():
         # The sequence is greedy, so the engine runs the argmax-only decode variant: time that one.
-        out, runner.kv_cache = runner._step(runner.state, runner.kv_cache, *args, sampling, decode=decode,
-                                            greedy=decode)
-        return out
+        return runner.run_step(decode, inputs, greedy=decode)
 
     call().block_until_ready()
     t = time.perf_counter()
@@ -151,8 +146,9 @@ def profile(llm, context: int, reps: int) -> dict:
             q = q + jnp.bfloat16(1e-3)
         return acc
 
-    attention_32(q, layer.k, layer.v, args[2], args[3]).block_until_ready()
-    row["attention_ms"] = _median_ms(lambda: attention_32(q, layer.k, layer.v, args[2], args[3]).block_until_ready(),
+    tables, kv_lens = inputs.block_tables, inputs.kv_lens
+    attention_32(q, layer.k, layer.v, tables, kv_lens).block_until_ready()
+    row["attention_ms"] = _median_ms(lambda: attention_32(q, layer.k, layer.v, tables, kv_lens).block_until_ready(),
                                      reps)
     scheduler.cancel(seq)
     return row

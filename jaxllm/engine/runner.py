@@ -1,4 +1,4 @@
-"""The one engine module that touches jax: pads step plans to shape buckets and runs jitted steps.
+"""The one engine module that runs jax: pads step plans to shape buckets and runs the jitted steps of step.py.
 
 Shapes come from a small set of buckets, so a long-running server compiles a bounded number of
 step functions, all of them at warm-up: a decode step is shaped by its sequence count alone (a
@@ -9,7 +9,8 @@ skips sampling's full-vocabulary sort (on an H200 the sampler's kernels take 70 
 step at 1 / 8 / 64 rows, the argmax 5 / 6 / 9: scripts/bench_sampling.py,
 benchmarks/results/nvidia-h200-2026-11-24-1114-sampling.json); prefill steps always carry the sampler, so warm-up compiles one more
 function per decode bucket only. Every trace of a step function (a cache miss, hence a compile) is
-counted in `compile_count`.
+counted in `compile_count`. Each bucket's step runs the `Kernels` that `kernels_for` names (today
+one resolved from the backend name at construction; a tuner will choose per bucket).
 
 `dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode step can
 take its input tokens straight from the previous step's device output, so the host can queue step
@@ -18,38 +19,38 @@ N+1 while step N runs instead of leaving the device idle during every dispatch.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.engine.kv_cache import AttentionBatch, KVCache
-from jaxllm.model.llama import Llama
-from jaxllm.engine.sampling import greedy_tokens, sample_tokens
+from jaxllm.engine.kv_cache import KVCache
 from jaxllm.engine.scheduler import StepPlan
+from jaxllm.engine.step import (StepInputs, bucket, decode_step, inert_step_inputs, logits_step, make_step_inputs,
+                                padded_sizes, prefill_step)
+from jaxllm.model.llama import Llama
 from pallas_kernels import compat
+from pallas_kernels.dispatch import Kernels, default_kernels
 
-
-def bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum, 1)
-    return 1 << (n - 1).bit_length()
+__all__ = ["InFlight", "Runner", "bucket"]
 
 
 class InFlight:
     """A dispatched step: its plan and its sampled tokens, still on the device until `tokens()`."""
 
-    def __init__(self, plan: StepPlan, device_tokens: jax.Array, sampling: tuple, greedy: bool = False):
+    def __init__(self, plan: StepPlan, device_tokens: jax.Array, inputs: StepInputs, greedy: bool = False):
         self.plan = plan
         self.greedy = greedy  # ran the greedy-only step variant (every sequence at temperature 0)
         self.device_tokens = device_tokens  # [padded sequences] int32
-        self.sampling = sampling  # (temperature, top_k, top_p, seeds), each [padded sequences], on the device
+        self.inputs = inputs  # the step's inputs; its sampling arrays are on the device
         self._host: np.ndarray | None = None
 
     def tokens(self) -> np.ndarray:
         """The sampled token of every sequence in the plan ([S] int32); waits for the device."""
         if self._host is None:
-            self._host = np.asarray(self.device_tokens)[:len(self.plan.seqs)]
+            self._host = np.asarray(self.device_tokens)[:self.plan.num_seqs]
         return self._host
 
 
@@ -57,11 +58,13 @@ class Runner:
     """Holds the model's state and the KV pool; runs one step at a time."""
 
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int,
-                 table_width: int, backend: str = "auto", min_tokens: int = 8):
+                 table_width: int, backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.kv_cache = kv_cache
         self.backend = backend
+        # Resolved once, here: inside the trace no backend name is read and no device is asked.
+        self.kernels = kernels or default_kernels(backend, head_dim=model.config.head_dim)
         self.min_tokens = min_tokens
         self.max_seqs = max_seqs
         self.max_tokens_per_step = max_tokens_per_step
@@ -70,84 +73,51 @@ class Runner:
         self.compile_count = 0
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("decode", "greedy"))
-        self._logits = jax.jit(self._logits_impl, donate_argnums=(1,))
+        # graphdef is static (hashable), the pool (argument 2) donated so each step updates it in place.
+        jit = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+        self.decode_step = jit(self._counted(decode_step), static_argnames=("kernels", "greedy"))
+        self.prefill_step = jit(self._counted(prefill_step), static_argnames=("kernels",))
+        self.logits_step = jit(self._counted(logits_step), static_argnames=("kernels",))
+
+    def _counted(self, fn):
+        """fn, counting its traces (each a cache miss, hence a compile) in compile_count."""
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            self.compile_count += 1
+            return fn(*args, **kwargs)
+        return traced
 
     @property
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
-    # ----- traced bodies (a Python side effect here runs once per compile) -----
+    def kernels_for(self, decode: bool, padded_size: int) -> Kernels:
+        """The kernels a step of this bucket runs (`padded_size`: sequences for decode, tokens for prefill)."""
+        del decode, padded_size  # one choice for every bucket until the tuner supplies them
+        return self.kernels
 
-    def _forward(self, state, kv_cache, tokens, positions, batch):
-        model = nnx.merge(self.graphdef, state)
-        hidden, kv_cache = model(tokens, positions, kv_cache, batch, backend=self.backend)
-        return model, hidden, kv_cache
+    def padded_sizes(self, decode: bool, size: int) -> tuple[int, int]:
+        """(tokens, sequences) a step of `size` (sequences for decode, tokens for prefill) is padded to:
+        make_step_inputs follows it, and bucket_shapes lists the sizes it rounds to, so warm-up compiles
+        exactly the shapes serving meets."""
+        return padded_sizes(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
 
-    def _step_impl(self, state, kv_cache, tokens, positions, block_tables, kv_lens, cu_q_lens, slot_mapping,
-                   sample_params, *, decode: bool, greedy: bool = False):
-        self.compile_count += 1
-        batch = AttentionBatch(block_tables, kv_lens, cu_q_lens, slot_mapping, decode=decode)
-        model, hidden, kv_cache = self._forward(state, kv_cache, tokens, positions, batch)
-        last = jnp.maximum(cu_q_lens[1:] - 1, 0)  # each sequence's last query token
-        logits = model.logits(hidden[last])  # [S, vocab]
-        if greedy:  # every row has temperature 0: sample_tokens would return this argmax too
-            return greedy_tokens(logits), kv_cache
-        temperature, top_k, top_p, seeds = sample_params
-        next_tokens = sample_tokens(logits, temperature, top_k, top_p, seeds, kv_lens)
-        return next_tokens, kv_cache
+    def step_inputs(self, plan: StepPlan) -> StepInputs:
+        """The plan padded to this runner's bucket for it (host arrays)."""
+        return make_step_inputs(plan, min_tokens=self.min_tokens, seq_cap=self.seq_cap, table_width=self.table_width)
 
-    def _logits_impl(self, state, kv_cache, tokens, positions, block_tables, kv_lens, cu_q_lens, slot_mapping):
-        self.compile_count += 1
-        batch = AttentionBatch(block_tables, kv_lens, cu_q_lens, slot_mapping, decode=False)
-        model, hidden, kv_cache = self._forward(state, kv_cache, tokens, positions, batch)
-        return model.logits(hidden), kv_cache
-
-    # ----- padding to buckets -----
-
-    def _padded_sizes(self, decode: bool, size: int) -> tuple[int, int]:
-        """(tokens, sequences) a step is padded to: `size` is its sequence count (decode) or token count.
-
-        The one bucket rule: _pad follows it, and bucket_shapes (which warm-up compiles) lists the sizes
-        it rounds to, so warm-up compiles exactly the shapes serving meets.
-        """
+    def run_step(self, decode: bool, inputs: StepInputs, *, greedy: bool = False) -> jax.Array:
+        """Run one jitted step on padded inputs, updating the KV pool; returns the sampled tokens
+        [padded sequences] int32 on the device (not waited for)."""
+        size = inputs.num_seqs if decode else inputs.num_tokens
+        kernels = self.kernels_for(decode, size)
         if decode:
-            s_pad = bucket(size, 1)
-            return s_pad, s_pad
-        t_pad = bucket(size, self.min_tokens)
-        return t_pad, min(t_pad, self.seq_cap)
-
-    @staticmethod
-    def _default_sampling(s_pad: int):
-        """Greedy parameters for s_pad rows (padding rows keep them)."""
-        return (np.zeros(s_pad, np.float32), np.zeros(s_pad, np.int32), np.ones(s_pad, np.float32),
-                np.zeros(s_pad, np.int32))
-
-    def _pad(self, plan: StepPlan):
-        num_seqs, num_tokens = len(plan.seqs), plan.num_tokens
-        decode = plan.is_decode
-        t_pad, s_pad = self._padded_sizes(decode, num_seqs if decode else num_tokens)
-        w_pad = self.table_width
-        if plan.block_tables.shape[1] > w_pad or num_seqs > s_pad:
-            raise ValueError(f"step plan of {num_seqs} sequences x {plan.block_tables.shape[1]} rBlocks exceeds the "
-                             f"runner's limits ({s_pad} x {w_pad})")
-        tokens = np.zeros(t_pad, np.int32)
-        tokens[:num_tokens] = plan.token_ids
-        positions = np.zeros(t_pad, np.int32)
-        positions[:num_tokens] = plan.positions
-        slots = np.full(t_pad, -1, np.int32)  # padding tokens write nowhere
-        slots[:num_tokens] = plan.slot_mapping
-        tables = np.zeros((s_pad, w_pad), np.int32)
-        tables[:num_seqs, :plan.block_tables.shape[1]] = plan.block_tables
-        kv_lens = np.zeros(s_pad, np.int32)
-        kv_lens[:num_seqs] = plan.kv_lens
-        cu = np.full(s_pad + 1, num_tokens, np.int32)  # padding sequences have no query tokens
-        cu[:num_seqs + 1] = plan.cu_q_lens
-        if decode:
-            # Keep cu == arange for the decode kernel's contract: padded sequences get one padding token
-            # each, with kv_len 0, so they attend to nothing.
-            cu = np.arange(s_pad + 1, dtype=np.int32)
-        return decode, tokens, positions, tables, kv_lens, cu, slots
+            tokens, self.kv_cache = self.decode_step(self.graphdef, self.state, self.kv_cache, inputs,
+                                                     kernels=kernels, greedy=greedy)
+        else:
+            tokens, self.kv_cache = self.prefill_step(self.graphdef, self.state, self.kv_cache, inputs,
+                                                      kernels=kernels)
+        return tokens
 
     # ----- public -----
 
@@ -159,44 +129,37 @@ class Runner:
         device, becomes this step's input tokens, so step N+1 is queued before step N's tokens reach the
         host. Both are decode steps of the same sequence count, hence the same padded size.
         """
-        decode, tokens, positions, tables, kv_lens, cu, slots = self._pad(plan)
-        s_pad = len(kv_lens)
+        decode = plan.is_decode
+        inputs = self.step_inputs(plan)
         if token_source is not None:
             src = token_source.plan
-            if not (decode and src.is_decode and len(src.seqs) == len(plan.seqs)
-                    and all(a is b for a, b in zip(src.seqs, plan.seqs))):
+            if not (decode and src.is_decode and np.array_equal(src.seq_ids, plan.seq_ids)):
                 raise ValueError("token_source must be a decode step of the same sequences, in the same order, "
-                                 f"as the step it feeds ({len(src.seqs)} vs {len(plan.seqs)} sequences)")
-            tokens = token_source.device_tokens
-            sampling = token_source.sampling  # same sequences, same order: same parameters
+                                 f"as the step it feeds ({src.num_seqs} vs {plan.num_seqs} sequences)")
+            prev = token_source.inputs  # same sequences, same order: same sampling parameters, on the device
+            inputs = dataclasses.replace(inputs, tokens=token_source.device_tokens, temperature=prev.temperature,
+                                         top_k=prev.top_k, top_p=prev.top_p, seed=prev.seed)
             greedy = token_source.greedy
         else:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
-            sampling, all_greedy = self._sampling(plan, s_pad)
-            greedy = decode and all_greedy
-        next_tokens, self.kv_cache = self._step(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu,
-                                                slots, sampling, decode=decode, greedy=greedy)
-        return InFlight(plan, next_tokens, sampling, greedy)
+            # Padding rows are greedy, so "no row samples" is "every sequence is greedy".
+            greedy = decode and not np.any(plan.temperature > 0)
+            # On the device once, so the continuation steps that reuse them transfer nothing.
+            inputs = dataclasses.replace(inputs, **dict(zip(("temperature", "top_k", "top_p", "seed"), jax.device_put(
+                (inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed)))))
+        next_tokens = self.run_step(decode, inputs, greedy=greedy)
+        return InFlight(plan, next_tokens, inputs, greedy)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
         return self.dispatch(plan).tokens()
 
-    @classmethod
-    def _sampling(cls, plan: StepPlan, s_pad: int):
-        temperature, top_k, top_p, seeds = cls._default_sampling(s_pad)
-        for i, seq in enumerate(plan.seqs):
-            p = seq.params
-            temperature[i], top_k[i], top_p[i], seeds[i] = p.temperature, p.top_k, p.top_p, p.seed
-        # On the device once, so the continuation steps that reuse them transfer nothing. Padding rows
-        # are greedy, so "no row samples" is "every sequence is greedy".
-        return jax.device_put((temperature, top_k, top_p, seeds)), not np.any(temperature > 0)
-
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
-        _, tokens, positions, tables, kv_lens, cu, slots = self._pad(plan)
-        out, self.kv_cache = self._logits(self.state, self.kv_cache, tokens, positions, tables, kv_lens, cu, slots)
+        inputs = self.step_inputs(plan)
+        out, self.kv_cache = self.logits_step(self.graphdef, self.state, self.kv_cache, inputs,
+                                              kernels=self.kernels_for(False, inputs.num_tokens))
         return np.asarray(out)[:plan.num_tokens]
 
     def bucket_shapes(self) -> list[tuple[bool, int, bool]]:
@@ -218,17 +181,7 @@ class Runner:
         shapes = self.bucket_shapes()
         with Progress(len(shapes), "warm-up compiles", enabled=progress) as bar:
             for decode, size, greedy in shapes:
-                tokens, self.kv_cache = self._step(self.state, self.kv_cache, *self._warm_up_args(decode, size),
-                                                   decode=decode, greedy=greedy)
-                tokens.block_until_ready()
+                t_pad, s_pad = self.padded_sizes(decode, size)  # size is a bucket already: t_pad == size
+                self.run_step(decode, inert_step_inputs(decode, t_pad, s_pad, self.table_width),
+                              greedy=greedy).block_until_ready()
                 bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}")
-
-    def _warm_up_args(self, decode: bool, size: int):
-        # Real shapes, inert values: every token's slot is -1 (nothing written) and every kv_len 0.
-        t_pad, s_pad = self._padded_sizes(decode, size)  # size is a bucket already: t_pad == size
-        tokens = np.zeros(t_pad, np.int32)
-        slots = np.full(t_pad, -1, np.int32)
-        tables = np.zeros((s_pad, self.table_width), np.int32)
-        kv_lens = np.zeros(s_pad, np.int32)
-        cu = np.arange(s_pad + 1, dtype=np.int32) if decode else np.zeros(s_pad + 1, np.int32)
-        return tokens, tokens.copy(), tables, kv_lens, cu, slots, self._default_sampling(s_pad)

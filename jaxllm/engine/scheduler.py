@@ -68,15 +68,17 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[:end - split]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class StepPlan:
-    """One step's work as numpy arrays (unpadded; the runner pads them to a bucket).
+    """One step's work as plain numpy arrays and ids (unpadded; step.make_step_inputs pads them to a bucket).
 
-    token_ids, positions, slot_mapping: [T]; cu_q_lens [S+1]; kv_lens [S]; block_tables [S, W];
-    sample [S] bool: the chunk ends at the sequence's last token, so its logits sample a new one.
+    seq_ids [S] int64 (the scheduler maps them back to its sequences); token_ids, positions,
+    slot_mapping: [T] int32; cu_q_lens [S+1]; kv_lens [S]; block_tables [S, W]; sample [S] bool: the
+    chunk ends at the sequence's last token, so its logits sample a new one. temperature, top_p [S]
+    float32, top_k, seed [S] int32: each sequence's SamplingParams.
     """
 
-    seqs: list[Sequence]
+    seq_ids: np.ndarray
     token_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
@@ -84,10 +86,30 @@ class StepPlan:
     kv_lens: np.ndarray
     block_tables: np.ndarray
     sample: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seed: np.ndarray
+
+    def __post_init__(self):
+        s, t = len(self.seq_ids), len(self.token_ids)
+        for name, n in (("positions", t), ("slot_mapping", t), ("cu_q_lens", s + 1), ("kv_lens", s),
+                        ("block_tables", s), ("sample", s), ("temperature", s), ("top_k", s), ("top_p", s),
+                        ("seed", s)):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"StepPlan.{name} has {len(getattr(self, name))} rows, want {n} "
+                                 f"({s} sequences, {t} tokens)")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == len(self.seqs)
+        return len(self.token_ids) == len(self.seq_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +138,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first
         self.cached_tokens = 0  # tokens whose KV came from the prefix cache, all admissions together
         self._ids = itertools.count()
+        self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id: what a plan's ids name
 
     # ----- requests -----
 
@@ -123,7 +146,12 @@ class Scheduler:
             ) -> Sequence:
         seq = Sequence(next(self._ids), list(prompt_ids), params, max_len, reuse_prefix=reuse_prefix)
         self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
         return seq
+
+    def sequence(self, seq_id: int) -> Sequence | None:
+        """The waiting or running sequence with this id (a plan's seq_ids), None once it has finished."""
+        return self._live.get(int(seq_id))
 
     def cancel(self, seq: Sequence) -> None:
         self._finish(seq, "cancelled")
@@ -182,11 +210,11 @@ class Scheduler:
         tokens and counters change in `update` alone, so dropping the returned step unrecorded
         leaves the scheduler consistent (plan() would then recompute the token).
         """
-        seqs = prev.seqs
-        if self.waiting or not prev.is_decode or not bool(np.all(prev.sample)) or len(seqs) != len(self.running):
+        if self.waiting or not prev.is_decode or not bool(np.all(prev.sample)) or len(prev) != len(self.running):
             return None
+        seqs = [self.sequence(i) for i in prev.seq_ids]
         for i, seq in enumerate(seqs):
-            if seq.status is not Status.RUNNING or int(prev.kv_lens[i]) != seq.num_tokens:
+            if seq is None or seq.status is not Status.RUNNING or int(prev.kv_lens[i]) != seq.num_tokens:
                 return None  # finished, or prev's result is already recorded: not the step to continue
             if len(seq.output_ids) + 1 >= seq.params.max_new_tokens or seq.num_tokens + 1 >= seq.max_len:
                 return None  # prev's token ends it: a step after it would be wasted
@@ -280,8 +308,9 @@ class Scheduler:
         row = np.repeat(np.arange(len(rows)), q_lens)
         positions = starts[row] + np.arange(cu[-1]) - cu[row]
         slots = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        params = [r[0].params for r in rows]
         return StepPlan(
-            seqs=[r[0] for r in rows],
+            seq_ids=np.fromiter((r[0].seq_id for r in rows), np.int64, len(rows)),
             token_ids=np.fromiter((t for _, _, ids, _ in rows for t in ids), np.int32, int(cu[-1])),
             positions=positions.astype(np.int32),
             slot_mapping=slots.astype(np.int32),
@@ -289,6 +318,10 @@ class Scheduler:
             kv_lens=(starts + q_lens).astype(np.int32),
             block_tables=block_tables,
             sample=np.fromiter((r[3] for r in rows), bool, len(rows)),
+            temperature=np.fromiter((p.temperature for p in params), np.float32, len(rows)),
+            top_k=np.fromiter((p.top_k for p in params), np.int32, len(rows)),
+            top_p=np.fromiter((p.top_p for p in params), np.float32, len(rows)),
+            seed=np.fromiter((p.seed for p in params), np.int32, len(rows)),
         )
 
     # ----- results -----
@@ -296,8 +329,9 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int) -> list[Sequence]:
         """Record a step's results; returns the sequences that received a new token."""
         advanced = []
-        for i, seq in enumerate(plan.seqs):
-            if seq.status is not Status.RUNNING:
+        for i, seq_id in enumerate(plan.seq_ids):
+            seq = self.sequence(seq_id)
+            if seq is None or seq.status is not Status.RUNNING:
                 # Finished (cancel, stop string, or an earlier step's EOS/length) while this step ran: drop
                 # its result. A continuation step may have written this sequence's next KV row into an
                 # rBlock that finishing freed; that is harmless. Device steps run in dispatch order (each
@@ -332,5 +366,6 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free(seq.seq_id)
+        self._live.pop(seq.seq_id, None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -6,14 +6,17 @@ is an argument and a result, never module state.
 
 Parameter layout (einsum-friendly; weights.py maps HuggingFace names onto it):
   embedding                 [vocab, hidden]
-  layers[i].attention.qkv   [hidden, num_heads + 2 * num_kv_heads, head_dim]  (q heads, then k, then v)
+  layers[i].attention.qkv   [hidden, num_kv_heads, G + 2, head_dim]  (per KV head: its G = num_heads //
+                            num_kv_heads query heads, then its k, then its v; query head h is [h // G, h % G])
   layers[i].attention.o     [num_heads, head_dim, hidden]
   layers[i].mlp.gate_up     [hidden, 2, intermediate]  (gate, then up)
   layers[i].mlp.down        [intermediate, hidden]
 q/k/v and gate/up are stored fused so a decode step reads each group of weights in one matmul: at
 batch 1 on an H200 one 4096 x 12288 matmul streams 3.8 TB/s where three 4096 x 4096 ones stream
 3.0, and one 4096 x 22016 streams 4.2 where two 4096 x 11008 stream 3.5
-(benchmarks/results/nvidia-h200-2026-11-22-0158-skinny-matmul.json, XLA's kernels).
+(benchmarks/results/nvidia-h200-2026-11-22-0158-skinny-matmul.json, XLA's kernels). q/k/v are grouped
+per KV head so that a tensor-parallel split on the KV-head axis keeps each group whole; the kernels
+read the grouped projection in place (group_qkv / ungroup_qkv map the HF-style [q | k | v] order).
 Each residual add is done by the next RMSNorm (RMSNorm(x, delta) returns the normalised sum and the
 sum), so a decode step runs add + norm as one kernel, and the o and down projections hand over their
 split-K partials unreduced for that kernel to sum (dispatch.matmul_unreduced): 355 kernels a 1K
@@ -31,9 +34,26 @@ from flax import nnx
 from jaxllm.model.config import LlamaConfig
 from jaxllm.engine.kv_cache import AttentionBatch, KVCache, LayerKV
 from jaxllm.model.rope import inverse_frequencies, rope_tables
-from pallas_kernels.dispatch import add_rms_norm, matmul_unreduced, ragged_attention, rope_write_kv
+from pallas_kernels.dispatch import REFERENCE, Kernels, add_rms_norm, matmul_unreduced, ragged_attention, rope_write_kv
 
 _INIT_STD = 0.02
+
+
+def group_qkv(w: jax.Array, num_heads: int, num_kv_heads: int) -> jax.Array:
+    """[..., num_heads + 2 num_kv_heads, hd] (q heads, then k, then v) -> [..., Hkv, G + 2, hd] grouped."""
+    g = num_heads // num_kv_heads
+    lead, hd = w.shape[:-2], w.shape[-1]
+    q = w[..., :num_heads, :].reshape(*lead, num_kv_heads, g, hd)
+    k = w[..., num_heads:num_heads + num_kv_heads, None, :]
+    v = w[..., num_heads + num_kv_heads:, None, :]
+    return jnp.concatenate([q, k, v], axis=-2)
+
+
+def ungroup_qkv(w: jax.Array) -> jax.Array:
+    """group_qkv's inverse: [..., Hkv, G + 2, hd] -> [..., Hkv * G + 2 Hkv, hd] (q heads, then k, then v)."""
+    lead, (hkv, stride, hd) = w.shape[:-3], w.shape[-3:]
+    q = w[..., :stride - 2, :].reshape(*lead, hkv * (stride - 2), hd)
+    return jnp.concatenate([q, w[..., stride - 2, :], w[..., stride - 1, :]], axis=-2)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int | None = None) -> nnx.Param:
@@ -47,39 +67,41 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array, delta: jax.Array | None = None, backend: str = "auto"
+    def __call__(self, x: jax.Array, delta: jax.Array | None = None, kernels: Kernels = REFERENCE
                  ) -> tuple[jax.Array, jax.Array]:
         """(RMSNorm(x + delta), x + delta) for x, delta [T, D] (delta None: nothing added).
 
         As HF Llama: the residual add in the activation dtype, normalise in float32, cast back, then
         scale. Adding the previous block's output here lets a decode step do add + norm in one kernel.
         """
-        return add_rms_norm(x, delta, self.weight[...], eps=self.eps, backend=backend)
+        return add_rms_norm(x, delta, self.weight[...], eps=self.eps, kernels=kernels)
 
 
 class Attention(nnx.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.qkv = _param(rngs, (hidden, num_heads + 2 * num_kv_heads, head_dim), dtype, fan_in=hidden)
+        # Drawn in the ungrouped order, then regrouped: the same random model as before the regrouping.
+        qkv = _param(rngs, (hidden, num_heads + 2 * num_kv_heads, head_dim), dtype, fan_in=hidden)
+        self.qkv = nnx.Param(group_qkv(qkv[...], num_heads, num_kv_heads))
         self.o = _param(rngs, (num_heads, head_dim, hidden), dtype, fan_in=num_heads * head_dim)
 
-    def __call__(self, x, cos, sin, layer_kv: LayerKV, batch: AttentionBatch, backend: str):
-        w = self.qkv[...]  # [D, Hq + 2 Hkv, hd]
-        # [T, Hq + 2 Hkv, hd], or on a decode step [S, T, ...] float32 split-K partials, which the next
+    def __call__(self, x, cos, sin, layer_kv: LayerKV, batch: AttentionBatch, kernels: Kernels):
+        w = self.qkv[...]  # [D, Hkv, G + 2, hd]
+        # [T, Hkv, G + 2, hd], or on a decode step [S, T, ...] float32 split-K partials, which the next
         # kernel sums: q and k rotated and K/V written by one kernel on the GPU (float pools), reading
-        # their heads in place; q's first num_heads heads are the rotated queries (read in place in turn).
-        qkv = matmul_unreduced(x, w.reshape(w.shape[0], -1), backend=backend)
+        # their heads in place; q [T, Hkv, Gh, hd] holds each group's rotated queries first (read in place).
+        qkv = matmul_unreduced(x, w.reshape(w.shape[0], -1), kernels=kernels)
         qkv = qkv.reshape(*qkv.shape[:-1], *w.shape[1:])
         q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(layer_kv.k, layer_kv.v, qkv, cos, sin,
                                                             batch.slot_mapping, layer_kv.k_scale, layer_kv.v_scale,
-                                                            num_q_heads=self.num_heads, dtype=x.dtype, backend=backend)
+                                                            dtype=x.dtype, kernels=kernels)
         out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
                                decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=self.num_heads,
-                               backend=backend)
+                               kernels=kernels)  # [T, Hq, hd]
         # Left unreduced where it can be: the next norm adds it to the residual stream.
         o = self.o[...]
         out = matmul_unreduced(out.astype(x.dtype).reshape(out.shape[0], -1), o.reshape(-1, o.shape[-1]),
-                               backend=backend)
+                               kernels=kernels)
         return out, LayerKV(k_pool, v_pool, k_scale, v_scale)
 
 
@@ -88,10 +110,10 @@ class MLP(nnx.Module):
         self.gate_up = _param(rngs, (hidden, 2, intermediate), dtype, fan_in=hidden)
         self.down = _param(rngs, (intermediate, hidden), dtype, fan_in=intermediate)
 
-    def __call__(self, x, backend: str):
+    def __call__(self, x, kernels: Kernels):
         """x [T, D] normalised -> the MLP's output, [T, D] or unreduced (see matmul_unreduced)."""
         gate_up = jnp.einsum("TD,DGF->TGF", x, self.gate_up[...])  # [T, 2, F]
-        return matmul_unreduced(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], backend=backend)
+        return matmul_unreduced(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], self.down[...], kernels=kernels)
 
 
 class DecoderLayer(nnx.Module):
@@ -102,13 +124,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, delta, cos, sin, layer_kv, batch, backend):
+    def __call__(self, x, delta, cos, sin, layer_kv, batch, kernels: Kernels):
         """(x, delta): the residual stream and the previous layer's MLP output, not yet added (None
         for the first layer). Returns this layer's (x, MLP output, KV): each add is done by the next norm."""
-        normed, x = self.input_norm(x, delta, backend)
-        attn_out, layer_kv = self.attention(normed, cos, sin, layer_kv, batch, backend)
-        normed, x = self.post_attention_norm(x, attn_out, backend)
-        return x, self.mlp(normed, backend), layer_kv
+        normed, x = self.input_norm(x, delta, kernels)
+        attn_out, layer_kv = self.attention(normed, cos, sin, layer_kv, batch, kernels)
+        normed, x = self.post_attention_norm(x, attn_out, kernels)
+        return x, self.mlp(normed, kernels), layer_kv
 
 
 class Llama(nnx.Module):
@@ -125,15 +147,18 @@ class Llama(nnx.Module):
         self.inv_freq = nnx.Variable(jnp.asarray(inverse_frequencies(config), jnp.float32))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, batch: AttentionBatch,
-                 *, backend: str = "auto") -> tuple[jax.Array, KVCache]:
-        """tokens, positions [T] int32 -> (final hidden states [T, hidden], updated KV pool)."""
+                 *, kernels: Kernels = REFERENCE) -> tuple[jax.Array, KVCache]:
+        """tokens, positions [T] int32 -> (final hidden states [T, hidden], updated KV pool).
+
+        kernels: each op's implementation and schedule (pallas_kernels.dispatch.default_kernels), read,
+        never resolved, here."""
         x, delta = self.embedding[...][tokens], None  # [T, D]
         cos, sin = rope_tables(self.inv_freq[...], positions)
         new_layers = []
         for layer, layer_kv in zip(self.layers, kv_cache.layers):
-            x, delta, layer_kv = layer(x, delta, cos, sin, layer_kv, batch, backend)
+            x, delta, layer_kv = layer(x, delta, cos, sin, layer_kv, batch, kernels)
             new_layers.append(layer_kv)
-        return self.final_norm(x, delta, backend)[0], KVCache(new_layers)
+        return self.final_norm(x, delta, kernels)[0], KVCache(new_layers)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, D] -> logits [N, vocab] in float32."""

@@ -2,9 +2,9 @@
 
 HF tensor names map onto the layout documented in model.py:
   model.embed_tokens.weight                  [V, D]        -> embedding [V, D]
-  model.layers.{i}.self_attn.q_proj.weight   [Hq*hd, D]    -> layers[i].attention.qkv[:, :Hq]  [D, Hq, hd]
-                                                              (transpose, reshape)
-  model.layers.{i}.self_attn.k/v_proj.weight [Hkv*hd, D]   -> the next Hkv heads of qkv each  [D, Hkv, hd]
+  model.layers.{i}.self_attn.q_proj.weight   [Hq*hd, D]    -> layers[i].attention.qkv[:, :, :G]  [D, Hkv, G, hd]
+                                                              (transpose, reshape; G = Hq // Hkv)
+  model.layers.{i}.self_attn.k/v_proj.weight [Hkv*hd, D]   -> qkv[:, :, G] / qkv[:, :, G + 1]  [D, Hkv, 1, hd]
   model.layers.{i}.self_attn.o_proj.weight   [D, Hq*hd]    -> layers[i].attention.o [Hq, hd, D]
   model.layers.{i}.mlp.gate/up_proj.weight   [F, D]        -> layers[i].mlp.gate_up[:, 0 / 1] [D, F]
   model.layers.{i}.mlp.down_proj.weight      [D, F]        -> layers[i].mlp.down [F, D]
@@ -104,6 +104,7 @@ class _Entry:
 def _layout(config: LlamaConfig) -> list[_Entry]:
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     Hq, Hkv = config.num_heads, config.num_kv_heads
+    G = Hq // Hkv  # qkv is grouped per KV head: [D, Hkv, G + 2, hd]
     q_out, kv_out = Hq * config.head_dim, Hkv * config.head_dim
     entries = [_Entry(("embedding",), "model.embed_tokens.weight", (V, D), False)]
     for i in range(config.num_layers):
@@ -111,9 +112,9 @@ def _layout(config: LlamaConfig) -> list[_Entry]:
         qkv, gate_up = ("layers", i, "attention", "qkv"), ("layers", i, "mlp", "gate_up")
         entries += [
             _Entry(("layers", i, "input_norm", "weight"), p + "input_layernorm.weight", (D,), False),
-            _Entry(qkv, p + "self_attn.q_proj.weight", (q_out, D), True, (1, 0, Hq)),
-            _Entry(qkv, p + "self_attn.k_proj.weight", (kv_out, D), True, (1, Hq, Hkv)),
-            _Entry(qkv, p + "self_attn.v_proj.weight", (kv_out, D), True, (1, Hq + Hkv, Hkv)),
+            _Entry(qkv, p + "self_attn.q_proj.weight", (q_out, D), True, (2, 0, G)),
+            _Entry(qkv, p + "self_attn.k_proj.weight", (kv_out, D), True, (2, G, 1)),
+            _Entry(qkv, p + "self_attn.v_proj.weight", (kv_out, D), True, (2, G + 1, 1)),
             _Entry(("layers", i, "attention", "o"), p + "self_attn.o_proj.weight", (D, q_out), True),
             _Entry(("layers", i, "post_attention_norm", "weight"), p + "post_attention_layernorm.weight", (D,), False),
             _Entry(gate_up, p + "mlp.gate_proj.weight", (F, D), True, (1, 0, 1)),

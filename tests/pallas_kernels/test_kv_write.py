@@ -24,11 +24,20 @@ def _case(rng, num_tokens, num_blocks=6, heads=2, block_size=16, head_dim=64, dt
 
 def _rope_case(rng, num_tokens, q_heads, kv_heads, head_dim, dtype, num_blocks=6, block_size=16):
     k_pool, v_pool, _, _, slots = _case(rng, num_tokens, num_blocks, kv_heads, block_size, head_dim, dtype)
-    qkv = jnp.asarray(rng.standard_normal((num_tokens, q_heads + 2 * kv_heads, head_dim)), dtype)
+    # Grouped per KV head: [T, Hkv, G + 2, D], each KV head's G query heads, then its k, then its v.
+    qkv = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, q_heads // kv_heads + 2, head_dim)), dtype)
     positions = rng.integers(0, 100_000, num_tokens)
     inv_freq = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
     angles = (positions[:, None] * inv_freq[None, :]).astype(np.float32)
     return k_pool, v_pool, qkv, jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles)), slots
+
+
+def _split_f64(qkv):
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of a grouped qkv, in float64 numpy (query head h
+    is [h // G, h % G])."""
+    x = np.asarray(jnp.asarray(qkv, jnp.float32), np.float64)
+    g = x.shape[2] - 2
+    return x[:, :, :g].reshape(x.shape[0], -1, x.shape[3]), x[:, :, g], x[:, :, g + 1]
 
 
 def _rotate_f64(x, cos, sin):
@@ -62,25 +71,27 @@ def _ulps(dtype) -> float:
 def test_rope_write_kernel_matches_reference_and_touches_nothing_else(num_tokens, q_heads, kv_heads, head_dim, dtype):
     rng = np.random.default_rng()
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, num_tokens, q_heads, kv_heads, head_dim, dtype)
-    want_q, want_k, want_v, _, _ = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads)
-    got_q, got_k, got_v = rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads,
-                                               interpret=True)
-    assert got_q.shape == (num_tokens, q_heads, head_dim) and got_q.dtype == qkv.dtype
+    g = q_heads // kv_heads
+    want_q, want_k, want_v, _, _ = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots)
+    got_q, got_k, got_v = rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, interpret=True)
+    assert got_q.shape == (num_tokens, kv_heads, g, head_dim) and got_q.dtype == qkv.dtype
+    assert want_q.shape == (num_tokens, kv_heads, g + 1, head_dim)  # each group's q then k, rotated
     # One rounding of the dtype apart at most: float32 rotations may contract into FMAs differently.
     tol = dict(rtol=_ulps(dtype), atol=_ulps(dtype))
-    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q[:, :, :g], np.float32), **tol)
     np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
     # Against float64 numpy: q and the written k rotated, v as given, every other pool row unchanged.
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-    np.testing.assert_allclose(f64(got_q), _rotate_f64(f64(qkv[:, :q_heads]), cos, sin), rtol=2 * _ulps(dtype),
-                               atol=2 * _ulps(dtype) * 4)
-    k_rot = _rotate_f64(f64(qkv[:, q_heads:q_heads + kv_heads]), cos, sin)
+    q64, k64, v64 = _split_f64(qkv)
+    np.testing.assert_allclose(f64(got_q).reshape(num_tokens, q_heads, head_dim), _rotate_f64(q64, cos, sin),
+                               rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype) * 4)
+    k_rot = _rotate_f64(k64, cos, sin)
     expect_k, expect_v = f64(k_pool).copy(), f64(v_pool).copy()
     for t, slot in enumerate(np.asarray(slots)):
         if slot >= 0:
             expect_k[slot // 16, :, slot % 16] = k_rot[t]
-            expect_v[slot // 16, :, slot % 16] = f64(qkv[t, q_heads + kv_heads:])
+            expect_v[slot // 16, :, slot % 16] = v64[t]
     np.testing.assert_allclose(f64(got_k), expect_k, rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype) * 4)
     np.testing.assert_array_equal(f64(got_v), expect_v)
 
@@ -92,15 +103,15 @@ def test_rope_write_kernel_sums_split_k_partials(num_parts, dtype):
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 6, 8, 2, 64, dtype)
     parts = jnp.asarray(rng.standard_normal((num_parts, *qkv.shape)), jnp.float32)
     whole = jnp.sum(parts, axis=0).astype(dtype)
-    want = rope_write_kv(k_pool, v_pool, whole, cos, sin, slots, num_q_heads=8)
-    ref = rope_write_kv(k_pool, v_pool, parts, cos, sin, slots, num_q_heads=8, dtype=dtype)
+    want = rope_write_kv(k_pool, v_pool, whole, cos, sin, slots)
+    ref = rope_write_kv(k_pool, v_pool, parts, cos, sin, slots, dtype=dtype)
     for a, b in zip(ref[:3], want[:3]):  # the reference with partials is the reference on their sum
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    got = rope_write_kv_kernel(k_pool, v_pool, parts, cos, sin, slots, num_q_heads=8, dtype=dtype, interpret=True)
+    got = rope_write_kv_kernel(k_pool, v_pool, parts, cos, sin, slots, dtype=dtype, interpret=True)
     assert got[0].dtype == dtype
     # The partials' float32 sum may round differently in the last bit (order of the adds): 2 ulps.
     tol = dict(rtol=2 * _ulps(dtype), atol=2 * _ulps(dtype))
-    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0][:, :8], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0][:, :, :4], np.float32), **tol)
     for a, b in zip(got[1:], want[1:3]):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
     # Untouched rows stay: the pools differ from the originals only at the written slots.
@@ -115,11 +126,10 @@ def test_rope_write_kernel_sums_split_k_partials(num_parts, dtype):
 def test_rope_write_kernel_under_jit_with_donated_pools():
     rng = np.random.default_rng()
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 5, 4, 2, 64, jnp.float32)
-    want = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=4)
-    step = jax.jit(lambda k, v, *a: rope_write_kv_kernel(k, v, *a, num_q_heads=4, interpret=True),
-                   donate_argnums=(0, 1))
+    want = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots)
+    step = jax.jit(lambda k, v, *a: rope_write_kv_kernel(k, v, *a, interpret=True), donate_argnums=(0, 1))
     got = step(jnp.array(k_pool), jnp.array(v_pool), qkv, cos, sin, slots)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0][:, :4]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0][:, :, :2]), rtol=1e-6, atol=1e-6)
     for a, b in zip(got[1:], want[1:3]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
@@ -128,36 +138,41 @@ def test_bad_inputs_raise():
     rng = np.random.default_rng(0)
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 4, 4, 2, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="int8"):
-        rope_write_kv_kernel(k_pool.astype(jnp.int8), v_pool.astype(jnp.int8), qkv, cos, sin, slots, num_q_heads=4)
-    with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 64\) != \(\[parts,\] tokens, 7, 64\): num_q_heads 3 \+ 2 x 2"):
-        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=3)
-    with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 32\)"):
-        rope_write_kv_kernel(k_pool, v_pool, qkv[..., :32], cos, sin, slots, num_q_heads=4)
+        rope_write_kv_kernel(k_pool.astype(jnp.int8), v_pool.astype(jnp.int8), qkv, cos, sin, slots)
+    with pytest.raises(ValueError, match=r"qkv shape \(4, 1, 4, 64\) != \(\[parts,\] tokens, 2, G \+ 2, 64\)"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv[:, :1], cos, sin, slots)  # one KV head's group, the pool has 2
+    with pytest.raises(ValueError, match=r"qkv shape \(4, 2, 2, 64\) != .* with G >= 1"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv[:, :, 2:], cos, sin, slots)  # k and v, no query head
+    with pytest.raises(ValueError, match=r"qkv shape \(4, 8, 64\)"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv.reshape(4, 8, 64), cos, sin, slots)  # the ungrouped layout
+    with pytest.raises(ValueError, match=r"qkv shape \(4, 2, 4, 32\)"):
+        rope_write_kv_kernel(k_pool, v_pool, qkv[..., :32], cos, sin, slots)
     with pytest.raises(ValueError, match=r"sin shape \(4, 16\) != \(tokens, head_dim // 2\) = \(4, 32\)"):
-        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin[:, :16], slots, num_q_heads=4)
+        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin[:, :16], slots)
     with pytest.raises(ValueError, match="slot_mapping shape"):
-        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots[:2], num_q_heads=4)
+        rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots[:2])
     with pytest.raises(ValueError, match="v_pool"):
-        rope_write_kv_kernel(k_pool, v_pool[:, :1], qkv, cos, sin, slots, num_q_heads=4)
+        rope_write_kv_kernel(k_pool, v_pool[:, :1], qkv, cos, sin, slots)
     with pytest.raises(ValueError, match="partials .* must be float32, got bfloat16"):
-        rope_write_kv_kernel(k_pool, v_pool, qkv[None], cos, sin, slots, num_q_heads=4, dtype=jnp.bfloat16)
+        rope_write_kv_kernel(k_pool, v_pool, qkv[None], cos, sin, slots, dtype=jnp.bfloat16)
     for fn in (rope_write_kv, rope_write_kv_kernel):
         with pytest.raises(ValueError, match="partials needs the projection's dtype"):
-            fn(k_pool, v_pool, qkv[None].astype(jnp.float32), cos, sin, slots, num_q_heads=4)
+            fn(k_pool, v_pool, qkv[None].astype(jnp.float32), cos, sin, slots)
 
 
 def test_dispatch_keeps_int8_and_reference_on_the_scatter_path():
     rng = np.random.default_rng(1)
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, 3, 4, 2, 64, jnp.float32)
-    ref = dispatch.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=4, backend="reference")
-    want = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=4)
+    ref = dispatch.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, kernels=dispatch.REFERENCE)
+    want = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots)
     for a, b in zip(ref[:3], want[:3]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     q_pool = jnp.zeros(k_pool.shape, jnp.int8)
     scale = jnp.ones(k_pool.shape[:3], jnp.float32)
-    out = dispatch.rope_write_kv(q_pool, q_pool, qkv, cos, sin, slots, scale, scale, num_q_heads=4, backend="triton")
+    kernels = dispatch.default_kernels("triton", on_gpu=False)
+    out = dispatch.rope_write_kv(q_pool, q_pool, qkv, cos, sin, slots, scale, scale, kernels=kernels)
     assert out[1].dtype == jnp.int8 and out[3] is not None  # scales written: the scatter path
-    assert out[0].shape == (3, 6, 64)  # rotated q|k: the decode kernel reads the first 4 heads in place
+    assert out[0].shape == (3, 2, 3, 64)  # rotated q|k per group: the decode kernel reads its 2 queries in place
 
 
 @pytest.mark.gpu
@@ -169,15 +184,16 @@ def test_gpu_rope_write_kernel_matches_reference(num_tokens, q_heads, kv_heads, 
     rng = np.random.default_rng()
     k_pool, v_pool, qkv, cos, sin, slots = _rope_case(rng, num_tokens, q_heads, kv_heads, 128, dtype,
                                                       num_blocks=4, block_size=256)
-    want_q, want_k, want_v, _, _ = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads)
-    got_q, got_k, got_v = rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots, num_q_heads=q_heads)
+    g = q_heads // kv_heads
+    want_q, want_k, want_v, _, _ = rope_write_kv(k_pool, v_pool, qkv, cos, sin, slots)
+    got_q, got_k, got_v = rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slots)
     tol = dict(rtol=_ulps(dtype), atol=_ulps(dtype))
-    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got_q, np.float32), np.asarray(want_q[:, :, :g], np.float32), **tol)
     np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
     # The same projection as float32 split-K partials (halves: their sum is exact), as a decode step passes it.
     halves = jnp.stack([qkv.astype(jnp.float32) * 0.5] * 2)
-    got = rope_write_kv_kernel(k_pool, v_pool, halves, cos, sin, slots, num_q_heads=q_heads, dtype=dtype)
+    got = rope_write_kv_kernel(k_pool, v_pool, halves, cos, sin, slots, dtype=dtype)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
     np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want_k, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want_v, np.float32))

@@ -225,19 +225,34 @@ def test_work_items_cover_each_sequence_once_then_run_past_the_batch(lens, split
         np.testing.assert_array_equal(np.sort(covered), np.arange(n))
 
 
-def test_query_heads_read_in_place_from_a_wider_array():
-    """num_q_heads: the first heads of a wider q (the model's q|k after RoPE) give what those heads
-    alone give; the extra heads hold NaN and must not be read."""
-    rng = np.random.default_rng()
-    q, pools, clean, tables, kv_lens = make_case(rng, [5, 0, 70, 33], 8, 2, 64, 16, jnp.bfloat16)
-    wide = jnp.concatenate([q, jnp.full((4, 2, 64), jnp.nan, q.dtype)], axis=1)  # 8 q heads, then 2 more
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_query_heads_read_in_place_from_the_grouped_layout(num_q_heads, num_kv_heads):
+    """q grouped per KV head with one more row a group ([S, Hkv, G + 1, D]: the model's rotated q|k)
+    gives what the queries alone give, against the reference too; the extra rows hold NaN and must
+    not be read. Awkward lengths: 0, one tile +- 1, a non-multiple of the rBlock."""
+    rng = np.random.default_rng(num_q_heads * 10 + num_kv_heads)
+    g = num_q_heads // num_kv_heads
+    q, pools, clean, tables, kv_lens = make_case(rng, [5, 0, 70, 15, 17, 33], num_q_heads, num_kv_heads, 64, 16,
+                                                 jnp.bfloat16)
+    grouped = q.reshape(q.shape[0], num_kv_heads, g, 64)  # query head h is [h // G, h % G]
+    wide = jnp.concatenate([grouped, jnp.full((q.shape[0], num_kv_heads, 1, 64), jnp.nan, q.dtype)], axis=2)
     bsz = DecodeBlockSizes(block_k=16, tokens_per_split=32)
-    got = ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=8, block_sizes=bsz)
+    got, (m, l) = ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=num_q_heads,
+                                block_sizes=bsz, return_residuals=True)
     want = ragged_decode(q, pools["k"], pools["v"], tables, kv_lens, block_sizes=bsz)
-    assert got.shape == (4, 8, 64)
+    assert got.shape == (q.shape[0], num_q_heads, 64)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    with pytest.raises(ValueError, match="num_q_heads 11"):
-        ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=11)
+    ref, (rm, rl) = ragged_decode_reference(q, clean["k"], clean["v"], tables, kv_lens, return_residuals=True)
+    assert_matches((got, m, l), (ref, rm, rl), jnp.bfloat16)
+    too_many = num_q_heads + 2 * num_kv_heads  # more than the group's rows hold
+    with pytest.raises(ValueError, match=f"num_q_heads {too_many} must be a multiple"):
+        ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=too_many)
+    if num_kv_heads > 1:
+        with pytest.raises(ValueError, match=f"num_q_heads {num_q_heads + 1} must be a multiple"):
+            ragged_decode(wide, pools["k"], pools["v"], tables, kv_lens, num_q_heads=num_q_heads + 1)
+    with pytest.raises(ValueError, match="grouped q"):
+        ragged_decode(wide[:, :1] if num_kv_heads > 1 else jnp.concatenate([wide] * 2, axis=1),
+                      pools["k"], pools["v"], tables, kv_lens)
 
 
 def test_under_jit():

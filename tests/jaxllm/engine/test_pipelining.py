@@ -200,7 +200,7 @@ def _decode_plan(sched, prompts, rng, max_new_tokens=50):
     assert not plan.is_decode and plan.sample.all()
     sched.update(plan, rng.integers(1, 100, size=len(seqs)), eos_id=0)
     plan = sched.plan()
-    assert plan.is_decode and plan.seqs == seqs
+    assert plan.is_decode and plan.seq_ids.tolist() == [s.seq_id for s in seqs]
     return seqs, plan
 
 
@@ -209,7 +209,7 @@ def test_continuation_plan_and_results():
     sched, alloc = _scheduler(num_blocks=16)
     seqs, prev = _decode_plan(sched, [[5, 6, 7], [8] * 6], rng)
     cont = sched.plan_continuation(prev)
-    assert cont is not None and cont.is_decode and cont.seqs == seqs
+    assert cont is not None and cont.is_decode and cont.seq_ids.tolist() == [s.seq_id for s in seqs]
     assert cont.token_ids.tolist() == [PENDING_TOKEN] * 2 and cont.sample.all()
     assert cont.positions.tolist() == [s.num_tokens for s in seqs] == prev.kv_lens.tolist()
     assert cont.kv_lens.tolist() == [s.num_tokens + 1 for s in seqs]

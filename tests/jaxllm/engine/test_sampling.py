@@ -170,7 +170,7 @@ def test_scheduler_stops_on_stop_token_without_appending_it(ignore_eos):
     b = sched.add([1, 1], params, max_len=64)
     for step_tokens in ([7, eos], [9, 4]):
         plan = sched.plan()
-        sched.update(plan, np.array(step_tokens[:len(plan.seqs)]), eos)
+        sched.update(plan, np.array(step_tokens[:plan.num_seqs]), eos)
     # a: 7 then the stop token 9. b: EOS (a stop unless ignore_eos), then 4.
     assert (a.status, a.finish_reason, a.output_ids) == (Status.FINISHED, "stop", [7])
     if ignore_eos:

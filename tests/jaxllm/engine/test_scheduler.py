@@ -40,10 +40,13 @@ def _expected(seq: Sequence, table: np.ndarray) -> tuple[list[int], str]:
 
 def _check_plan(plan, sched: Scheduler, alloc: BlockAllocator, ctx: str) -> None:
     bs = sched.block_size
-    num_seqs, num_tokens = len(plan.seqs), plan.num_tokens
+    num_seqs, num_tokens = plan.num_seqs, plan.num_tokens
+    assert len(plan) == num_seqs and plan.seq_ids.shape == (num_seqs,), ctx
+    plan_seqs = [sched.sequence(i) for i in plan.seq_ids]
+    assert None not in plan_seqs, f"{ctx}: a planned id names no live sequence"
     assert 0 < num_tokens <= sched.max_tokens_per_step, ctx
     assert 0 < num_seqs <= sched.max_seqs and len(sched.running) <= sched.max_seqs, ctx
-    assert len({s.seq_id for s in plan.seqs}) == num_seqs, f"{ctx}: a sequence is planned twice"
+    assert len(set(plan.seq_ids.tolist())) == num_seqs, f"{ctx}: a sequence is planned twice"
     for arr in (plan.token_ids, plan.positions, plan.slot_mapping, plan.cu_q_lens, plan.kv_lens, plan.block_tables):
         assert arr.dtype == np.int32, ctx
     assert plan.token_ids.shape == plan.positions.shape == plan.slot_mapping.shape == (num_tokens,)
@@ -64,8 +67,11 @@ def _check_plan(plan, sched: Scheduler, alloc: BlockAllocator, ctx: str) -> None
     assert all(alloc.holders(b) == 1 and not alloc.is_registered(b) for b in written), f"{ctx}: writes a shared rBlock"
     for s in sched.waiting:
         assert s.status is Status.WAITING and s.num_computed == 0 and not alloc.blocks(s.seq_id), ctx
-    for i, seq in enumerate(plan.seqs):
-        assert seq.status is Status.RUNNING and seq in sched.running, ctx
+    for i, seq in enumerate(plan_seqs):
+        assert seq.seq_id == plan.seq_ids[i] and seq.status is Status.RUNNING and seq in sched.running, ctx
+        p = seq.params  # the sampling arrays are the sequence's SamplingParams
+        assert (plan.temperature[i], plan.top_k[i], plan.top_p[i], plan.seed[i]) == (
+            np.float32(p.temperature), p.top_k, np.float32(p.top_p), p.seed), ctx
         q0, q1 = int(cu[i]), int(cu[i + 1])
         kv_len, start = int(plan.kv_lens[i]), seq.num_computed
         pos = plan.positions[q0:q1]
@@ -149,7 +155,8 @@ def test_random_workload(pool):
         running_before = list(sched.running)
         plan = sched.plan()
         assert plan is not None, f"{ctx}: work is waiting but nothing was planned (deadlock)"
-        planned = {s.seq_id: i for i, s in enumerate(plan.seqs)}
+        plan_seqs = [seqs[int(i)] for i in plan.seq_ids]
+        planned = {s.seq_id: i for i, s in enumerate(plan_seqs)}
         victims = [s for s in running_before if s.num_preemptions != last_preemptions[s.seq_id]]
         # Preemption takes the youngest first: the victims are the tail of the running list ...
         assert victims == running_before[len(running_before) - len(victims):], f"{ctx}: an older sequence preempted"
@@ -177,10 +184,10 @@ def test_random_workload(pool):
                 if int(plan.kv_lens[i]) == seq.num_tokens:
                     del preempted_outputs[seq_id]
         _check_plan(plan, sched, alloc, ctx)
-        sampled = np.array([table[s.seq_id, int(plan.kv_lens[i])] for i, s in enumerate(plan.seqs)], np.int32)
-        lengths = {s.seq_id: len(s.output_ids) for s in plan.seqs}
+        sampled = np.array([table[s.seq_id, int(plan.kv_lens[i])] for i, s in enumerate(plan_seqs)], np.int32)
+        lengths = {s.seq_id: len(s.output_ids) for s in plan_seqs}
         advanced = sched.update(plan, sampled, EOS)
-        for i, seq in enumerate(plan.seqs):
+        for i, seq in enumerate(plan_seqs):
             assert seq.num_computed == int(plan.kv_lens[i]), ctx
             assert len(seq.output_ids) - lengths[seq.seq_id] == (seq in advanced), ctx
             assert bool(plan.sample[i]) or seq not in advanced, ctx
@@ -216,26 +223,26 @@ def test_youngest_is_preempted_and_recomputes_prompt_plus_outputs(prefix_caching
     b = sched.add([4, 5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True), max_len=8)
 
     plan = sched.plan()
-    assert [s.seq_id for s in plan.seqs] == [a.seq_id, b.seq_id] and plan.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert plan.seq_ids.tolist() == [a.seq_id, b.seq_id] and plan.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
     sched.update(plan, np.array([10, 20]), EOS)
     assert a.output_ids == [10] and b.output_ids == [20] and alloc.num_free == 0
 
     plan = sched.plan()  # A writes position 3 (its 2nd rBlock), B needs a 3rd rBlock: none free, B is youngest
-    assert [s.seq_id for s in plan.seqs] == [a.seq_id]
+    assert plan.seq_ids.tolist() == [a.seq_id]
     assert b.status is Status.WAITING and b.num_preemptions == 1 and sched.waiting == [b]
     assert not alloc.blocks(b.seq_id) and b.output_ids == [20]
     sched.update(plan, np.array([11]), EOS)
 
     plan = sched.plan()  # A takes a 3rd rBlock (position 4); B (3 rBlocks for 5 tokens) still does not fit
-    assert [s.seq_id for s in plan.seqs] == [a.seq_id] and sched.waiting == [b]
+    assert plan.seq_ids.tolist() == [a.seq_id] and sched.waiting == [b]
     sched.update(plan, np.array([12]), EOS)
     plan = sched.plan()
-    assert [s.seq_id for s in plan.seqs] == [a.seq_id]
+    assert plan.seq_ids.tolist() == [a.seq_id]
     sched.update(plan, np.array([13]), EOS)
     assert a.finish_reason == "length" and a.output_ids == [10, 11, 12, 13] and alloc.num_free == 4
 
     plan = sched.plan()  # B resumes: one chunk recomputes its prompt and its kept output, then samples
-    assert [s.seq_id for s in plan.seqs] == [b.seq_id]
+    assert plan.seq_ids.tolist() == [b.seq_id]
     if prefix_caching:
         # A's growth evicted B's released rBlocks last first: B's first rBlock ([4, 5]) is still cached.
         assert b.num_cached_prompt == 2

@@ -7,7 +7,8 @@ from flax import nnx
 
 from jaxllm.model.config import LlamaConfig, RopeScaling
 from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache
-from jaxllm.model.llama import init_model
+from jaxllm.model.llama import Llama, group_qkv, init_model, ungroup_qkv
+from pallas_kernels.dispatch import default_kernels
 from tests.jaxllm.model.numpy_llama import numpy_llama_logits, random_hf_tensors
 
 
@@ -22,8 +23,12 @@ def load_hf_tensors_into(model, tensors, config):
         put(model.lm_head, tensors["lm_head.weight"].T)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        put(layer.attention.qkv, np.concatenate([tensors[p + f"self_attn.{n}_proj.weight"].T.reshape(D, -1, hd)
-                                                 for n in "qkv"], axis=1))
+        # Grouped per KV head: [D, Hkv, G + 2, hd], each KV head's G query heads, then its k, then its v.
+        hkv = config.num_kv_heads
+        put(layer.attention.qkv, np.concatenate([tensors[p + "self_attn.q_proj.weight"].T.reshape(D, hkv, -1, hd),
+                                                 tensors[p + "self_attn.k_proj.weight"].T.reshape(D, hkv, 1, hd),
+                                                 tensors[p + "self_attn.v_proj.weight"].T.reshape(D, hkv, 1, hd)],
+                                                axis=2))
         put(layer.attention.o, tensors[p + "self_attn.o_proj.weight"].T.reshape(H, hd, D))
         put(layer.mlp.gate_up, np.stack([tensors[p + "mlp.gate_proj.weight"].T, tensors[p + "mlp.up_proj.weight"].T],
                                         axis=1))
@@ -44,7 +49,8 @@ def run_full(model, config, ids, block_size=8, shuffle_seed=None, backend="auto"
     pos = np.arange(T)
     batch = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T], jnp.int32), jnp.asarray([0, T], jnp.int32),
                            jnp.asarray(blocks[pos // block_size] * block_size + pos % block_size, jnp.int32))
-    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), kv, batch, backend=backend)
+    kernels = default_kernels(backend, head_dim=config.head_dim)
+    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32), kv, batch, kernels=kernels)
     return np.asarray(model.logits(hidden), np.float64)
 
 
@@ -127,10 +133,14 @@ def test_kernel_backend_matches_oracle():
     assert rel < 1e-5, f"seed {seed}: relative error {rel}"
 
 
-def test_kernel_backend_decode_step_matches_oracle():
+@pytest.mark.parametrize("hidden,num_heads,num_kv_heads", [(128, 2, 1), (256, 4, 2)], ids=["mqa", "gqa"])
+def test_kernel_backend_decode_step_matches_oracle(hidden, num_heads, num_kv_heads):
     """Prefill all but the last token, then one decode step on the kernel backend (interpret mode): RoPE
-    and the KV write as one kernel, the decode kernel reading the rotated queries it returns."""
-    config = LlamaConfig(**dict(SMALL, num_heads=2), num_kv_heads=1, rope_theta=500.0)  # MQA, head_dim 64
+    and the KV write as one kernel reading the grouped q/k/v in place, the decode kernel reading the
+    rotated queries it returns. head_dim 64."""
+    config = LlamaConfig(**dict(SMALL, hidden_size=hidden, num_heads=num_heads), num_kv_heads=num_kv_heads,
+                         rope_theta=500.0)
+    kernels = default_kernels("triton", head_dim=config.head_dim)
     seed = np.random.SeedSequence().entropy % 2**31
     tensors = random_hf_tensors(config.to_hf(), seed)
     model = init_model(config)
@@ -143,11 +153,35 @@ def test_kernel_backend_decode_step_matches_oracle():
     pos = np.arange(T - 1)
     prefill = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T - 1], jnp.int32),
                              jnp.asarray([0, T - 1], jnp.int32), jnp.asarray(slot(pos), jnp.int32))
-    _, kv = model(jnp.asarray(ids[:-1], jnp.int32), jnp.asarray(pos, jnp.int32), kv, prefill, backend="triton")
+    _, kv = model(jnp.asarray(ids[:-1], jnp.int32), jnp.asarray(pos, jnp.int32), kv, prefill, kernels=kernels)
     decode = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T], jnp.int32), jnp.asarray([0, 1], jnp.int32),
                             jnp.asarray([slot(T - 1)], jnp.int32), decode=True)
-    hidden, _ = model(jnp.asarray(ids[-1:], jnp.int32), jnp.asarray([T - 1], jnp.int32), kv, decode, backend="triton")
+    hidden, _ = model(jnp.asarray(ids[-1:], jnp.int32), jnp.asarray([T - 1], jnp.int32), kv, decode, kernels=kernels)
     ours = np.asarray(model.logits(hidden), np.float64)[-1]
     ref = numpy_llama_logits(tensors, config.to_hf(), ids)[-1]
     rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
     assert rel < 1e-5, f"seed {seed}: relative error {rel}"
+
+
+def test_model_takes_kernels_not_a_backend_string():
+    """The step's kernels are a `Kernels` value read by the model, never a backend string resolved in it."""
+    import inspect
+
+    params = inspect.signature(Llama.__call__).parameters
+    assert "kernels" in params and "backend" not in params
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_qkv_grouping_keeps_each_kv_heads_group_whole(num_heads, num_kv_heads):
+    """group_qkv puts query head h at [h // G, h % G] and KV head j's k, v at [j, G], [j, G + 1];
+    ungroup_qkv undoes it; init_model draws the ungrouped tensor, so the grouped one is its regrouping."""
+    g, hd = num_heads // num_kv_heads, 3
+    flat = np.arange(5 * (num_heads + 2 * num_kv_heads) * hd).reshape(5, num_heads + 2 * num_kv_heads, hd)
+    grouped = np.asarray(group_qkv(jnp.asarray(flat), num_heads, num_kv_heads))
+    assert grouped.shape == (5, num_kv_heads, g + 2, hd)
+    for h in range(num_heads):
+        np.testing.assert_array_equal(grouped[:, h // g, h % g], flat[:, h])
+    for j in range(num_kv_heads):
+        np.testing.assert_array_equal(grouped[:, j, g], flat[:, num_heads + j])
+        np.testing.assert_array_equal(grouped[:, j, g + 1], flat[:, num_heads + num_kv_heads + j])
+    np.testing.assert_array_equal(np.asarray(ungroup_qkv(jnp.asarray(grouped))), flat)

@@ -134,8 +134,9 @@ def test_bf16_checkpoint_loads_and_converts(tmp_path):
     native = load_hf(tmp_path, progress=False)
     assert all(v.dtype == jnp.bfloat16 for v in _params(native).values())
     assert np.array_equal(_params(native)[("embedding",)], tensors["model.embed_tokens.weight"])
-    q = tensors["model.layers.1.self_attn.q_proj.weight"]  # [Hq*hd, D] -> [D, Hq, hd]
-    assert np.array_equal(_params(native)[("layers", 1, "attention", "qkv")][:, :4], q.T.reshape(64, 4, 16))
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]  # [Hq*hd, D] -> qkv[:, :, :G] [D, Hkv, G, hd]
+    qkv = _params(native)[("layers", 1, "attention", "qkv")]  # [D, Hkv, G + 2, hd]
+    assert np.array_equal(qkv[:, :, :qkv.shape[2] - 2].reshape(64, 4, 16), q.T.reshape(64, 4, 16))
     up = tensors["model.layers.1.mlp.up_proj.weight"]  # [F, D] -> gate_up[:, 1] [D, F]
     assert np.array_equal(_params(native)[("layers", 1, "mlp", "gate_up")][:, 1], up.T)
     upcast = load_hf(tmp_path, dtype=jnp.float32, progress=False)

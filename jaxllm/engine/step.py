@@ -1,0 +1,146 @@
+"""One engine step as plain values: `StepInputs` (one pytree of arrays) and the step as free functions.
+
+A step is `(graphdef, state, kv_pool, inputs, *, kernels)`: `inputs` is what a mesh shards (in_specs)
+and what process 0 broadcasts each step on a multi-host run; `kernels` (pallas_kernels.dispatch.Kernels)
+is the static description of each op's implementation and schedule that a tuner supplies. The runner
+jits these functions with the KV pool donated; nothing here reads a live Sequence or queries a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.engine.kv_cache import AttentionBatch, KVCache
+from jaxllm.engine.sampling import greedy_tokens, sample_tokens
+from jaxllm.engine.scheduler import StepPlan
+from pallas_kernels.dispatch import Kernels
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """A step's inputs padded to its bucket (T tokens, S sequences, W rBlock-table columns).
+
+    tokens, positions, slot_mapping [T] int32 (padding tokens: slot -1, written nowhere);
+    block_tables [S, W], kv_lens [S], cu_q_lens [S+1] int32 (padding sequences: kv_len 0, no query
+    tokens; on a decode step cu_q_lens == arange(S + 1), each padding sequence owning one padding
+    token); temperature, top_p [S] float32, top_k, seed [S] int32 (padding rows greedy).
+    Leaves are numpy arrays on the host or jax arrays on the device.
+    """
+
+    tokens: np.ndarray | jax.Array
+    positions: np.ndarray | jax.Array
+    block_tables: np.ndarray | jax.Array
+    kv_lens: np.ndarray | jax.Array
+    cu_q_lens: np.ndarray | jax.Array
+    slot_mapping: np.ndarray | jax.Array
+    temperature: np.ndarray | jax.Array
+    top_k: np.ndarray | jax.Array
+    top_p: np.ndarray | jax.Array
+    seed: np.ndarray | jax.Array
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def padded_sizes(decode: bool, size: int, *, min_tokens: int, seq_cap: int) -> tuple[int, int]:
+    """(tokens, sequences) a step is padded to: `size` is its sequence count (decode) or token count.
+
+    The one bucket rule: a decode step is shaped by its sequence count alone (a power of two), a
+    prefill step by its token count alone (a power of two >= min_tokens; its sequence axis padded to
+    the same size, capped at seq_cap).
+    """
+    if decode:
+        s_pad = bucket(size, 1)
+        return s_pad, s_pad
+    t_pad = bucket(size, min_tokens)
+    return t_pad, min(t_pad, seq_cap)
+
+
+def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int) -> StepInputs:
+    """Real shapes, inert values (warm-up): every token's slot is -1 (nothing written), every kv_len 0,
+    every row greedy."""
+    return StepInputs(
+        tokens=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32),
+        block_tables=np.zeros((num_seqs, table_width), np.int32), kv_lens=np.zeros(num_seqs, np.int32),
+        cu_q_lens=np.arange(num_seqs + 1, dtype=np.int32) if decode else np.zeros(num_seqs + 1, np.int32),
+        slot_mapping=np.full(num_tokens, -1, np.int32),
+        temperature=np.zeros(num_seqs, np.float32), top_k=np.zeros(num_seqs, np.int32),
+        top_p=np.ones(num_seqs, np.float32), seed=np.zeros(num_seqs, np.int32))
+
+
+def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_width: int) -> StepInputs:
+    """The plan padded to its bucket (`padded_sizes`), as host arrays. Raises ValueError when the plan
+    exceeds the limits (more sequences than its bucket holds, a wider rBlock table than table_width)."""
+    num_seqs, num_tokens, decode = plan.num_seqs, plan.num_tokens, plan.is_decode
+    t_pad, s_pad = padded_sizes(decode, num_seqs if decode else num_tokens, min_tokens=min_tokens, seq_cap=seq_cap)
+    if plan.block_tables.shape[1] > table_width or num_seqs > s_pad:
+        raise ValueError(f"step plan of {num_seqs} sequences x {plan.block_tables.shape[1]} rBlocks exceeds the "
+                         f"runner's limits ({s_pad} x {table_width})")
+    out = inert_step_inputs(decode, t_pad, s_pad, table_width)
+    out.tokens[:num_tokens] = plan.token_ids
+    out.positions[:num_tokens] = plan.positions
+    out.slot_mapping[:num_tokens] = plan.slot_mapping
+    out.block_tables[:num_seqs, :plan.block_tables.shape[1]] = plan.block_tables
+    out.kv_lens[:num_seqs] = plan.kv_lens
+    if not decode:
+        # Padding sequences have no query tokens; a decode step keeps cu == arange for the decode
+        # kernel's contract (each padding sequence one padding token, kv_len 0: it attends to nothing).
+        out.cu_q_lens[:] = num_tokens
+        out.cu_q_lens[:num_seqs + 1] = plan.cu_q_lens
+    for name in ("temperature", "top_k", "top_p", "seed"):
+        getattr(out, name)[:num_seqs] = getattr(plan, name)
+    return out
+
+
+def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, decode: bool, kernels: Kernels):
+    model = nnx.merge(graphdef, state)
+    batch = AttentionBatch(inputs.block_tables, inputs.kv_lens, inputs.cu_q_lens, inputs.slot_mapping, decode=decode)
+    hidden, kv_pool = model(inputs.tokens, inputs.positions, kv_pool, batch, kernels=kernels)
+    return model, hidden, kv_pool
+
+
+def _sample_last(model, hidden, inputs: StepInputs, greedy: bool) -> jax.Array:
+    last = jnp.maximum(inputs.cu_q_lens[1:] - 1, 0)  # each sequence's last query token
+    logits = model.logits(hidden[last])  # [S, vocab]
+    if greedy:  # every row has temperature 0: sample_tokens would return this argmax too
+        return greedy_tokens(logits)
+    return sample_tokens(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed, inputs.kv_lens)
+
+
+def decode_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels, greedy: bool = False
+                ) -> tuple[jax.Array, KVCache]:
+    """One query token per sequence -> (next tokens [S] int32, KV pool). greedy (static): every row
+    has temperature 0, so the argmax replaces the sampler's full-vocabulary sort."""
+    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, True, kernels)
+    return _sample_last(model, hidden, inputs, greedy), kv_pool
+
+
+def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels
+                 ) -> tuple[jax.Array, KVCache]:
+    """Packed chunks of any lengths -> (a token sampled after each sequence's last one [S] int32, KV pool)."""
+    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
+    return _sample_last(model, hidden, inputs, False), kv_pool
+
+
+def logits_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels
+                ) -> tuple[jax.Array, KVCache]:
+    """A prefill step's teacher-forced logits of every token -> ([T, vocab] float32, KV pool)."""
+    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
+    return model.logits(hidden), kv_pool

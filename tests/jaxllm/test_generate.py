@@ -36,15 +36,16 @@ def test_output_independent_of_batch_composition(llm):
     assert other_seed.token_ids != alone.token_ids
 
 
-def test_greedy_step_variant_changes_no_token(llm):
+def test_greedy_step_variant_changes_no_token(llm, monkeypatch):
     """Decode steps whose sequences are all greedy run the argmax-only step variant; beside a sampled
     sequence the step carries the sampler. A greedy request's tokens must be the same either way."""
     from jaxllm.engine.core import Request
     from jaxllm.engine.sampling import SamplingParams
 
     calls = []
-    step = llm.runner._step
-    llm.runner._step = lambda *a, **kw: calls.append(kw["greedy"]) or step(*a, **kw)
+    run_step = llm.runner.run_step
+    monkeypatch.setattr(llm.runner, "run_step",
+                        lambda decode, inputs, *, greedy=False: calls.append(greedy) or run_step(decode, inputs, greedy=greedy))
     try:
         alone = llm.generate([PROMPTS[1]], max_new_tokens=8)[0].token_ids
         assert True in calls  # the greedy variant ran
@@ -54,7 +55,7 @@ def test_greedy_step_variant_changes_no_token(llm):
                           SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, ignore_eos=True))
         outputs = list(llm.run([greedy, sampled]).values())
     finally:
-        llm.runner._step = step
+        monkeypatch.undo()
     assert True not in calls  # a sampled sequence was in every step
     assert [t for out in outputs[0] for t in out.token_ids] == alone
     assert sum(len(out.token_ids) for out in outputs[1]) == 16

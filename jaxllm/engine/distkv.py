@@ -115,11 +115,26 @@ class Allocation:
             out.setdefault(p.instance, []).append(i)
         return {k: tuple(v) for k, v in sorted(out.items())}
 
-    def local_tables(self, block_size: int) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Per instance: (its rBlock ids in table order, the sequence position of each one's first token),
-        what DistAttention takes (`block_starts`)."""
-        return {inst: (tuple(self.table[i].block for i in idx), tuple(i * block_size for i in idx))
+    def local_tables(self, block_size: int, num_tokens: int) -> dict[int, tuple[tuple[int, ...], int]]:
+        """Per instance: (its rBlock ids in table order, how many of the sequence's `num_tokens` they hold):
+        a row of `dist_decode_attention`'s tables and lens (the partial last rBlock comes last where it is)."""
+        if not 0 <= num_tokens <= len(self.table) * block_size:
+            raise ValueError(f"request {self.request}: {num_tokens} tokens do not fit its {len(self.table)} "
+                             f"rBlocks of {block_size}")
+        return {inst: (tuple(self.table[i].block for i in idx),
+                       sum(max(0, min(block_size, num_tokens - i * block_size)) for i in idx))
                 for inst, idx in self.parts().items()}
+
+    def runs(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """Maximal runs of consecutive table entries on one instance: (instance, first entry, rBlock ids).
+        Each run is a part with one start position (first entry x block_size) for causal prefill."""
+        out: list[tuple[int, int, list[int]]] = []
+        for i, p in enumerate(self.table):
+            if out and out[-1][0] == p.instance:
+                out[-1][2].append(p.block)
+            else:
+                out.append((p.instance, i, [p.block]))
+        return tuple((inst, first, tuple(blocks)) for inst, first, blocks in out)
 
 
 class _Pool:

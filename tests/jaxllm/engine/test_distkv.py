@@ -87,6 +87,10 @@ def test_local_first_then_the_most_free_creditor():
     assert [p.instance for p in got.table] == [0, 0, 0, 0, 2, 2]
     assert gm.debts() == {(0, 2): 2} and gm.metrics()["lenders"] == {0: [2]}
     assert got.parts() == {0: (0, 1, 2, 3), 2: (4, 5)}
+    assert got.local_tables(16, 5 * 16 + 3) == {0: ((0, 1, 2, 3), 64), 2: ((0, 1), 19)}
+    assert got.runs() == ((0, 0, (0, 1, 2, 3)), (2, 4, (0, 1)))
+    with pytest.raises(ValueError, match="request 1: 97 tokens do not fit its 6 rBlocks of 16"):
+        got.local_tables(16, 97)
     _audit(gm)
 
 

@@ -175,9 +175,10 @@ class LLM:
                 self._record(step_outputs, outputs, pending)
                 if on_step is not None:
                     on_step(step_outputs)
-            step_outputs = self.core.drain()
-            if on_step is not None and step_outputs is not None:
-                on_step(step_outputs)
+            if self.core.has_step_in_flight():
+                step_outputs = self.core.drain()
+                if on_step is not None:
+                    on_step(step_outputs)
         except BaseException:
             self.core.drop_in_flight()  # dropped unrecorded: harmless (EngineCore says why)
             for i in pending:

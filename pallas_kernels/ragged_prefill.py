@@ -122,7 +122,7 @@ def _compute_dtype(q_dtype, kv_dtype):
     return jnp.dtype(q_dtype) if jnp.dtype(kv_dtype) == jnp.int8 else jnp.promote_types(q_dtype, kv_dtype)
 
 
-def _default_block_sizes(compute_dtype) -> PrefillBlockSizes:
+def default_block_sizes(compute_dtype) -> PrefillBlockSizes:
     """Best of a sweep on an H200 (bf16, causal 4K and 16K tokens, packed and single, 32 x 128 heads,
     rBlocks of 256): 128 x 128 tiles, 8 warps, 3 stages at every length measured. float32 tiles are
     smaller so that the pipelined K and V tiles still fit in shared memory; before Hopper, two stages fit."""
@@ -307,7 +307,7 @@ def ragged_prefill(
       k_scale, v_scale: [num_blocks, num_kv_heads, block_size] float32 for int8 pools.
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       return_residuals: also return the row max and row sum of exponentials.
-      block_sizes: tile sizes; default tuned per compute dtype and GPU (`_default_block_sizes`).
+      block_sizes: tile sizes; default tuned per compute dtype and GPU (`default_block_sizes`).
       interpret: run the Pallas interpreter; default True unless on a GPU.
 
     Returns:
@@ -316,7 +316,7 @@ def ragged_prefill(
     """
     check_ragged_prefill_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale)
     if block_sizes is None:
-        block_sizes = _default_block_sizes(_compute_dtype(q.dtype, k_pool.dtype))
+        block_sizes = default_block_sizes(_compute_dtype(q.dtype, k_pool.dtype))
     _effective_block_k(block_sizes.block_k, k_pool.shape[2])  # raise here, not inside jit
     interpret = compat.default_interpret(interpret)
     scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5

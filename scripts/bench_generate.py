@@ -43,8 +43,7 @@ def _hf_model(**extra):
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=1 << 20, rms_norm_eps=1e-5,
-                      **extra)
-    cfg._attn_implementation = "sdpa"
+                      attn_implementation="sdpa", **extra)
     torch.set_default_dtype(torch.float16)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
@@ -130,8 +129,9 @@ def hf_mixed(num_requests: int, new_tokens: int, max_prompt: int, batch_tokens: 
 
 # ----- jaxllm -----
 
-def _drive(llm, seqs) -> dict:
-    """Run the LLM's (pipelined) loop until every sequence finishes; per-step wall times by kind.
+def _drive(llm, requests) -> tuple[dict, dict]:
+    """Run requests through the LLM's (pipelined) loop to their ends; per-step wall times by kind, and
+    every request's outputs (LLM.run's).
 
     A step's time is the gap between the moments its tokens and the previous step's reached the
     host: with steps queued back to back, the device time per step plus whatever dispatch fails to hide.
@@ -139,25 +139,29 @@ def _drive(llm, seqs) -> dict:
     times = {"decode": [], "prefill": []}
     last = time.perf_counter()
 
-    def on_step(plan) -> None:
+    def on_step(_outputs) -> None:
         nonlocal last
         now = time.perf_counter()
-        times["decode" if plan.is_decode else "prefill"].append(now - last)
+        times["decode" if llm.core.last_plan.is_decode else "prefill"].append(now - last)
         last = now
 
-    llm._run_until(lambda: all(s.finish_reason is not None for s in seqs), on_step=on_step)
-    return times
+    outputs = llm.run(requests, on_step=on_step)
+    return times, outputs
+
+
+def _generated(outputs: dict) -> int:
+    return sum(len(out.token_ids) for outs in outputs.values() for out in outs)
 
 
 def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float, weight_bytes: int,
                    hbm_tb_s: float | None = None) -> dict:
     """Batch-1 decode ms/token at context; the floor (weights + KV read at hbm_tb_s) is None without it."""
+    from jaxllm.engine.core import Request
     from jaxllm.engine.sampling import SamplingParams
 
     prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
     t0 = time.perf_counter()
-    seq = llm._submit(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    times = _drive(llm, [seq])
+    times, _ = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))])
     decode = np.asarray(times["decode"][2:])  # the first decode steps may compile
     ms = float(np.median(decode) * 1e3)
     floor = None if hbm_tb_s is None else (weight_bytes + context * kv_bytes_per_token) / (hbm_tb_s * 1e12) * 1e3
@@ -167,30 +171,32 @@ def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float
 
 def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, warm: bool = True) -> dict:
     """The mixed workload; with `warm`, once untimed first, so the timed pass compiles nothing (checked)."""
+    from jaxllm.engine.core import Request
     from jaxllm.engine.sampling import SamplingParams
 
     lengths = mixed_lengths(num_requests, max_prompt)
     # The timed pass repeats the warm pass's prompts: with the prefix cache it would skip their prefill.
     llm.scheduler.prefix_caching = False
 
-    def run() -> tuple[list, dict, float]:
+    def run() -> tuple[dict, dict, float, int]:
         rng = np.random.default_rng(2)
-        seqs = [llm._submit(rng.integers(3, 259, size=n).tolist(),
+        requests = [Request(rng.integers(3, 259, size=n).tolist(),
                             SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for n in lengths]
+        preempted = llm.core.stats().preemptions_total
         t0 = time.perf_counter()
-        times = _drive(llm, seqs)
-        return seqs, times, time.perf_counter() - t0
+        times, outputs = _drive(llm, requests)
+        return outputs, times, time.perf_counter() - t0, llm.core.stats().preemptions_total - preempted
 
     if warm:
         _log(f"[jaxllm] mixed: untimed warm pass ({llm.compile_count} compiles so far)")
         run()
     compiles = llm.compile_count
-    seqs, times, wall = run()
-    generated = sum(len(s.output_ids) for s in seqs)
+    outputs, times, wall, preemptions = run()
+    generated = _generated(outputs)
     llm.scheduler.prefix_caching = llm.options.prefix_caching
     return dict(requests=num_requests, prompt_tokens=int(lengths.sum()), generated_tokens=generated, wall_s=wall,
                 generated_tokens_per_s=generated / wall, total_tokens_per_s=(generated + int(lengths.sum())) / wall,
-                steps=len(times["decode"]) + len(times["prefill"]), preemptions=sum(s.num_preemptions for s in seqs),
+                steps=len(times["decode"]) + len(times["prefill"]), preemptions=preemptions,
                 warm_pass=warm, compiles_while_timed=llm.compile_count - compiles)
 
 
@@ -199,6 +205,7 @@ def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: 
     together; timed with the prefix cache off, then on with the prefix cached by an earlier request
     (as a server sees a system prompt it has served before). Each mode runs once untimed first, so
     no timed pass compiles. Time to first token per request, wall time, prefill tokens computed."""
+    from jaxllm.engine.core import Request
     from jaxllm.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(3)
@@ -206,37 +213,38 @@ def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: 
     suffixes = [rng.integers(3, 259, size=suffix_len).tolist() for _ in range(num_requests)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
-    def run(tag: int) -> tuple[list, list, float]:
+    def run(tag: int) -> tuple[list, float, int]:
         # Distinct first suffix token per pass: a pass never finds the previous pass's suffixes cached.
-        seqs = [llm._submit(prefix + [3 + tag] + s, params) for s in suffixes]
+        requests = [Request(prefix + [3 + tag] + s, params) for s in suffixes]
+        preempted = llm.core.stats().preemptions_total
         t0 = time.perf_counter()
         first = {}
 
-        def on_step(_plan) -> None:
+        def on_step(outputs) -> None:
             now = time.perf_counter() - t0
-            for s in seqs:
-                if s.output_ids and s.seq_id not in first:
-                    first[s.seq_id] = now
+            for out in outputs:
+                if out.token_ids and out.request_id not in first:
+                    first[out.request_id] = now
 
-        llm._run_until(lambda: all(s.finish_reason is not None for s in seqs), on_step=on_step)
-        return seqs, [first[s.seq_id] for s in seqs], time.perf_counter() - t0
+        llm.run(requests, on_step=on_step)
+        return list(first.values()), time.perf_counter() - t0, llm.core.stats().preemptions_total - preempted
 
     rows = {}
     scheduler = llm.scheduler
+    prompt_tokens = num_requests * (prefix_len + 1 + suffix_len)
     # Untimed passes first: they compile every shape the timed pass runs (with the cache on, the
     # first also leaves the prefix cached and the second runs the timed pass's shapes).
     for caching, untimed, timed in ((False, (0,), 1), (True, (2, 3), 4)):
         scheduler.prefix_caching = caching
         for tag in untimed:
             run(tag)
-        compiles, cached_before = llm.compile_count, scheduler.cached_tokens
-        seqs, ttft, wall = run(timed)
-        prompt_tokens = sum(len(s.prompt_ids) for s in seqs)
-        reused = scheduler.cached_tokens - cached_before
+        compiles, cached_before = llm.compile_count, llm.core.stats().prefix_cache_hit_tokens
+        ttft, wall, preemptions = run(timed)
+        reused = llm.core.stats().prefix_cache_hit_tokens - cached_before
         rows["cache_on" if caching else "cache_off"] = dict(
             wall_s=wall, ttft_mean_s=float(np.mean(ttft)), ttft_max_s=float(np.max(ttft)),
             prompt_tokens=prompt_tokens, prefill_tokens_computed=prompt_tokens - reused,
-            preemptions=sum(s.num_preemptions for s in seqs), compiles_while_timed=llm.compile_count - compiles)
+            preemptions=preemptions, compiles_while_timed=llm.compile_count - compiles)
     scheduler.prefix_caching = llm.options.prefix_caching
     return dict(requests=num_requests, prefix_tokens=prefix_len, suffix_tokens=suffix_len + 1, new_tokens=new_tokens,
                 **rows, speedup_wall=rows["cache_off"]["wall_s"] / rows["cache_on"]["wall_s"],

@@ -191,7 +191,7 @@ def main():
                 fn = jax.jit(functools.partial(baseline.ragged_prefill, interpret=False,
                                                block_sizes=baseline.PrefillBlockSizes(*bs)))
                 attempt(what, "baseline", bs, fn, inputs, flops, ref)
-        default = rp._default_block_sizes(jnp.bfloat16)
+        default = rp.default_block_sizes(jnp.bfloat16)
         attempt(what, "ours", f"default {dataclasses.astuple(default)}", _ours(), inputs, flops, ref)
         for bs in [] if args.quick else SWEEP:
             attempt(what, "ours", bs, _ours(bs), inputs, flops, ref)

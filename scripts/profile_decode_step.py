@@ -4,7 +4,7 @@
 
 For each context it prefills one sequence of the Llama-2-7B shape (random bf16 weights), then
 times the same decode step six ways (median ms):
-  full          the LLM's loop (LLM._run_until), which queues the next decode step before reading
+  full          the engine core's loop (EngineCore.step), which queues the next decode step before reading
                 this one's tokens: the gap between steps' tokens (what generation pays per token)
   full_sync     the same loop waiting for every step's tokens before the next dispatch
   scheduler     Scheduler.plan + update alone (pure Python)
@@ -19,7 +19,6 @@ Writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -89,29 +88,31 @@ def profile(llm, context: int, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxllm.engine.core import Request
     from jaxllm.engine.sampling import SamplingParams
     from pallas_kernels.ragged_decode import ragged_decode
 
     runner, scheduler = llm.runner, llm.scheduler
     prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
-    seq = llm._submit(prompt, SamplingParams(max_new_tokens=10 * reps + 50, ignore_eos=True))
-    llm._run_until(lambda: len(seq.output_ids) >= 2)  # prefill, then decode steps
+    request_id = llm.core.add(Request(prompt, SamplingParams(max_new_tokens=10 * reps + 50, ignore_eos=True)))
+    produced = 0
+    while produced < 2:  # prefill, then decode steps
+        produced += sum(len(out.token_ids) for out in llm.core.step() if out.request_id == request_id)
+    llm.core.drain()
 
     def full_ms(pipeline: bool) -> float:
-        llm.options = dataclasses.replace(llm.options, pipeline=pipeline)
+        llm.core.pipeline = pipeline
         gaps, last = [], time.perf_counter()
-
-        def on_step(plan) -> None:
-            nonlocal last
+        while len(gaps) <= reps:
+            llm.core.step()
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
-
-        llm._run_until(lambda: len(gaps) > reps, on_step=on_step)  # returns with no step in flight
+        llm.core.drain()  # returns with no step in flight
         return float(np.median(gaps[1:]) * 1e3)  # the first gap includes starting the pipeline
 
     row = {"context": context, "full_ms": full_ms(True), "full_sync_ms": full_ms(False)}
-    llm.options = dataclasses.replace(llm.options, pipeline=True)
+    llm.core.pipeline = True
 
     plan = scheduler.plan()
     sampled = runner.step(plan)
@@ -150,7 +151,7 @@ def profile(llm, context: int, reps: int) -> dict:
     attention_32(q, layer.k, layer.v, tables, kv_lens).block_until_ready()
     row["attention_ms"] = _median_ms(lambda: attention_32(q, layer.k, layer.v, tables, kv_lens).block_until_ready(),
                                      reps)
-    scheduler.cancel(seq)
+    llm.core.cancel(request_id)
     return row
 
 

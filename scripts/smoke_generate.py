@@ -22,30 +22,37 @@ import harness
 
 
 def run_one(llm, context: int, new_tokens: int):
-    import jax
-
+    """One request of `context` random prompt tokens; every step waits for its tokens (pipeline off), so a
+    step's time is its own."""
+    from jaxllm.engine.core import Request
     from jaxllm.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 259, size=context).tolist()
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    seq = llm._submit(prompt, params)
+    request = Request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     step_times, kinds = [], []
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     first_token_at = None
-    while seq.finish_reason is None:
-        plan = llm.scheduler.plan()
-        start = time.perf_counter()
-        sampled = llm.runner.step(plan)  # np.asarray inside: waits for the device
-        step_times.append(time.perf_counter() - start)
-        kinds.append("decode" if plan.is_decode else "prefill")
-        llm.scheduler.update(plan, sampled, eos_id=-1)
-        if first_token_at is None and seq.output_ids:
-            first_token_at = time.perf_counter() - t0
+
+    def on_step(outputs) -> None:
+        nonlocal last, first_token_at
+        now = time.perf_counter()
+        step_times.append(now - last)
+        kinds.append("decode" if llm.core.last_plan.is_decode else "prefill")
+        last = now
+        if first_token_at is None and any(out.token_ids for out in outputs):
+            first_token_at = now - t0
+
+    pipeline, llm.core.pipeline = llm.core.pipeline, False
+    try:
+        outputs = llm.run([request], on_step=on_step)
+    finally:
+        llm.core.pipeline = pipeline
+    generated = sum(len(out.token_ids) for outs in outputs.values() for out in outs)
     decode = np.array([t for t, k in zip(step_times, kinds) if k == "decode"][2:])
     return {
         "context": context,
-        "new_tokens": len(seq.output_ids),
+        "new_tokens": generated,
         "prefill_s_incl_compile": first_token_at,
         "decode_ms_per_token_median": float(np.median(decode) * 1e3) if decode.size else None,
         "decode_ms_per_token_p90": float(np.percentile(decode, 90) * 1e3) if decode.size else None,
@@ -83,8 +90,6 @@ def main(argv=None) -> int:
                 row = {"backend": backend, **run_one(llm, context, args.new_tokens)}
             except Exception as e:  # record and go on: one failing backend must not hide the others
                 row = {"backend": backend, "context": context, "error": f"{type(e).__name__}: {e}"[:2000]}
-                for seq in list(llm.scheduler.running) + list(llm.scheduler.waiting):
-                    llm.scheduler.cancel(seq)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         del llm

@@ -25,7 +25,7 @@ from jaxllm.engine.output import RequestClock, RequestTimings, TextStream
 from jaxllm.engine.requests import RequestLimits, check_params, check_token_ids
 from jaxllm.engine.runner import InFlight, Runner
 from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Scheduler, Sequence, Status
+from jaxllm.engine.scheduler import Scheduler, Sequence, Status, StepPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +108,7 @@ class EngineStats:
     pool_blocks_free: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_blocks: int = 0
+    preemptions_total: int = 0
     compile_count: int = 0
     ttft_count: int = 0
     ttft_sum_s: float = 0.0
@@ -148,6 +149,8 @@ class EngineCore:
         self.limits = limits
         self.pipeline = pipeline
         self._inflight: InFlight | None = None
+        # The plan of the step the last step() recorded (benchmarks time steps by kind); None before any.
+        self.last_plan: StepPlan | None = None
         self._live: dict[int, _Live] = {}  # request id -> state, until its final output
         self._by_seq: dict[int, int] = {}  # seq_id -> request id
         self._ids = itertools.count()
@@ -214,6 +217,7 @@ class EngineCore:
         # advanced or finished are among these.
         candidates = list(self.scheduler.running)
         self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_id)
+        self.last_plan = inflight.plan
         self._inflight = following
         self._counts["steps_total"] += 1
         return self._collect(candidates, time.monotonic())
@@ -297,4 +301,5 @@ class EngineCore:
         return EngineStats(**self._counts, queue_depth=len(self.scheduler.waiting),
                            running=len(self.scheduler.running), pool_blocks=allocator.num_blocks,
                            pool_blocks_free=allocator.num_free, prefix_cache_hit_tokens=self.scheduler.cached_tokens,
-                           prefix_cache_blocks=allocator.num_cached, compile_count=self.runner.compile_count)
+                           prefix_cache_blocks=allocator.num_cached, preemptions_total=self.scheduler.preemptions,
+                           compile_count=self.runner.compile_count)

@@ -137,6 +137,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # oldest first
         self.cached_tokens = 0  # tokens whose KV came from the prefix cache, all admissions together
+        self.preemptions = 0  # sequences preempted so far, all together
         self._ids = itertools.count()
         self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id: what a plan's ids name
 
@@ -285,6 +286,7 @@ class Scheduler:
         seq.num_computed = seq.num_registered = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        self.preemptions += 1
         self.waiting.insert(0, seq)
 
     def _build(self, chunks: list[tuple[Sequence, int]]) -> StepPlan:

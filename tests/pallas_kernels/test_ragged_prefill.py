@@ -147,14 +147,14 @@ def test_without_residuals_returns_array():
 
 
 def test_default_block_sizes_per_dtype_and_device(monkeypatch):
-    assert rp._default_block_sizes(jnp.bfloat16) == rp.PrefillBlockSizes()
+    assert rp.default_block_sizes(jnp.bfloat16) == rp.PrefillBlockSizes()
     assert dataclasses.astuple(rp.PrefillBlockSizes()) == (128, 128, 8, 3)
-    assert rp._default_block_sizes(jnp.float32).block_q == 64
+    assert rp.default_block_sizes(jnp.float32).block_q == 64
     # Three 128 x 128 stages do not fit an Ampere block's shared memory: two there.
     monkeypatch.setattr(rp.compat, "gpu_compute_capability", lambda: (8, 0))
-    assert rp._default_block_sizes(jnp.bfloat16).num_stages == 2
+    assert rp.default_block_sizes(jnp.bfloat16).num_stages == 2
     monkeypatch.setattr(rp.compat, "gpu_compute_capability", lambda: (9, 0))
-    assert rp._default_block_sizes(jnp.bfloat16).num_stages == 3
+    assert rp.default_block_sizes(jnp.bfloat16).num_stages == 3
 
 
 def test_default_tiles_partly_filled():

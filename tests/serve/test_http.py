@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http")]
 
 MAX_CONTEXT = 1024
 STEP_TOKENS = 128
+MAX_RUNNING = 16  # few batch buckets to warm up; 64 concurrent streams then queue, as under real load
 KEY = "test-key-123"
 
 
@@ -36,8 +37,11 @@ class HttpServerProcess(ServerProcess):
 
     def __init__(self, tmp_path, *args: str):
         super().__init__(tmp_path, "--http-port", "0", *args)
-        line = self.wait_line(r"HTTP listening on ", 60)
-        self.http_port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
+        if "--http-only" in args:  # the first "listening on" line (read by ServerProcess) was HTTP's
+            self.http_port = self.port
+        else:
+            line = self.wait_line(r"HTTP listening on ", 60)
+            self.http_port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
         self.url = f"http://127.0.0.1:{self.http_port}/v1"
 
     def get(self, path: str) -> tuple[int, dict | str]:
@@ -79,7 +83,8 @@ def _wait_metric(server, name, predicate, timeout=10.0):
 def launched(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("JAXLLM_API_KEY", KEY)  # the server reads it; _env() copies os.environ
     s = HttpServerProcess(tmp_path_factory.mktemp("http"), "--max-context", str(MAX_CONTEXT),
-                          "--max-tokens-per-step", str(STEP_TOKENS), "--max-running", "64", "--max-queue", "128")
+                          "--max-tokens-per-step", str(STEP_TOKENS), "--max-running", str(MAX_RUNNING),
+                          "--max-queue", "128")
 
     def poll_health():
         seen = []
@@ -108,8 +113,8 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def llm(launched):  # built while the server loads and warms up
-    return LLM("tiny", max_context=MAX_CONTEXT, options=EngineOptions(max_tokens_per_step=STEP_TOKENS),
-               progress=False)
+    options = EngineOptions(max_tokens_per_step=STEP_TOKENS, max_seqs=MAX_RUNNING)
+    return LLM("tiny", max_context=MAX_CONTEXT, options=options, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -349,7 +349,8 @@ def build_app(state: ApiState) -> FastAPI:
         _authorize(state, request)
         adapter = _ready(state)
         return {"object": "list", "data": [{"id": adapter.model_name, "object": "model", "created": 0,
-                                            "owned_by": "jaxllm", "max_model_len": adapter.context_limit}]}
+                                            "owned_by": "jaxllm", "max_model_len": adapter.context_limit,
+                                            "vocab_size": adapter.vocab_size}]}
 
     async def generate(request: Request, chat: bool):
         start = time.monotonic()

@@ -60,6 +60,10 @@ class EngineAdapter:
         """Prompt + output tokens one request may reach."""
         return self.limits.context_limit
 
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
     def check(self, prompt: str | list[int], sampling: Sampling) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, SamplingParams), or a ValueError naming the field and the limit (-> 400)."""
         request = pb.GenerateRequest()

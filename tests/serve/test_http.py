@@ -12,6 +12,8 @@ import concurrent.futures
 import http.client
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -22,7 +24,7 @@ from jaxllm import LLM, EngineOptions
 from serve import jaxllm_pb2 as pb
 from serve.http.chat import render_chat
 from serve.metrics import parse
-from tests.serve.test_server import ServerProcess
+from tests.serve.test_server import ROOT, ServerProcess, _env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http")]
 
@@ -313,3 +315,16 @@ def test_closed_streams_return_the_pool_to_zero(server, client):
     assert _wait_metric(server, "jaxllm_http_active_requests", lambda v: v == 0) == 0
     closed = 'jaxllm_http_requests_total{code="499"}'
     assert server.metrics()[closed] - before.get(closed, 0) == 4
+
+
+def test_load_script_reports(server, tmp_path):
+    out = tmp_path / "load.json"
+    run = subprocess.run([sys.executable, "scripts/load_test_http.py", "--url", server.url, "--api-key", KEY,
+                          "--requests", "8", "--concurrency", "4", "--prompt-tokens", "20", "--max-tokens", "8",
+                          "--json", str(out), "--metrics-url", f"http://127.0.0.1:{server.http_port}/metrics"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] == 8 and report["requests_per_s"] > 0 and report["compiles_during_run"] == 0
+    assert 0 < report["ttft_s"]["p50"] <= report["ttft_s"]["p99"] and report["tpot_s"]["p90"] > 0
+    assert "TTFT" in run.stdout and "req/s" in run.stdout

@@ -7,6 +7,9 @@ the first requests will not wait for compiles. SIGTERM or SIGINT stops accepting
 streams finish for --grace-period seconds, cancels what is left, and exits 0 (while the model is
 still loading, it simply exits 0).
 
+--http-port P also serves the OpenAI-compatible HTTP API (serve/http) on the same engine;
+--http-only serves that alone. SIGTERM drains both together.
+
 This entry point is the one place `jaxllm` reaches up into `serve` (the gRPC layer), and only
 inside `main`, so importing jaxllm never imports grpc.
 """

@@ -241,40 +241,55 @@ class _Tally:
         self.state.metrics.streams.inc(-1)
 
 
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends, even if the client left before its first byte
+    (then the body generator never starts, and no `finally` inside it would run)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
     rid = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
+    outcome = {"code": 499}  # unless the stream reaches its end: the client went away (or the server stopped)
 
     async def events():
-        code = 499  # unless the loop below reaches its end: the client went away (or the server stopped)
-        try:
-            for (index, _, _), echo in zip(job.prompts, job.echo):
-                if job.chat:
-                    yield _sse(_chunk(job, rid, created, index, None, None, first=True))
-                elif echo:
-                    yield _sse(_chunk(job, rid, created, index, echo, None))
-            async for index, event in group.events():
-                tally.see(index, event)
-                if event.error is not None:
-                    group.cancel()
-                    code = 500
-                    yield _sse(APIError(500, f"generation failed: {event.error}").body())
-                    break
-                if event.text or event.finish_reason is not None:
-                    yield _sse(_chunk(job, rid, created, index, event.text, event.finish_reason))
-            else:
-                code = 200
-            if job.include_usage:
-                kind = "chat.completion.chunk" if job.chat else "text_completion"
-                yield _sse({"id": rid, "object": kind, "created": created, "model": job.model, "choices": [],
-                            "usage": _usage(job.prompt_tokens, sum(tally.completion_tokens.values()))})
-            yield "data: [DONE]\n\n"
-        finally:
-            group.cancel()  # the client is gone, or everything has finished (a no-op then)
-            tally.done(code)
+        for (index, _, _), echo in zip(job.prompts, job.echo):
+            if job.chat:
+                yield _sse(_chunk(job, rid, created, index, None, None, first=True))
+            elif echo:
+                yield _sse(_chunk(job, rid, created, index, echo, None))
+        async for index, event in group.events():
+            tally.see(index, event)
+            if event.error is not None:
+                group.cancel()
+                outcome["code"] = 500
+                yield _sse(APIError(500, f"generation failed: {event.error}").body())
+                break
+            if event.text or event.finish_reason is not None:
+                yield _sse(_chunk(job, rid, created, index, event.text, event.finish_reason))
+        else:
+            outcome["code"] = 200
+        if job.include_usage:
+            kind = "chat.completion.chunk" if job.chat else "text_completion"
+            yield _sse({"id": rid, "object": kind, "created": created, "model": job.model, "choices": [],
+                        "usage": _usage(job.prompt_tokens, sum(tally.completion_tokens.values()))})
+        yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def on_close():
+        group.cancel()  # the client is gone, or everything has finished (a no-op then)
+        tally.done(outcome["code"])
+
+    return _EventStream(events(), on_close)
 
 
 async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Request) -> JSONResponse:
@@ -294,10 +309,14 @@ async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Reques
     code = 499
     try:
         task = asyncio.ensure_future(run())
+        gone = False
         while not (await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
+            if not gone and await request.is_disconnected():
+                gone = True
                 group.cancel()  # the answer has nowhere to go: free the rBlocks now
         task.result()
+        if gone:
+            return Response(status_code=499)  # nobody reads it; 499 in the metrics, as for a closed stream
         if errors:
             code = 500
             raise APIError(500, f"generation failed: {errors[0]}")

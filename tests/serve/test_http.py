@@ -307,14 +307,21 @@ def test_closed_streams_return_the_pool_to_zero(server, client):
     for s in streams:
         assert next(iter(s)).choices  # running, holding rBlocks
     assert server.metrics()["jaxllm_kv_pool_usage_ratio"] > 0
+    # A non-streamed request whose client goes away is cancelled too (the server polls for it).
+    gone = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    gone.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                     "Content-Type": "application/json"},
+                 body=json.dumps({"model": "tiny", "prompt": "never read", "max_tokens": 1000, "ignore_eos": True}))
+    assert _wait_metric(server, "jaxllm_http_active_requests", lambda v: v == 5) == 5
+    gone.close()
     for s in streams:
         s.close()  # the connection goes; the server cancels the request
     assert _wait_metric(server, "jaxllm_kv_pool_usage_ratio", lambda v: v == 0) == 0
     after = server.metrics()
-    assert after["jaxllm_engine_requests_cancelled_total"] - before["jaxllm_engine_requests_cancelled_total"] == 4
+    assert after["jaxllm_engine_requests_cancelled_total"] - before["jaxllm_engine_requests_cancelled_total"] == 5
     assert _wait_metric(server, "jaxllm_http_active_requests", lambda v: v == 0) == 0
     closed = 'jaxllm_http_requests_total{code="499"}'
-    assert server.metrics()[closed] - before.get(closed, 0) == 4
+    assert server.metrics()[closed] - before.get(closed, 0) == 5
 
 
 def test_load_script_reports(server, tmp_path):

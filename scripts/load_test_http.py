@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--prompt-tokens {args.prompt_tokens} + --max-tokens {args.max_tokens} is over the "
                          f"server's context limit {model['max_model_len']}")
     rng = random.Random(args.seed)
-    bodies = [{"model": model["id"], "prompt": [rng.randrange(3, model["vocab_size"]) for _ in range(args.prompt_tokens)],
+    vocab = model["vocab_size"]
+    bodies = [{"model": model["id"], "prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)],
                "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": i, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True}} for i in range(args.requests)]
     for i in range(args.warmup_requests):  # first-shape compiles should not count as load latency

@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 import openai
 import pytest

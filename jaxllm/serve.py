@@ -83,9 +83,15 @@ def main(argv: list[str] | None = None) -> int:
                                 max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
                                 prefix_caching=not args.no_prefix_caching)
         server = None if args.http_only else Server(config)
-        http = _http_server(args, server)
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        http = _http_server(args, server)
+    except (ValueError, OSError) as e:  # e.g. the HTTP port is in use: give the gRPC port back too
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        if server:
+            server.shutdown(0.0)
         return 2
 
     stop = threading.Event()

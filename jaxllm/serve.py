@@ -7,6 +7,9 @@ the first requests will not wait for compiles. SIGTERM or SIGINT stops accepting
 streams finish for --grace-period seconds, cancels what is left, and exits 0 (while the model is
 still loading, it simply exits 0).
 
+--http-port P also serves the OpenAI-compatible HTTP API (serve/http) on the same engine;
+--http-only serves that alone. SIGTERM drains both together.
+
 This entry point is the one place `jaxllm` reaches up into `serve` (the gRPC layer), and only
 inside `main`, so importing jaxllm never imports grpc.
 """
@@ -62,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warm-up", action="store_true", help="skip compiling every step shape before SERVING "
                    "(shapes then compile on first use)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI-compatible HTTP API "
+                   "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on this port; 0 picks "
+                   "a free one (printed)")
+    p.add_argument("--http-only", action="store_true", help="serve the HTTP API only, no gRPC (needs --http-port)")
+    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+                   help="HTTP API: require 'Authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: no key)")
     return p
 
 
@@ -70,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from serve.server import Server, ServerConfig  # the one upward import; see the module docstring
 
+    if args.http_only and args.http_port is None:
+        parser.error("--http-only needs --http-port")
     metrics_port = None
-    if not args.no_metrics:
+    if not args.no_metrics and not args.http_only:  # an HTTP-only server has /metrics on its HTTP port
         metrics_port = args.metrics_port if args.metrics_port is not None else (args.port + 1 if args.port else 0)
     try:
         check_model_name(args.model)
@@ -82,9 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                                 max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
                                 prefix_caching=not args.no_prefix_caching)
-        server = Server(config)
+        server = None if args.http_only else Server(config)
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        http = _http_server(args, server)
+    except (ValueError, OSError) as e:  # e.g. the HTTP port is in use: give the gRPC port back too
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        if server:
+            server.shutdown(0.0)
         return 2
 
     stop = threading.Event()
@@ -101,9 +119,16 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    where = f"{args.host}:{server.port}"
-    metrics_at = f"; metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"jaxllm listening on {where} (NOT_SERVING until {args.model} is loaded and warm){metrics_at}", flush=True)
+    where = f"{args.host}:{server.port}" if server else http.url
+    if server:
+        metrics_at = f"; metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+        print(f"jaxllm listening on {where} (NOT_SERVING until {args.model} is loaded and warm){metrics_at}",
+              flush=True)
+    if http:
+        print(f"jaxllm HTTP listening on {http.url} (OpenAI API; 503 until {args.model} is loaded and warm)",
+              flush=True)
+    if http and server:
+        where += f"; OpenAI API on {http.url}"
     try:
         started = time.monotonic()
         if not args.quiet:
@@ -118,18 +143,44 @@ def main(argv: list[str] | None = None) -> int:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
             llm.warm_up(progress=not args.quiet)
         engine = Engine(llm, max_waiting=args.max_queue)
-        server.attach(engine, args.model)
+        for front in (server, http):
+            if front is not None:
+                front.attach(engine, args.model)
         loading = False
     except ValueError as e:  # unknown model, bad checkpoint, bad option: the user's to fix
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        server.shutdown(0.0)
+        if server:
+            server.shutdown(0.0)
+        if http:
+            http.shutdown(1.0)
         return 2
     print(f"jaxllm serving {args.model} on {where}", flush=True)
     stop.wait()
     print(f"jaxllm: shutting down (grace period {config.grace_period_s:g} s)", file=sys.stderr, flush=True)
-    server.shutdown()
+    if http:
+        http.stop_accepting()  # 503 from now; its streams drain with the engine below
+    if server:
+        server.shutdown()  # drains the engine (HTTP streams too) within the grace period
+    else:
+        engine.shutdown(config.grace_period_s)
+    if http:
+        http.shutdown()
     print("jaxllm: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _http_server(args, server):
+    """The OpenAI API server beside gRPC (sharing its metrics registry), or None without --http-port."""
+    if args.http_port is None:
+        return None
+    from serve.http import HttpConfig, HttpServer  # upward, like serve.server above
+
+    config = HttpConfig(host=args.host, port=args.http_port, api_key=args.api_key or None,
+                        max_body_bytes=args.max_message_bytes, max_running=args.max_running,
+                        max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
+    if server is None:
+        return HttpServer(config, engine_metrics=True)
+    return HttpServer(config, server.registry)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,402 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+    state = ApiState(config, registry, pool)   # adapter None: 503 until the model is warm
+    app = build_app(state)                     # served by uvicorn (serve/http/server.py)
+    state.adapter = EngineAdapter(engine, "tiny")
+
+A generation request becomes one engine request per (prompt, choice); they are checked all
+together before any is queued (a bad one costs no queue slot), then queued together (a full
+queue cancels those already queued and answers 429). Streams are server-sent events in OpenAI's
+chunk format ending `data: [DONE]`; a client that goes away has its engine requests cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hmac
+import json
+import re
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from serve.http import protocol
+from serve.http.bridge import StreamGroup
+from serve.http.chat import render_chat
+from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling
+from serve.http.protocol import APIError
+from serve.metrics import CONTENT_TYPE, Registry
+
+_FIELD = re.compile(r"[a-z_]+")
+_DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client has gone
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiConfig:
+    """What the API layer enforces itself (the engine's limits come through the adapter)."""
+
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16  # choices per prompt
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when set")
+        for name in ("max_body_bytes", "max_n"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class HttpMetrics:
+    """HTTP-side series, beside the gRPC servicer's in the same registry."""
+
+    def __init__(self, registry: Registry):
+        r = registry
+        self.requests = r.counter("jaxllm_http_requests_total", "OpenAI API generation requests, by HTTP status "
+                                  "(499: the client went away)", ["code"])
+        self.streams = r.gauge("jaxllm_http_active_requests", "OpenAI API generation requests in progress")
+        self.ttft = r.histogram("jaxllm_http_time_to_first_token_seconds", "HTTP request arrival to its first token")
+        self.duration = r.histogram("jaxllm_http_request_duration_seconds", "HTTP generation request, arrival to end")
+
+
+@dataclasses.dataclass(eq=False)
+class ApiState:
+    """What the routes share; the server sets `adapter` once warm and `draining` on shutdown."""
+
+    config: ApiConfig
+    registry: Registry
+    pool: concurrent.futures.ThreadPoolExecutor
+    metrics: HttpMetrics = None
+    adapter: EngineAdapter | None = None
+    draining: bool = False
+
+    def __post_init__(self):
+        if self.metrics is None:
+            self.metrics = HttpMetrics(self.registry)
+
+
+def _ready(state: ApiState) -> EngineAdapter:
+    if state.draining:
+        raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+    if state.adapter is None:
+        raise APIError(503, "the model is still loading; GET /health turns 200 when it is ready",
+                       code="model_loading")
+    return state.adapter
+
+
+def _authorize(state: ApiState, request: Request) -> None:
+    key = state.config.api_key
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+
+async def _read_json(request: Request, limit: int) -> object:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}")
+    declared = request.headers.get("content-length")
+    too_big = APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
+    if declared and declared.isdigit() and int(declared) > 4 * limit:
+        raise too_big  # not worth reading to answer politely
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > 4 * limit:
+            raise too_big
+    if size > limit:  # read to the end, so the client is not cut off before it reads the answer
+        raise too_big
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclasses.dataclass
+class _Job:
+    """One HTTP generation request, checked: what to queue and how to answer."""
+
+    chat: bool
+    model: str
+    stream: bool
+    include_usage: bool
+    prompts: list[tuple[int, list[int], object]]  # (choice index, prompt ids, SamplingParams)
+    echo: list[str]  # per choice: text to put before the completion ("" unless echo)
+    prompt_tokens: int  # counted once per prompt, not per choice
+
+
+def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) -> _Job:
+    req = protocol.parse(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, body)
+    if req.model != adapter.model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {adapter.model_name!r}",
+                       param="model", code="model_not_found")
+    req.unsupported()
+    if not 1 <= req.n <= state.config.max_n:
+        raise APIError(400, f"n must be in [1, {state.config.max_n}], got {req.n}", param="n")
+    if chat:
+        try:
+            prompts = [render_chat([(m.role, m.text()) for m in req.messages])]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+    else:
+        prompts = req.prompts()
+        if not prompts:
+            raise APIError(400, "prompt is empty: send a string, a list of strings or a list of token ids",
+                           param="prompt")
+    # Without a seed, a random one: the engine's default seed would make every choice the same.
+    base = req.seed if req.seed is not None else secrets.randbelow(SEED_LIMIT)
+    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
+    checked, echo, prompt_tokens = [], [], 0
+    for p, prompt in enumerate(prompts):
+        for j in range(req.n):
+            seed = base if j == 0 else (base + j) % SEED_LIMIT  # choice 0 carries the seed as sent (checked)
+            sampling = Sampling(max_tokens=req.output_limit(), temperature=temperature, top_p=req.top_p,
+                                top_k=req.top_k, seed=seed, stop=req.stops(), ignore_eos=req.ignore_eos)
+            try:
+                ids, params = adapter.check(prompt, sampling)
+            except ValueError as e:
+                message = str(e)
+                if len(prompts) > 1 and message.startswith("prompt"):
+                    message = f"prompt {p}: {message}"
+                field = _FIELD.match(message)
+                param = field.group(0) if field else None
+                if chat and param == "prompt":
+                    param, message = "messages", f"messages: the rendered {message}"
+                raise APIError(400, message, param=param) from None
+            checked.append((p * req.n + j, ids, params))
+            echo.append((prompt if isinstance(prompt, str) else adapter.decode(prompt))
+                        if not chat and req.echo else "")
+        prompt_tokens += len(checked[-1][1])
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return _Job(chat, req.model, req.stream, include_usage, checked, echo, prompt_tokens)
+
+
+def _submit(state: ApiState, adapter: EngineAdapter, job: _Job) -> StreamGroup:
+    group = StreamGroup(state.pool)
+    try:
+        for index, ids, params in job.prompts:
+            group.add(index, adapter.submit(ids, params))
+    except QueueFull as e:
+        group.cancel()
+        raise APIError(429, f"server busy: {e}; retry later", code="queue_full") from None
+    except EngineStopped as e:
+        group.cancel()
+        raise APIError(503, f"{e}; retry on another instance", code="shutting_down") from None
+    return group
+
+
+def _chunk(job: _Job, rid: str, created: int, index: int, text: str | None, finish: str | None,
+           first: bool = False) -> dict:
+    if job.chat:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    out = {"id": rid, "object": kind, "created": created, "model": job.model, "choices": [choice]}
+    if job.include_usage:
+        out["usage"] = None
+    return out
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _Tally:
+    """Per-request bookkeeping shared by the streaming and the collecting paths."""
+
+    def __init__(self, state: ApiState, start: float):
+        self.state, self.start = state, start
+        self.first_token_at = None
+        self.completion_tokens: dict[int, int] = {}
+
+    def see(self, index: int, event) -> None:
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            self.state.metrics.ttft.observe(self.first_token_at - self.start)
+        self.completion_tokens[index] = event.completion_tokens
+
+    def done(self, code: int) -> None:
+        self.state.metrics.requests.inc(code=str(code))
+        self.state.metrics.duration.observe(time.monotonic() - self.start)
+        self.state.metrics.streams.inc(-1)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends, even if the client left before its first byte
+    (then the body generator never starts, and no `finally` inside it would run)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
+    rid = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outcome = {"code": 499}  # unless the stream reaches its end: the client went away (or the server stopped)
+
+    async def events():
+        for (index, _, _), echo in zip(job.prompts, job.echo):
+            if job.chat:
+                yield _sse(_chunk(job, rid, created, index, None, None, first=True))
+            elif echo:
+                yield _sse(_chunk(job, rid, created, index, echo, None))
+        async for index, event in group.events():
+            tally.see(index, event)
+            if event.error is not None:
+                group.cancel()
+                outcome["code"] = 500
+                yield _sse(APIError(500, f"generation failed: {event.error}").body())
+                break
+            if event.text or event.finish_reason is not None:
+                yield _sse(_chunk(job, rid, created, index, event.text, event.finish_reason))
+        else:
+            outcome["code"] = 200
+        if job.include_usage:
+            kind = "chat.completion.chunk" if job.chat else "text_completion"
+            yield _sse({"id": rid, "object": kind, "created": created, "model": job.model, "choices": [],
+                        "usage": _usage(job.prompt_tokens, sum(tally.completion_tokens.values()))})
+        yield "data: [DONE]\n\n"
+
+    def on_close():
+        group.cancel()  # the client is gone, or everything has finished (a no-op then)
+        tally.done(outcome["code"])
+
+    return _EventStream(events(), on_close)
+
+
+async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Request) -> JSONResponse:
+    texts = {index: [echo] for (index, _, _), echo in zip(job.prompts, job.echo)}
+    finish: dict[int, str] = {}
+    errors = []
+
+    async def run():
+        async for index, event in group.events():
+            tally.see(index, event)
+            texts[index].append(event.text)
+            if event.finish_reason is not None:
+                finish[index] = event.finish_reason
+            if event.error is not None:
+                errors.append(event.error)
+
+    code = 499
+    try:
+        task = asyncio.ensure_future(run())
+        gone = False
+        while not (await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S))[0]:
+            if not gone and await request.is_disconnected():
+                gone = True
+                group.cancel()  # the answer has nowhere to go: free the rBlocks now
+        task.result()
+        if gone:
+            return Response(status_code=499)  # nobody reads it; 499 in the metrics, as for a closed stream
+        if errors:
+            code = 500
+            raise APIError(500, f"generation failed: {errors[0]}")
+        if "cancelled" in finish.values():
+            code = 503
+            raise APIError(503, "the request was cancelled: the server is shutting down", code="shutting_down")
+        choices = []
+        for index in sorted(texts):
+            text = "".join(texts[index])
+            if job.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish[index]})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish[index]})
+        body = {"id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
+                "model": job.model, "choices": choices,
+                "usage": _usage(job.prompt_tokens, sum(tally.completion_tokens.values()))}
+        code = 200
+        return JSONResponse(body)
+    finally:
+        group.cancel()
+        tally.done(code)
+
+
+def build_app(state: ApiState) -> FastAPI:
+    app = FastAPI(title="jaxllm", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method
+        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
+                            status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        _ready(state)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.registry.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorize(state, request)
+        adapter = _ready(state)
+        return {"object": "list", "data": [{"id": adapter.model_name, "object": "model", "created": 0,
+                                            "owned_by": "jaxllm", "max_model_len": adapter.context_limit,
+                                            "vocab_size": adapter.vocab_size}]}
+
+    async def generate(request: Request, chat: bool):
+        start = time.monotonic()
+        code = 200
+        try:
+            _authorize(state, request)
+            adapter = _ready(state)
+            job = _check(state, adapter, await _read_json(request, state.config.max_body_bytes), chat)
+            group = _submit(state, adapter, job)
+        except APIError as e:
+            code = e.status
+            raise
+        finally:
+            if code != 200:
+                state.metrics.requests.inc(code=str(code))
+        state.metrics.streams.inc()
+        tally = _Tally(state, start)
+        if job.stream:
+            return _stream(job, group, tally)
+        return await _collect(job, group, tally, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app

@@ -1,0 +1,126 @@
+"""The HTTP front end's one window onto the engine: request checks, limits, model facts, load readings.
+
+Everything the OpenAI API layer needs from `jaxllm` goes through `EngineAdapter`, so when the
+engine's request checks move into jaxllm (a `RequestLimits` plus check functions) and the engine
+grows `info()` / `stats()` snapshots, only this file changes. Today it reuses the gRPC side's
+checks (`serve.validation`) by filling a `GenerateRequest`, so both protocols refuse exactly the
+same requests with the same messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
+from serve import jaxllm_pb2 as pb
+from serve.metrics import Registry
+from serve.validation import SEED_LIMIT, RequestLimits, to_engine_request
+
+__all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT",
+           "register_engine_metrics"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """One engine request's sampling fields as the HTTP request gave them (None: the server's default)."""
+
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+def _set(request: pb.GenerateRequest, field: str, value) -> None:
+    # Protobuf refuses out-of-range ints (max_tokens 2**40) with its own wording: name the field instead.
+    try:
+        setattr(request, field, value)
+    except (ValueError, TypeError):
+        raise ValueError(f"{field} = {value!r} is out of range") from None
+
+
+class EngineAdapter:
+    """A loaded, warm engine as the OpenAI API sees it."""
+
+    def __init__(self, engine: Engine, model_name: str, *, default_max_tokens: int = 256,
+                 max_stop_strings: int = 16, max_stop_length: int = 256):
+        self.engine = engine
+        self.model_name = model_name
+        llm = engine.llm
+        self.limits = RequestLimits(context_limit=llm.context_limit, vocab_size=llm.config.vocab_size,
+                                    default_max_tokens=default_max_tokens, max_stop_strings=max_stop_strings,
+                                    max_stop_length=max_stop_length)
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt + output tokens one request may reach."""
+        return self.limits.context_limit
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    def check(self, prompt: str | list[int], sampling: Sampling) -> tuple[list[int], SamplingParams]:
+        """(prompt token ids, SamplingParams), or a ValueError naming the field and the limit (-> 400)."""
+        request = pb.GenerateRequest()
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            for i, t in enumerate(prompt):
+                if not 0 <= t < self.limits.vocab_size:  # before protobuf's int32 range check
+                    raise ValueError(f"prompt[{i}] = {t} is outside the vocabulary [0, {self.limits.vocab_size})")
+            request.prompt_token_ids.extend(prompt)
+        if sampling.max_tokens is not None:
+            _set(request, "max_tokens", sampling.max_tokens)
+        if sampling.top_p is not None:
+            request.top_p = sampling.top_p
+        if not 0 <= sampling.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**31), got {sampling.seed}")
+        _set(request, "top_k", sampling.top_k)
+        request.temperature = sampling.temperature
+        request.seed = sampling.seed
+        request.stop.extend(sampling.stop)
+        request.ignore_eos = sampling.ignore_eos
+        return to_engine_request(request, self.engine.llm.tokenizer, self.limits)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (for `echo` of a token-id prompt)."""
+        return self.engine.llm.tokenizer.decode(ids)
+
+    def submit(self, ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a checked request; raises QueueFull (-> 429) or EngineStopped (-> 503)."""
+        return self.engine.submit(ids, params)
+
+    def stop_accepting(self) -> None:
+        self.engine.stop_accepting()
+
+
+def register_engine_metrics(registry: Registry, adapter: Callable[[], EngineAdapter | None]) -> None:
+    """The engine-side gauges and counters (as the gRPC server registers them), for an HTTP-only server.
+
+    `adapter()` is None until the model is loaded; every reading is 0 until then.
+    """
+
+    def read(fn):
+        return lambda: fn(adapter().engine) if adapter() is not None else 0
+
+    r = registry
+    r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted", fn=read(lambda e: e.stats.prompt_tokens_total))
+    r.counter("jaxllm_generation_tokens_total", "tokens generated",
+              fn=read(lambda e: e.stats.generated_tokens_total))
+    r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
+              fn=read(lambda e: e.stats.requests_cancelled))
+    r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
+              fn=read(lambda e: e.stats.requests_rejected))
+    r.counter("jaxllm_engine_steps_total", "engine steps run", fn=read(lambda e: e.stats.steps_total))
+    r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
+              fn=read(lambda e: e.llm.compile_count))
+    r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=read(lambda e: e.queue_depth()))
+    r.gauge("jaxllm_running_requests", "requests in the running batch", fn=read(lambda e: e.num_running()))
+    r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use", fn=read(lambda e: e.pool_usage()))
+    r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool", fn=read(lambda e: e.llm.allocator.num_blocks))
+    r.gauge("jaxllm_ready", "1 once the model is loaded and warm", fn=lambda: float(adapter() is not None))

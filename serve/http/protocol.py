@@ -1,0 +1,159 @@
+"""OpenAI API request bodies (pydantic) and error shapes.
+
+Requests are strict about the types of the fields they know (a string where a number belongs is a
+400 naming the field) and ignore fields they do not know, as OpenAI's API does. Fields jaxllm
+cannot honour yet are refused with a 400 rather than silently ignored (see `unsupported`).
+jaxllm's own extras: `top_k` and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict
+
+_CONFIG = ConfigDict(extra="ignore", strict=True)
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+              500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self._TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = _CONFIG
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = _CONFIG
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_logprobs: int | None = None
+    # Accepted only at their neutral values (see `unsupported`).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # jaxllm's extras.
+    top_k: int = 0
+    ignore_eos: bool = False
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def output_limit(self) -> int | None:
+        """max_completion_tokens (the newer name) or max_tokens; None: the server's default."""
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                                f"({self.max_completion_tokens}) disagree; send one of them", param="max_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported(self, wants_logprobs: bool) -> None:
+        """Refuse what the engine cannot do yet, naming the field (one place to lift each limit)."""
+        if wants_logprobs or self.top_logprobs:
+            # The engine returns no per-token log-probabilities yet.
+            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported yet (only 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids (used as they are: no BOS is added)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    def unsupported(self, wants_logprobs: bool = False) -> None:
+        super().unsupported(self.logprobs is not None)
+        if self.best_of not in (None, 1, self.n):
+            raise APIError(400, "best_of is not supported yet (only equal to n)", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
+
+class TextPart(BaseModel):
+    model_config = _CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = _CONFIG
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Message]
+    logprobs: bool | None = None
+
+    def unsupported(self, wants_logprobs: bool = False) -> None:
+        super().unsupported(bool(self.logprobs))
+
+
+def parse(model: type[BaseModel], body: object) -> BaseModel:
+    """Validate a decoded JSON body; a 400 naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        param = ""
+        for part in first["loc"]:
+            if isinstance(part, int):
+                param += f"[{part}]"
+            elif not _UNION_TAG.match(part):  # unions name the branch tried (str, list[int]): not a field
+                param += f".{part}" if param else part
+        param = param or None
+        value = first.get("input")
+        shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+        raise APIError(400, f"{param}: {first['msg'].lower()} (got {shown})" if "missing" not in first["type"]
+                       else f"{param} is required", param=param) from None

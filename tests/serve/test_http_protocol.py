@@ -1,0 +1,65 @@
+"""The OpenAI API layer's pure parts, without a server: request parsing and the chat template."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.http.chat import render_chat
+from serve.http.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+
+
+def test_render_chat_llama2_format():
+    assert render_chat([("user", "Hi")]) == "[INST] Hi [/INST]"
+    assert render_chat([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Bye")]) == (
+        "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello. [INST] Bye [/INST]")
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "messages is empty"),
+    ([("system", "s")], "only a system message"),
+    ([("user", "a"), ("assistant", "b")], "messages[1] is an assistant message: end with a user message"),
+    ([("assistant", "a")], "messages[0].role is 'assistant' where 'user' was expected"),
+    ([("system", "s"), ("user", "a"), ("tool", "b"), ("user", "c")], "messages[2].role is 'tool'; it must be one of"),
+])
+def test_render_chat_refuses_bad_turns(messages, message):
+    with pytest.raises(ValueError) as err:
+        render_chat(messages)
+    assert message in str(err.value)
+
+
+def test_parse_prompts_and_ignores_unknown_fields():
+    r = parse(CompletionRequest, {"model": "m", "prompt": "hi", "temperature": 1, "unknown": {"x": 1}})
+    assert r.prompts() == ["hi"] and r.temperature == 1.0
+    assert parse(CompletionRequest, {"model": "m", "prompt": [1, 2]}).prompts() == [[1, 2]]
+    assert parse(CompletionRequest, {"model": "m", "prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "stop": "x"}).stops() == ("x",)
+    chat = parse(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u"}]})
+    assert chat.messages[0].text() == "ab"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "x"}, "model", "model is required"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature", "temperature: input should be a valid number"),
+    ({"model": "m", "prompt": 5}, "prompt", "prompt: input should be"),
+    ({"model": "m", "prompt": "x", "n": 1.5}, "n", "n: input should be a valid integer"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream", "stream: input should be a valid boolean"),
+    ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content", "messages[0].content:"),
+])
+def test_parse_names_the_bad_field(body, param, message):
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(APIError) as err:
+        parse(model, body)
+    assert (err.value.status, err.value.param) == (400, param) and message in err.value.message
+
+
+def test_unsupported_fields_are_refused_not_ignored():
+    for fields, message in [({"logprobs": 1}, "logprobs are not supported yet"),
+                            ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
+                            ({"best_of": 3}, "best_of is not supported"),
+                            ({"max_tokens": 3, "max_completion_tokens": 4}, "disagree")]:
+        r = parse(CompletionRequest, {"model": "m", "prompt": "x", **fields})
+        with pytest.raises(APIError, match=message):
+            r.unsupported()
+            r.output_limit()
+    parse(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 0, "best_of": 1}).unsupported()

@@ -66,10 +66,10 @@ def check_length(ids: list[int], limits: RequestLimits, what: str = "prompt", *,
     """ids, if there are at most max_tokens of them (default limits.max_prompt_tokens)."""
     if max_tokens is None:
         if len(ids) > limits.max_prompt_tokens:
-            raise ValueError(f"{what} has {len(ids)} tokens, more than max_context {limits.context_limit} allows: "
+            raise ValueError(f"{what} has {len(ids)} tokens, more than the context limit {limits.context_limit} allows: "
                              f"a prompt may have at most {limits.max_prompt_tokens}, so that one new token fits")
     elif len(ids) > max_tokens:
-        raise ValueError(f"{what} has {len(ids)} tokens, more than max_context {limits.context_limit} allows "
+        raise ValueError(f"{what} has {len(ids)} tokens, more than the context limit {limits.context_limit} allows "
                          f"(at most {max_tokens})")
     return ids
 
@@ -105,7 +105,7 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: Request
     """
     room = limits.room(num_prompt_tokens)
     if params.max_new_tokens > room:
-        raise ValueError(f"{max_tokens_name} {params.max_new_tokens} is over the limit {room}: max_context "
+        raise ValueError(f"{max_tokens_name} {params.max_new_tokens} is over the limit {room}: the context limit "
                          f"{limits.context_limit} minus the prompt's {num_prompt_tokens} tokens")
     check_stop(params.stop, limits)
     return params

@@ -13,6 +13,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+SEED_LIMIT = 2**31  # seeds are in [0, SEED_LIMIT): they travel as int32
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -36,7 +38,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (an integer; 0 disables it), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**31):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be in [0, 2**31) (an integer), got {self.seed!r}")
         stop = self.stop
         if stop is None:

@@ -1,10 +1,9 @@
 """The HTTP front end's one window onto the engine: request checks, limits, model facts, load readings.
 
-Everything the OpenAI API layer needs from `jaxllm` goes through `EngineAdapter`, so when the
-engine's request checks move into jaxllm (a `RequestLimits` plus check functions) and the engine
-grows `info()` / `stats()` snapshots, only this file changes. Today it reuses the gRPC side's
-checks (`serve.validation`) by filling a `GenerateRequest`, so both protocols refuse exactly the
-same requests with the same messages.
+Everything the OpenAI API layer needs from `jaxllm` goes through `EngineAdapter`: the request checks
+are jaxllm's own (`jaxllm.engine.requests`, the ones `LLM` and gRPC use, so every front end refuses the
+same requests with the same messages), and the model facts and load readings come from the engine's
+`info()` / `stats()` snapshots.
 """
 
 from __future__ import annotations
@@ -12,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
+from jaxllm.engine.sampling import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
-from serve import jaxllm_pb2 as pb
 from serve.metrics import Registry
-from serve.validation import SEED_LIMIT, RequestLimits, to_engine_request
 
 __all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT",
            "register_engine_metrics"]
@@ -35,14 +33,6 @@ class Sampling:
     ignore_eos: bool = False
 
 
-def _set(request: pb.GenerateRequest, field: str, value) -> None:
-    # Protobuf refuses out-of-range ints (max_tokens 2**40) with its own wording: name the field instead.
-    try:
-        setattr(request, field, value)
-    except (ValueError, TypeError):
-        raise ValueError(f"{field} = {value!r} is out of range") from None
-
-
 class EngineAdapter:
     """A loaded, warm engine as the OpenAI API sees it."""
 
@@ -50,8 +40,8 @@ class EngineAdapter:
                  max_stop_strings: int = 16, max_stop_length: int = 256):
         self.engine = engine
         self.model_name = model_name
-        llm = engine.llm
-        self.limits = RequestLimits(context_limit=llm.context_limit, vocab_size=llm.config.vocab_size,
+        info = engine.info()
+        self.limits = RequestLimits(context_limit=info.context_limit, vocab_size=info.vocab_size,
                                     default_max_tokens=default_max_tokens, max_stop_strings=max_stop_strings,
                                     max_stop_length=max_stop_length)
 
@@ -66,26 +56,12 @@ class EngineAdapter:
 
     def check(self, prompt: str | list[int], sampling: Sampling) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, SamplingParams), or a ValueError naming the field and the limit (-> 400)."""
-        request = pb.GenerateRequest()
-        if isinstance(prompt, str):
-            request.prompt = prompt
-        else:
-            for i, t in enumerate(prompt):
-                if not 0 <= t < self.limits.vocab_size:  # before protobuf's int32 range check
-                    raise ValueError(f"prompt[{i}] = {t} is outside the vocabulary [0, {self.limits.vocab_size})")
-            request.prompt_token_ids.extend(prompt)
-        if sampling.max_tokens is not None:
-            _set(request, "max_tokens", sampling.max_tokens)
-        if sampling.top_p is not None:
-            request.top_p = sampling.top_p
-        if not 0 <= sampling.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be in [0, 2**31), got {sampling.seed}")
-        _set(request, "top_k", sampling.top_k)
-        request.temperature = sampling.temperature
-        request.seed = sampling.seed
-        request.stop.extend(sampling.stop)
-        request.ignore_eos = sampling.ignore_eos
-        return to_engine_request(request, self.engine.llm.tokenizer, self.limits)
+        ids = prompt_token_ids(prompt, self.engine.llm.tokenizer, self.limits)
+        params = sampling_params(self.limits, len(ids), max_tokens=sampling.max_tokens,
+                                 temperature=sampling.temperature, top_k=sampling.top_k,
+                                 top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
+                                 stop=sampling.stop, ignore_eos=sampling.ignore_eos)
+        return ids, params
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (for `echo` of a token-id prompt)."""
@@ -109,18 +85,18 @@ def register_engine_metrics(registry: Registry, adapter: Callable[[], EngineAdap
         return lambda: fn(adapter().engine) if adapter() is not None else 0
 
     r = registry
-    r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted", fn=read(lambda e: e.stats.prompt_tokens_total))
+    r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted", fn=read(lambda e: e.stats().prompt_tokens_total))
     r.counter("jaxllm_generation_tokens_total", "tokens generated",
-              fn=read(lambda e: e.stats.generated_tokens_total))
+              fn=read(lambda e: e.stats().generated_tokens_total))
     r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
-              fn=read(lambda e: e.stats.requests_cancelled))
+              fn=read(lambda e: e.stats().requests_cancelled))
     r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
-              fn=read(lambda e: e.stats.requests_rejected))
-    r.counter("jaxllm_engine_steps_total", "engine steps run", fn=read(lambda e: e.stats.steps_total))
+              fn=read(lambda e: e.stats().requests_rejected))
+    r.counter("jaxllm_engine_steps_total", "engine steps run", fn=read(lambda e: e.stats().steps_total))
     r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
-              fn=read(lambda e: e.llm.compile_count))
-    r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=read(lambda e: e.queue_depth()))
-    r.gauge("jaxllm_running_requests", "requests in the running batch", fn=read(lambda e: e.num_running()))
-    r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use", fn=read(lambda e: e.pool_usage()))
-    r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool", fn=read(lambda e: e.llm.allocator.num_blocks))
+              fn=read(lambda e: e.stats().compile_count))
+    r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=read(lambda e: e.stats().queue_depth))
+    r.gauge("jaxllm_running_requests", "requests in the running batch", fn=read(lambda e: e.stats().running))
+    r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use", fn=read(lambda e: e.stats().pool_usage))
+    r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool", fn=read(lambda e: e.info().num_blocks))
     r.gauge("jaxllm_ready", "1 once the model is loaded and warm", fn=lambda: float(adapter() is not None))

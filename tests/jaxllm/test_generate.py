@@ -119,7 +119,7 @@ def test_abandoned_stream_frees_blocks(llm):
     (dict(prompts=[""], max_new_tokens=4), "prompt 0 is empty"),
     (dict(prompts=["ok", ""], max_new_tokens=4), "prompt 1 is empty"),
     (dict(prompts=[], max_new_tokens=4), "prompts is empty"),
-    (dict(prompts=["x" * 300], max_new_tokens=4), "more than max_context 256"),
+    (dict(prompts=["x" * 300], max_new_tokens=4), "more than the context limit 256"),
     (dict(prompts=["ok"], max_new_tokens=0), "max_new_tokens"),
     (dict(prompts=["ok"], max_new_tokens=-3), "max_new_tokens"),
     (dict(prompts=["ok"], max_new_tokens=4, top_p=0.0), "top_p"),

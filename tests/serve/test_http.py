@@ -221,7 +221,7 @@ ERRORS = [
     (dict(prompt="a", top_p=1.5), openai.BadRequestError, "top_p must be in (0, 1], got 1.5", "top_p"),
     (dict(prompt="a", max_tokens=1023), openai.BadRequestError, "max_tokens 1023 is over the limit 1022",
      "max_tokens"),
-    (dict(prompt="x" * 1100), openai.BadRequestError, "prompt has 1101 tokens; the context limit is 1024", "prompt"),
+    (dict(prompt="x" * 1100), openai.BadRequestError, "prompt has 1101 tokens, more than the context limit 1024 allows", "prompt"),
     (dict(prompt="a", stop=["s"] * 17), openai.BadRequestError, "stop has 17 strings, over the limit 16", "stop"),
     (dict(prompt="a", seed=2**31), openai.BadRequestError, "seed must be in [0, 2**31)", "seed"),
     (dict(prompt="a", temperature=-1), openai.BadRequestError, "temperature must be a finite number >= 0",

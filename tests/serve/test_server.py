@@ -293,7 +293,7 @@ def test_cancel_and_deadline_free_the_pool_at_once(server):
 
 BAD = [
     (dict(prompt=""), "prompt is empty"),
-    (dict(prompt="x" * 1100), "prompt has 1101 tokens, more than max_context 1024 allows"),
+    (dict(prompt="x" * 1100), "prompt has 1101 tokens, more than the context limit 1024 allows"),
     (dict(prompt="x" * 1023), "at most 1023"),  # 1024 tokens with BOS: no room for output
     (dict(prompt="a", prompt_token_ids=[1, 70]), "both set"),
     (dict(prompt_token_ids=[1, 259]), "prompt_token_ids[1]: token id 259 is outside the vocabulary [0, 259)"),

@@ -14,7 +14,7 @@ LIMITS = RequestLimits(context_limit=64, vocab_size=259, default_max_tokens=16, 
 
 def test_prompt_length_limit_both_sides():
     assert len(prompt_token_ids([7] * 63, None, LIMITS)) == 63
-    with pytest.raises(ValueError, match="64 tokens, more than max_context 64 allows: a prompt may have at most 63"):
+    with pytest.raises(ValueError, match="64 tokens, more than the context limit 64 allows: a prompt may have at most 63"):
         prompt_token_ids([7] * 64, None, LIMITS)
 
 
@@ -31,7 +31,7 @@ def test_vocabulary_both_sides():
 
 def test_max_tokens_equal_to_the_room_is_accepted_one_more_refused():
     assert sampling_params(LIMITS, 60, max_tokens=4).max_new_tokens == 4
-    with pytest.raises(ValueError, match="max_tokens 5 is over the limit 4: max_context 64 minus the prompt's 60"):
+    with pytest.raises(ValueError, match="max_tokens 5 is over the limit 4: the context limit 64 minus the prompt's 60"):
         sampling_params(LIMITS, 60, max_tokens=5)
     assert sampling_params(LIMITS, 63, max_tokens=1).max_new_tokens == 1
     with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
@@ -113,7 +113,7 @@ def test_text_prompt_at_the_limit(llm):
     text = "x" * 62  # 63 tokens with BOS
     assert len(llm.tokenizer.encode(text)) == 63
     assert len(llm.generate(text, max_new_tokens=1)[0].token_ids) <= 1
-    with pytest.raises(ValueError, match="more than max_context 64"):
+    with pytest.raises(ValueError, match="more than the context limit 64"):
         llm.generate(text + "x", max_new_tokens=1)
     with pytest.raises(ValueError, match="max_new_tokens 2 is over the limit 1"):
         llm.generate(text, max_new_tokens=2)

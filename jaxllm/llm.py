@@ -14,8 +14,10 @@ from jaxllm.engine.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
 from jaxllm.engine.runner import InFlight, Runner
 from jaxllm.engine.sampling import SamplingParams
 from jaxllm.engine.scheduler import Scheduler, Sequence, Status, StepPlan
+from jaxllm.model.chat import chat_prompt
+from jaxllm.model.generation_config import load_generation_defaults
 from jaxllm.model.tokenizer import StreamDecoder, load_tokenizer
-from jaxllm.model.weights import load_model
+from jaxllm.model.checkpoints import load_model
 from pallas_kernels.dispatch import BACKENDS
 
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
@@ -110,6 +112,7 @@ class LLM:
         self.model, tokenizer_dir = load_model(model, dtype=dtype, progress=progress)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.generation_defaults = load_generation_defaults(tokenizer_dir)  # used where a request gives none
         if max_context is None:
             max_context = self.config.max_context
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
@@ -223,7 +226,7 @@ class LLM:
             continuation = self.scheduler.plan_continuation(inflight.plan)
             if continuation is not None:
                 following = self.runner.dispatch(continuation, token_source=inflight)
-        advanced = self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_id)
+        advanced = self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_ids)
         self._inflight = following
         for seq in advanced:
             tracker = self._trackers.get(seq.seq_id)
@@ -253,8 +256,8 @@ class LLM:
                 on_step(plan)
         self._drain(on_step)
 
-    def generate(self, prompts: str | Seq[str], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
+    def generate(self, prompts: str | Seq[str], *, max_new_tokens: int, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop: str | Seq[str] | None = None,
                  stop_token_ids: Seq[int] | None = None, ignore_eos: bool = False) -> list[Completion]:
         """Complete each prompt; all prompts run together, continuously batched.
 
@@ -265,6 +268,7 @@ class LLM:
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty")
+        temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
@@ -288,10 +292,11 @@ class LLM:
             out.append(Completion(tracker.text, list(s.output_ids), s.finish_reason))
         return out
 
-    def stream(self, prompt: str, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
+    def stream(self, prompt: str, *, max_new_tokens: int, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop: str | Seq[str] | None = None,
                stop_token_ids: Seq[int] | None = None, ignore_eos: bool = False) -> Iterator[str]:
         """Yield text pieces of one completion as its tokens are produced (arguments as generate's)."""
+        temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         seq = self._submit(self._encode(prompt, 0), params)
@@ -335,3 +340,8 @@ class LLM:
         finally:
             self.scheduler.cancel(seq)
         return np.concatenate(chunks, axis=0)
+
+    def chat(self, messages: Seq[dict], **kwargs) -> Completion:
+        """Complete a conversation ([{"role": ..., "content": ...}, ...]) under the checkpoint's chat
+        template (Llama-2's [INST] format without one); kwargs as generate's."""
+        return self.generate(chat_prompt(self.tokenizer, messages), **kwargs)[0]

@@ -23,7 +23,7 @@ import time
 from jaxllm.engine.threaded import Engine
 from jaxllm.engine.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
-from jaxllm.model.weights import MODEL_DTYPES
+from jaxllm.model.checkpoints import MODEL_DTYPES
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxllm.serve", description=__doc__.splitlines()[0],

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Callable
 
-from jaxllm.model import weights
+from jaxllm.model import checkpoints as weights
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -16,7 +16,9 @@ from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_par
 from jaxllm.engine.runner import Runner
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.model.tokenizer import load_tokenizer
-from jaxllm.model.weights import load_model
+from jaxllm.model.chat import chat_prompt
+from jaxllm.model.checkpoints import load_model
+from jaxllm.model.generation_config import load_generation_defaults
 from pallas_kernels.dispatch import BACKENDS
 
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
@@ -76,6 +78,7 @@ class LLM:
         self.model, tokenizer_dir = load_model(model, dtype=dtype, progress=progress)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.generation_defaults = load_generation_defaults(tokenizer_dir)  # used where a request gives none
         if max_context is None:
             max_context = self.config.max_context
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
@@ -195,16 +198,19 @@ class LLM:
                     pending.discard(out.request_id)
 
     def generate(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]], *, max_new_tokens: int,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int = 0, stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
                  ignore_eos: bool = False) -> list[Completion]:
         """Complete each prompt (text, or a list of token ids); all prompts run together, continuously batched.
 
         A prompt may have at most context_limit - 1 tokens, and max_new_tokens may be at most the room
         left (context_limit minus the prompt's tokens): more is a ValueError, never capped silently.
-        ignore_eos: keep generating past the tokenizer's EOS (benchmarks); stop strings and
+        temperature, top_k, top_p: None takes the checkpoint's generation_config.json default (greedy,
+        no top-k, top_p 1 without one).
+        ignore_eos: keep generating past the tokenizer's EOS ids (benchmarks); stop strings and
         stop_token_ids still stop.
         """
+        temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -219,13 +225,15 @@ class LLM:
                                           outs[-1].finish_reason))
         return completions
 
-    def stream(self, prompt: str | Seq[int], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop: str | Seq[str] | None = None,
-               stop_token_ids: Seq[int] | None = None, ignore_eos: bool = False) -> Iterator[str]:
+    def stream(self, prompt: str | Seq[int], *, max_new_tokens: int, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+               stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
+               ignore_eos: bool = False) -> Iterator[str]:
         """Yield text pieces of one completion as its tokens are produced (arguments as generate's).
 
         Text that could still grow into a stop string is held back until it cannot.
         """
+        temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                         max_tokens_name="max_new_tokens")
@@ -256,3 +264,8 @@ class LLM:
     def logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Teacher-forced logits [len(token_ids), vocab] (float32), prefilled in chunks."""
         return self.core.logits(token_ids)
+
+    def chat(self, messages: Seq[dict], **kwargs) -> Completion:
+        """Complete a conversation ([{"role": ..., "content": ...}, ...]) under the checkpoint's chat
+        template (Llama-2's [INST] format without one); kwargs as generate's."""
+        return self.generate(chat_prompt(self.tokenizer, messages), **kwargs)[0]

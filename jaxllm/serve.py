@@ -26,8 +26,8 @@ import time
 from jaxllm.engine.threaded import Engine
 from jaxllm.engine.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
+from jaxllm.model.checkpoints import MODEL_DTYPES
 from jaxllm.model.config import PRESETS
-from jaxllm.model.weights import MODEL_DTYPES
 
 
 def check_model_name(model: str) -> None:

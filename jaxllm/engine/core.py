@@ -216,7 +216,7 @@ class EngineCore:
         # Every sequence of the step is running now (plan() admitted it), so the ones that may have
         # advanced or finished are among these.
         candidates = list(self.scheduler.running)
-        self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_id)
+        self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_ids)
         self.last_plan = inflight.plan
         self._inflight = following
         self._counts["steps_total"] += 1

@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import hashlib
 import itertools
+from collections.abc import Collection
 
 import numpy as np
 
@@ -328,8 +329,11 @@ class Scheduler:
 
     # ----- results -----
 
-    def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int) -> list[Sequence]:
-        """Record a step's results; returns the sequences that received a new token."""
+    def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int | Collection[int]) -> list[Sequence]:
+        """Record a step's results; returns the sequences that received a new token.
+
+        eos_id: the id, or every id (Llama-3.1 has three), that ends a sequence."""
+        eos_ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else frozenset(eos_id)
         advanced = []
         for i, seq_id in enumerate(plan.seq_ids):
             seq = self.sequence(seq_id)
@@ -347,7 +351,7 @@ class Scheduler:
             if not plan.sample[i]:
                 continue
             token = int(sampled[i])
-            if (token == eos_id and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            if (token in eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
                 self._finish(seq, "stop")
                 continue
             seq.output_ids.append(token)

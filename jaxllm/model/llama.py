@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxllm.model.config import LlamaConfig
 from jaxllm.engine.kv_cache import AttentionBatch, KVCache, LayerKV
-from jaxllm.model.rope import inverse_frequencies, rope_tables
+from jaxllm.model.rope import attention_scaling, inverse_frequencies, rope_tables
 from pallas_kernels.dispatch import REFERENCE, Kernels, add_rms_norm, matmul_unreduced, ragged_attention, rope_write_kv
 
 _INIT_STD = 0.02
@@ -153,7 +153,7 @@ class Llama(nnx.Module):
         kernels: each op's implementation and schedule (pallas_kernels.dispatch.default_kernels), read,
         never resolved, here."""
         x, delta = self.embedding[...][tokens], None  # [T, D]
-        cos, sin = rope_tables(self.inv_freq[...], positions)
+        cos, sin = rope_tables(self.inv_freq[...], positions, attention_scaling(self.config))
         new_layers = []
         for layer, layer_kv in zip(self.layers, kv_cache.layers):
             x, delta, layer_kv = layer(x, delta, cos, sin, layer_kv, batch, kernels)

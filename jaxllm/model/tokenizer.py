@@ -1,4 +1,5 @@
-"""Tokenizers: Llama-2's SentencePiece model, the tiny model's byte tokenizer, and streaming detokenization.
+"""Tokenizers: Llama-2's SentencePiece model, the tiny model's byte tokenizer, HF `tokenizer.json`
+(hf_tokenizer.py: what Llama-3 ships), `load_tokenizer` over all three, and streaming detokenization.
 
 Both tokenizers share Llama-2's id layout for specials and bytes: 0 = <unk> (also used as pad),
 1 = <s> (BOS), 2 = </s> (EOS), 3..258 = the byte pieces <0x00>..<0xFF>. `encode` prepends BOS and
@@ -18,11 +19,19 @@ from collections.abc import Sequence
 
 BYTE_VOCAB_SIZE = 259
 _BYTE_OFFSET = 3  # ids 0..2 are <unk>/pad, <s>, </s>; byte b is id b + 3, as in Llama-2's vocabulary
-_REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, until the rest of it arrives
+REPLACEMENT_CHAR = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, until the rest of it arrives
 
 
 class Tokenizer(abc.ABC):
-    """Text <-> token ids. Subclasses implement `encode`, `decode` and the id properties."""
+    """Text <-> token ids. Subclasses implement `encode`, `decode` and the id properties.
+
+    `chat_template` is the checkpoint's Jinja chat template (tokenizer_config.json), None without one;
+    `eos_ids` every id that ends generation (the tokenizer's EOS first, then any the checkpoint's
+    generation_config.json / config.json add: Llama-3.1 stops on three).
+    """
+
+    chat_template: str | None = None
+    _extra_eos_ids: tuple[int, ...] = ()
 
     @abc.abstractmethod
     def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
@@ -52,6 +61,28 @@ class Tokenizer(abc.ABC):
     def pad_id(self) -> int:
         """A valid id to fill unused token slots with; it decodes to nothing."""
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: eos_id first."""
+        return tuple(dict.fromkeys((self.eos_id, *self._extra_eos_ids)))
+
+    def add_eos_ids(self, ids: Sequence[int]) -> None:
+        """Also stop on `ids` (a checkpoint's generation_config.json EOS list); ids outside the vocabulary are refused."""
+        bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
+        if bad:
+            raise ValueError(f"EOS id {bad[0]} is outside the tokenizer's vocabulary [0, {self.vocab_size})")
+        self._extra_eos_ids = tuple(dict.fromkeys((*self._extra_eos_ids, *map(int, ids))))
+
+    @property
+    def bos_token(self) -> str:
+        """BOS as text (what a chat template writes), e.g. "<s>" or "<|begin_of_text|>"."""
+        return "<s>"
+
+    @property
+    def eos_token(self) -> str:
+        """EOS as text, e.g. "</s>" or "<|eot_id|>"."""
+        return "</s>"
+
     def decode_continuation(self, ids: Sequence[int]) -> str:
         """Text `ids` add when they follow non-empty text that ended on a complete character.
 
@@ -63,7 +94,7 @@ class Tokenizer(abc.ABC):
         return self.decode(ids)
 
 
-def _check_text(text: str) -> None:
+def check_text(text: str) -> None:
     if not isinstance(text, str):
         raise TypeError(f"encode takes a str, got {type(text).__name__}")
 
@@ -73,7 +104,7 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """One id per UTF-8 byte of `text` (byte b -> id b + 3), plus BOS/EOS as asked."""
-        _check_text(text)
+        check_text(text)
         ids = [b + _BYTE_OFFSET for b in text.encode("utf-8")]
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
@@ -154,13 +185,13 @@ class SentencePieceTokenizer(Tokenizer):
                         or sp.IsUnused(i)):
                     continue
                 text = sp.DecodeIds([i])
-                if text and _REPLACEMENT not in text:
+                if text and REPLACEMENT_CHAR not in text:
                     return i, text
         raise ValueError(f"SentencePiece tokenizer model {self.path!r} has no piece that decodes to text")
 
     def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """SentencePiece ids of `text`, with BOS prepended and EOS appended as asked (Llama-2's way)."""
-        _check_text(text)
+        check_text(text)
         for wanted, name, value in ((add_bos, "BOS", self._bos_id), (add_eos, "EOS", self._eos_id)):
             if wanted and value < 0:
                 raise ValueError(f"tokenizer model {self.path!r} defines no {name} piece; pass add_{name.lower()}=False")
@@ -202,6 +233,14 @@ class SentencePieceTokenizer(Tokenizer):
     def pad_id(self) -> int:
         return self._pad_id
 
+    @property
+    def bos_token(self) -> str:
+        return self._sp.IdToPiece(self._bos_id) if self._bos_id >= 0 else ""
+
+    @property
+    def eos_token(self) -> str:
+        return self._sp.IdToPiece(self._eos_id) if self._eos_id >= 0 else ""
+
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({self.path!r})"
 
@@ -237,7 +276,7 @@ class StreamDecoder:
         text = self._window_text()
         # Trailing U+FFFD may be an incomplete character that later bytes complete: hold it back.
         # UTF-8 decodes left to right, so everything before it can no longer change.
-        stable = text.rstrip(_REPLACEMENT)
+        stable = text.rstrip(REPLACEMENT_CHAR)
         if not stable.startswith(self._emitted):
             raise RuntimeError(f"{type(self.tokenizer).__name__} decoded a prefix differently once more ids came")
         piece = stable[len(self._emitted):]
@@ -258,14 +297,56 @@ class StreamDecoder:
         return piece
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # tokenizer.json first: it is what transformers prefers
+
+
+def has_tokenizer(model_dir: str | os.PathLike) -> bool:
+    """Whether `model_dir` holds a tokenizer load_tokenizer can read."""
+    return any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES)
+
+
+def read_tokenizer_config(model_dir: str) -> dict:
+    """tokenizer_config.json as a dict ({} when absent); ValueError naming the file when malformed."""
+    import json
+
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is malformed: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def load_tokenizer(model_dir: str | os.PathLike | None) -> Tokenizer:
-    """ByteTokenizer when `model_dir` is None, else the SentencePiece model `model_dir/tokenizer.model`."""
+    """ByteTokenizer when `model_dir` is None; else `model_dir/tokenizer.json` (HF tokenizers, with its
+    tokenizer_config.json) or, without one, the SentencePiece `model_dir/tokenizer.model`. The chat
+    template comes from tokenizer_config.json, extra EOS ids from generation_config.json / config.json."""
+    from jaxllm.model.generation_config import load_generation_defaults
+
     if model_dir is None:
         return ByteTokenizer()
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory not found: {model_dir!r}")
-    path = os.path.join(model_dir, "tokenizer.model")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model directory {model_dir!r} has no tokenizer.model (looked for {path!r})")
-    return SentencePieceTokenizer(path)
+    tokenizer_config = read_tokenizer_config(model_dir)
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        from jaxllm.model.hf_tokenizer import HFTokenizer
+
+        tokenizer: Tokenizer = HFTokenizer(os.path.join(model_dir, "tokenizer.json"), tokenizer_config)
+    else:
+        path = os.path.join(model_dir, "tokenizer.model")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model directory {model_dir!r} has no tokenizer.json or tokenizer.model "
+                                    f"(looked for {path!r})")
+        tokenizer = SentencePieceTokenizer(path)
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # several named templates: transformers uses "default"
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    tokenizer.chat_template = template if isinstance(template, str) else None
+    tokenizer.add_eos_ids(load_generation_defaults(model_dir).eos_token_ids)
+    return tokenizer

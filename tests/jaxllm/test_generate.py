@@ -139,7 +139,7 @@ def test_bad_logits_arguments(llm):
         llm.logits([])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.logits([1, 5000])
-    with pytest.raises(ValueError, match="max_context 256"):
+    with pytest.raises(ValueError, match="the context limit 256"):
         llm.logits([5] * 257)
 
 

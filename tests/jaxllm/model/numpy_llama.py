@@ -1,9 +1,14 @@
-"""An independent float64 NumPy Llama-2, over HuggingFace tensor names: the oracle for model tests.
+"""An independent float64 NumPy Llama, over HuggingFace tensor names: the oracle for model tests.
 
-Written from the Llama-2 paper / HF modeling code, sharing nothing with jaxllm/model/llama.py.
+Written from the Llama-2 paper / HF modeling code, sharing nothing with jaxllm/model/llama.py. RoPE of
+every Llama type (default, linear, dynamic, yarn, llama3) follows transformers 5's modeling_rope_utils,
+read straight from a config.json dict of either style (`rope_parameters`, or `rope_theta` +
+`rope_scaling`), including dynamic NTK's base recomputed from the sequence's length.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -12,39 +17,101 @@ def _rms_norm(x, w, eps):
     return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def _inv_freq(head_dim, theta, scaling, max_pos):
-    base = theta
-    if scaling and scaling["type"] == "dynamic":
-        f = scaling["factor"]
-        # NTK base for a sequence of max_pos * f tokens, fixed (as vLLM applies it).
-        base = theta * ((f * (max_pos * f) / max_pos) - (f - 1)) ** (head_dim / (head_dim - 2))
-    inv = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling and scaling["type"] == "linear":
-        inv = inv / scaling["factor"]
-    return inv
+def _rope_params(c: dict) -> dict:
+    """The RoPE dict of a config.json, as transformers standardises it (theta and type filled in)."""
+    params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("yarn", "llama3"):
+        params.setdefault("original_max_position_embeddings", c["max_position_embeddings"])
+    return params
 
 
-def _rotate(x, positions, inv):
-    # x [T, H, D]; HF's rotate_half convention.
+def _inv_freq(head_dim: int, c: dict, seq_len: int) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [head_dim // 2], attention factor) for a forward over seq_len tokens."""
+    p = _rope_params(c)
+    kind, base, dim = p["rope_type"], p["rope_theta"], head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    if kind == "default":
+        return 1.0 / base ** exponents, 1.0
+    factor = p["factor"]
+    if kind == "linear":
+        return 1.0 / base ** exponents / factor, 1.0
+    if kind == "dynamic":
+        max_pos = c["max_position_embeddings"]
+        seq_len = max(seq_len, max_pos)  # HF: the base grows only past the trained window
+        base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / base ** exponents, 1.0
+    if kind == "llama3":
+        inv = 1.0 / base ** exponents
+        old = p["original_max_position_embeddings"]
+        lo, hi = p["low_freq_factor"], p["high_freq_factor"]
+        out = []
+        for f in inv:  # per frequency, as Meta's reference apply_scaling loop
+            wavelen = 2 * math.pi / f
+            if wavelen < old / hi:
+                out.append(f)
+            elif wavelen > old / lo:
+                out.append(f / factor)
+            else:
+                smooth = (old / wavelen - lo) / (hi - lo)
+                out.append((1 - smooth) * f / factor + smooth * f)
+        return np.array(out), 1.0
+    if kind == "yarn":
+        orig = p["original_max_position_embeddings"]
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = p.get("attention_factor")
+        if attention is None:
+            if p.get("mscale") and p.get("mscale_all_dim"):
+                attention = get_mscale(factor, p["mscale"]) / get_mscale(factor, p["mscale_all_dim"])
+            else:
+                attention = get_mscale(factor)
+        beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+        def corr(rot):
+            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = corr(beta_fast), corr(beta_slow)
+        if p.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+        extrapolate = 1 - ramp
+        pos_freqs = base ** exponents
+        inv = (1 / (factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
+        return inv, attention
+    raise ValueError(f"oracle: unknown rope_type {kind!r}")
+
+
+def _rotate(x, positions, inv, attention_factor):
+    # x [T, H, D]; HF's rotate_half convention; yarn scales cos and sin.
     ang = positions[:, None].astype(np.float64) * inv[None, :]
-    cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None, :]
-    sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None, :]
+    cos = attention_factor * np.concatenate([np.cos(ang)] * 2, -1)[:, None, :]
+    sin = attention_factor * np.concatenate([np.sin(ang)] * 2, -1)[:, None, :]
     half = x.shape[-1] // 2
     rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
     return x * cos + rot * sin
 
 
-def numpy_llama_logits(tensors: dict, hf_config: dict, token_ids) -> np.ndarray:
-    """Logits [T, vocab] (float64) of one sequence under full causal attention."""
+def numpy_llama_logits(tensors: dict, hf_config: dict, token_ids, *, dynamic_len: int | None = None) -> np.ndarray:
+    """Logits [T, vocab] (float64) of one sequence under full causal attention, as HF computes them.
+
+    dynamic_len: the sequence length dynamic NTK scaling computes its base from (HF: T, the default).
+    """
     t = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
     c = hf_config
     n_heads, n_kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
-    hd = c["hidden_size"] // n_heads
+    hd = c.get("head_dim") or c["hidden_size"] // n_heads
     eps = c["rms_norm_eps"]
     ids = np.asarray(token_ids)
     T = len(ids)
     pos = np.arange(T)
-    inv = _inv_freq(hd, c.get("rope_theta", 10000.0), c.get("rope_scaling"), c["max_position_embeddings"])
+    inv, attention_factor = _inv_freq(hd, c, dynamic_len or T)
     x = t["model.embed_tokens.weight"][ids]
     mask = np.tril(np.ones((T, T), bool))
     for i in range(c["num_hidden_layers"]):
@@ -53,7 +120,7 @@ def numpy_llama_logits(tensors: dict, hf_config: dict, token_ids) -> np.ndarray:
         q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, n_heads, hd)
         k = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(T, n_kv, hd)
         v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(T, n_kv, hd)
-        q, k = _rotate(q, pos, inv), _rotate(k, pos, inv)
+        q, k = _rotate(q, pos, inv, attention_factor), _rotate(k, pos, inv, attention_factor)
         rep = n_heads // n_kv
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
@@ -77,7 +144,7 @@ def random_hf_tensors(hf_config: dict, seed: int) -> dict:
     c = hf_config
     D, F, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     n_heads, n_kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
-    hd = D // n_heads
+    hd = c.get("head_dim") or D // n_heads
 
     def w(*shape):
         return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)

@@ -154,7 +154,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from results import result_stem
+    from harness import result_stem
 
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()

@@ -77,7 +77,7 @@ def write_checkpoint(directory: str, args) -> dict:
     return raw
 
 
-def hf_logits(directory: str, ids: np.ndarray, last: int) -> tuple[np.ndarray, str]:
+def hf_logits(directory: str, ids: np.ndarray, last: int, chunk: int = 2048) -> tuple[np.ndarray, str]:
     """transformers' float32 logits [last, vocab] of the prompt's last positions; frees the GPU after."""
     import torch
     import transformers
@@ -93,10 +93,18 @@ def hf_logits(directory: str, ids: np.ndarray, last: int) -> tuple[np.ndarray, s
         raise RuntimeError(f"transformers loaded dtypes {got}, expected float32 only")
     rope = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None)
     _log(f"[hf] transformers {transformers.__version__} on {device}; rope {rope}")
+    # Prefilled in chunks through HF's own KV cache: float32 sdpa with GQA takes the math path, whose
+    # scores for a 32K prompt in one pass ([32 heads, T, T] float32) would need 128 GiB.
+    tokens = torch.as_tensor(ids[None], device=device)
+    cache, outputs = transformers.DynamicCache(), []
     with torch.no_grad():
-        hidden = model.model(input_ids=torch.as_tensor(ids[None], device=device)).last_hidden_state[0, -last:]
+        for start in range(0, tokens.shape[1], chunk):
+            out = model.model(input_ids=tokens[:, start:start + chunk], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            outputs = (outputs + [out.last_hidden_state[0]])[-(last // chunk + 2):]  # enough to hold the last rows
+        hidden = torch.cat(outputs)[-last:]
         logits = model.lm_head(hidden).float().cpu().numpy()
-    del model, hidden
+    del model, hidden, cache, outputs
     if device == "cuda":
         torch.cuda.empty_cache()
     return logits, transformers.__version__
@@ -109,6 +117,7 @@ def jaxllm_logits(directory: str, ids: np.ndarray, last: int, block_size: int) -
 
     from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache
     from jaxllm.model.checkpoints import load_hf
+    from pallas_kernels.dispatch import default_kernels
 
     model = load_hf(directory, dtype="bfloat16", progress=False)
     _log(f"[jaxllm] rope {model.config.rope_scaling}, theta {model.config.rope_theta}, on {jax.devices()[0]}")
@@ -117,7 +126,10 @@ def jaxllm_logits(directory: str, ids: np.ndarray, last: int, block_size: int) -
     kv = init_kv_cache(model.config, num_blocks=nb, block_size=block_size, dtype="bfloat16")
     batch = AttentionBatch(block_tables=jnp.arange(nb, dtype=jnp.int32)[None], kv_lens=jnp.array([T], jnp.int32),
                            cu_q_lens=jnp.array([0, T], jnp.int32), slot_mapping=jnp.arange(T, dtype=jnp.int32))
-    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv, batch)
+    # The kernels the engine runs on this device (Pallas on a GPU: Mosaic prefill on Hopper), not the reference.
+    kernels = default_kernels("auto", head_dim=model.config.head_dim)
+    _log(f"[jaxllm] kernels: prefill {kernels.prefill_attention}, rope+KV write {kernels.rope_kv_write}")
+    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv, batch, kernels=kernels)
     return np.asarray(model.logits(hidden[-last:]), np.float32)
 
 
@@ -142,6 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--hidden", type=int, default=4096, help="hidden size; 32 heads of hidden/32 (default 4096)")
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary size (default Llama-3's 128256)")
+    p.add_argument("--hf-chunk", type=int, default=2048, help="prompt tokens per HF forward pass (default 2048)")
     p.add_argument("--last", type=int, default=64, help="positions compared, at the prompt's end (default 64)")
     p.add_argument("--block-size", type=int, default=256, help="jaxllm rBlock size (default 256)")
     p.add_argument("--seed", type=int, default=0)
@@ -164,7 +177,7 @@ def main(argv=None) -> int:
         raw = write_checkpoint(directory, args)
         _log(f"checkpoint written in {time.time() - t0:.0f}s ({args.layers} layers, hidden {args.hidden})")
         t0 = time.time()
-        ref, hf_version = hf_logits(directory, ids, args.last)
+        ref, hf_version = hf_logits(directory, ids, args.last, args.hf_chunk)
         _log(f"[hf] {time.time() - t0:.0f}s")
         t0 = time.time()
         ours = jaxllm_logits(directory, ids, args.last, args.block_size)

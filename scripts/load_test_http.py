@@ -62,12 +62,14 @@ class Api:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return Result(False, "stream_error", time.monotonic() - start, None, None, tokens)
-                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                # Every chunk carries the tokens so far (continuous_usage_stats): time tokens, not text,
+                # which random-weight models often decode to nothing.
+                usage = chunk.get("usage") or {}
+                if usage.get("completion_tokens", 0) > tokens:
                     now = time.monotonic()
                     first = first if first is not None else now
                     last = now
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                    tokens = usage["completion_tokens"]
         except (OSError, http.client.HTTPException) as e:
             return Result(False, type(e).__name__, time.monotonic() - start, None, None, tokens)
         finally:
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     vocab = model["vocab_size"]
     bodies = [{"model": model["id"], "prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)],
                "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": i, "ignore_eos": True,
-               "stream": True, "stream_options": {"include_usage": True}} for i in range(args.requests)]
+               "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}} for i in range(args.requests)]
     for i in range(args.warmup_requests):  # first-shape compiles should not count as load latency
         api.one_request(bodies[i % len(bodies)], args.timeout)
 

@@ -137,6 +137,7 @@ class _Job:
     model: str
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's extension)
     prompts: list[tuple[int, list[int], object]]  # (choice index, prompt ids, SamplingParams)
     echo: list[str]  # per choice: text to put before the completion ("" unless echo)
     prompt_tokens: int  # counted once per prompt, not per choice
@@ -185,7 +186,8 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
                         if not chat and req.echo else "")
         prompt_tokens += len(checked[-1][1])
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return _Job(chat, req.model, req.stream, include_usage, checked, echo, prompt_tokens)
+    continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    return _Job(chat, req.model, req.stream, include_usage, continuous_usage, checked, echo, prompt_tokens)
 
 
 def _submit(state: ApiState, adapter: EngineAdapter, job: _Job) -> StreamGroup:
@@ -275,7 +277,11 @@ def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
                 outcome["code"] = 500
                 yield _sse(APIError(500, f"generation failed: {event.error}").body())
                 break
-            if event.text or event.finish_reason is not None:
+            if job.continuous_usage:
+                chunk = _chunk(job, rid, created, index, event.text, event.finish_reason)
+                chunk["usage"] = _usage(job.prompt_tokens, sum(tally.completion_tokens.values()))
+                yield _sse(chunk)
+            elif event.text or event.finish_reason is not None:
                 yield _sse(_chunk(job, rid, created, index, event.text, event.finish_reason))
         else:
             outcome["code"] = 200

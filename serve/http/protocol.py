@@ -40,6 +40,9 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool = False
+    # vLLM's extension: usage (tokens so far) in every chunk, and a chunk for every engine step that
+    # produced tokens, even when they decode to no text yet (load tests time tokens, not text).
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):

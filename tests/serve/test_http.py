@@ -175,6 +175,19 @@ def test_seeded_stream_equals_generate(client, llm, include_usage):
         assert chunks[-1].choices and all(getattr(c, "usage", None) is None for c in chunks)
 
 
+def test_continuous_usage_stats_counts_every_token(client, llm):
+    """vLLM's stream_options.continuous_usage_stats: usage in every chunk, growing by the tokens each chunk
+    brings, even when they decode to no text (what the HTTP load test times)."""
+    ref = llm.generate(["a"], max_new_tokens=12, ignore_eos=True)[0]
+    chunks = list(client.completions.create(
+        model="tiny", prompt="a", max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == len(ref.token_ids) == 12
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 12
+
+
 def test_n_choices_prompt_list_and_seed(client, llm):
     prompts = ["first prompt", "second"]
     out = client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=10, temperature=1.0, seed=77)

@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException
 
 from serve.http import protocol
 from serve.http.bridge import StreamGroup
-from serve.http.chat import render_chat
 from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling
 from serve.http.protocol import APIError
 from serve.metrics import CONTENT_TYPE, Registry
@@ -153,7 +152,7 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
         raise APIError(400, f"n must be in [1, {state.config.max_n}], got {req.n}", param="n")
     if chat:
         try:
-            prompts = [render_chat([(m.role, m.text()) for m in req.messages])]
+            prompts = [adapter.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
     else:

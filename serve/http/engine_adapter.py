@@ -14,6 +14,7 @@ from typing import Callable
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
 from jaxllm.engine.sampling import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
+from jaxllm.model.chat import chat_prompt
 from serve.metrics import Registry
 
 __all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT",
@@ -62,6 +63,11 @@ class EngineAdapter:
                                  top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
                                  stop=sampling.stop, ignore_eos=sampling.ignore_eos)
         return ids, params
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt text of chat messages under the checkpoint's own chat template (Llama-2's `[INST]`
+        format without one): `LLM.chat`'s function; ValueError naming the bad message (-> 400)."""
+        return chat_prompt(self.engine.llm.tokenizer, messages)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (for `echo` of a token-id prompt)."""

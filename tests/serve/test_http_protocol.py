@@ -1,30 +1,10 @@
-"""The OpenAI API layer's pure parts, without a server: request parsing and the chat template."""
+"""The OpenAI API layer's pure parts, without a server: request parsing (chat templates: tests/jaxllm/model/test_chat.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve.http.chat import render_chat
 from serve.http.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
-
-
-def test_render_chat_llama2_format():
-    assert render_chat([("user", "Hi")]) == "[INST] Hi [/INST]"
-    assert render_chat([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Bye")]) == (
-        "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello. [INST] Bye [/INST]")
-
-
-@pytest.mark.parametrize("messages, message", [
-    ([], "messages is empty"),
-    ([("system", "s")], "only a system message"),
-    ([("user", "a"), ("assistant", "b")], "messages[1] is an assistant message: end with a user message"),
-    ([("assistant", "a")], "messages[0].role is 'assistant' where 'user' was expected"),
-    ([("system", "s"), ("user", "a"), ("tool", "b"), ("user", "c")], "messages[2].role is 'tool'; it must be one of"),
-])
-def test_render_chat_refuses_bad_turns(messages, message):
-    with pytest.raises(ValueError) as err:
-        render_chat(messages)
-    assert message in str(err.value)
 
 
 def test_parse_prompts_and_ignores_unknown_fields():

@@ -65,6 +65,9 @@ class ServerConfig:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
 
 
+_TRANSPORT_SLACK = 4  # the transport's receive limit, in multiples of ServerConfig.max_message_bytes
+
+
 class _Metrics:
     """What /metrics shows; engine-side values are read at scrape time."""
 
@@ -151,6 +154,10 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             self.metrics.streams.inc(-1)
 
     def _generate(self, request, context):
+        size = request.ByteSize()
+        if size > self.config.max_message_bytes:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"request is {size} bytes, over the limit {self.config.max_message_bytes}")
         engine = self._ready_engine(context)
         try:
             ids, params = to_engine_request(request, self.tokenizer, self.limits)
@@ -220,7 +227,9 @@ class Server:
         self._grpc = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=capacity, thread_name_prefix="jaxllm-grpc"),
             maximum_concurrent_rpcs=capacity,
-            options=[("grpc.max_receive_message_length", config.max_message_bytes),
+            # The transport takes up to _TRANSPORT_SLACK x the limit, so that Generate itself refuses (and
+            # counts, in jaxllm_requests_total) a message over the limit; past that gRPC refuses it unseen.
+            options=[("grpc.max_receive_message_length", _TRANSPORT_SLACK * config.max_message_bytes),
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])  # a second server on the same port must fail, not share it
         pb_grpc.add_LLMServiceServicer_to_server(self.servicer, self._grpc)

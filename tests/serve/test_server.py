@@ -323,9 +323,11 @@ def test_bad_input_is_invalid_argument(server, fields, message):
 
 
 def test_oversize_or_malformed_message_gets_a_status_not_a_crash(server):
+    before = server.metrics().get('jaxllm_requests_total{code="RESOURCE_EXHAUSTED"}', 0)
     with pytest.raises(grpc.RpcError) as err:
         list(server.stub.Generate(_request("x" * (5 << 20)), timeout=30))
-    assert err.value.code() == EXHAUSTED
+    assert err.value.code() == EXHAUSTED and "over the limit 4194304" in err.value.details()
+    assert server.metrics()['jaxllm_requests_total{code="RESOURCE_EXHAUSTED"}'] == before + 1  # counted
     # Field 1 (prompt) holding bytes that are not UTF-8, which no conforming client can send.
     raw = server.channel.unary_stream(f"/{SERVICE}/Generate")
     with pytest.raises(grpc.RpcError) as err:

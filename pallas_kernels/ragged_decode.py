@@ -42,30 +42,20 @@ class DecodeBlockSizes:
       target_programs (>= min_tokens_per_split, see short_target_programs). Sequence s gets
       ceil(len_s / split) items (at least 1) and its tiles are dealt out evenly among them (sizes
       differ by at most one tile). The grid is
-      then bounded by target_programs / kv_heads + num_seqs items whatever the table width, a lone
-      32K sequence still gets ~target_programs programs (a split fixed by the table's capacity gave it
-      2 per head when the table was sized for 128K), and a ragged batch is cut into equal chunks. On
-      an H200 a ragged batch of 16 (1K..256K) read 4.05 TB/s with ~1000 programs and 2.90 with ~256
-      (benchmarks/results/nvidia-h200-2026-11-22-attention*.json).
+      then bounded by target_programs / kv_heads + num_seqs items whatever the table width, so a lone
+      sequence still fills the GPU and a ragged batch is cut into equal chunks (benchmarks/NOTES.md).
     target_programs: about how many programs (work items x KV heads) a call aims for.
     min_tokens_per_split: no item shorter than this (a power of two), unless the call is short: then
       items shrink, down to one tile, so that about short_target_programs programs still run.
     short_target_programs: programs a short call (total KV x heads < target_programs x
-      min_tokens_per_split, e.g. one sequence under 8K with 32 KV heads) aims for. On an H200, with
-      32 heads and a table 128K wide as in the engine, 1K ran 11.5 us a call with 64-token items
-      (512 programs) vs 15.8 with 256-token ones, 2K 15.4 vs 17.9; at 4K 256-token items (512
-      programs) beat 128-token ones, 24.1 vs 26.1 (check_ragged_decode_gpu.py --short-sweep, kernel
-      times from a trace: benchmarks/results/nvidia-h200-2026-11-22-0806-ragged-decode-short-sweep.json).
+      min_tokens_per_split, e.g. one sequence under 8K with 32 KV heads) aims for. Short calls are latency-bound:
+      more, shorter items win there (sweeps in benchmarks/NOTES.md, ragged_decode).
     num_warps, num_stages: Triton launch parameters (num_stages pipelines the K/V loads).
     int8_via_fp16: int8 KV is turned into float16 with integer ops (x + 128 in the mantissa of
       1024.0, minus 1152: exact) instead of int-to-float conversions, and the dots run in float16.
 
-    Defaults from H200 sweeps (scripts/check_ragged_decode_gpu.py, 2026-11-22): block_k 64 with 4
-    stages matched or beat 128 x 2 stages at 32K / 128K / batch 8 (137 vs 141 us at 32K, --sweep);
-    target_programs 1024 beat 768..1536 at 32K / 128K / batch 8 (1152 and 1280 by 7-12%, 1536 by
-    1-2%), and a minimum item of 256 tokens beat 128 / 512 / 1024 at 1K (16.0 vs 18.6 / 20.1 / 30.0 us)
-    and 4K (26.2 vs 29.0 / 27.7 / 36.5 us) (--split-sweep,
-    benchmarks/results/nvidia-h200-2026-11-22-0345-ragged-decode-split-sweep.json).
+    The defaults are the best of sweeps on an H200 (scripts/check_ragged_decode_gpu.py; figures in
+    benchmarks/NOTES.md, ragged_decode).
     """
 
     block_k: int = 64
@@ -116,11 +106,8 @@ class DecodeBlockSizes:
         return jnp.maximum(want, floor).astype(jnp.int32)
 
 
-# int8 KV at 128K on an H200 (scripts/check_ragged_decode_gpu.py --int8-sweep): 128-token tiles x 3
-# stages 497 us, the bf16 default (64 x 4) 515-535, 256-token tiles 740-764, 8 warps 605
-# (benchmarks/results/nvidia-h200-2026-11-22-0236-ragged-decode-int8-sweep.json); with the int8 ->
-# float16 integer trick 468 (3 stages) and 464 (4 stages) vs 497 in one run (...-0433-...json). Still
-# 2.4 TB/s of int8 KV + scales: bound by more than the conversions (per-tile scale loads and products).
+# int8 KV: larger tiles and the integer int8 -> float16 conversion were the fastest swept on an H200
+# (scripts/check_ragged_decode_gpu.py --int8-sweep; figures in benchmarks/NOTES.md, ragged_decode).
 # The dots then run in float16: q must fit its range (|q| < 65504), as in any float16 attention.
 INT8_BLOCK_SIZES = DecodeBlockSizes(block_k=128, num_stages=4, int8_via_fp16=True)
 

@@ -16,9 +16,8 @@ schedule barrier, one issuing TMA copies of K/V tiles into a ring of SMEM slots.
   * two CTAs (a cluster of 2, config.cluster_ctas) share each work-list tile, 2 x 2 * block_q rows
     of one sequence, and so every K/V tile: each CTA's memory warpgroup TMA-multicasts half of it
     into both CTAs' SMEM, and a slot is refilled once all four compute warpgroups released it.
-    Sustained prefill is held by the H200's power cap, and K/V moving from L2 into SMEM is a large
-    share of the energy: against one CTA a tile, the benchmark's ragged batch ran 0.4-5.6% faster
-    on four H200s, 64K 0.6-4.3%, 128K 5.3%, 16K 0-2.6%, 4K the same (session 8, benchmarks/NOTES.md).
+    Sustained prefill is power-bound, and K/V moving from L2 into SMEM is a large share of the
+    energy: sharing it saves a few percent (benchmarks/NOTES.md, ragged_prefill_mgpu).
 """
 
 from __future__ import annotations

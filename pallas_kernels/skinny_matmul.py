@@ -29,10 +29,8 @@ from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch
 
 MAX_ROWS = 64
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-# An H200 has 132 SMs: about 2.5 programs per SM, each with 3 stages of 16 KB weight tiles in flight.
-# In the sweeps (benchmarks/results/nvidia-h200-2026-11-22-0153/0158-skinny-matmul.json) 256..384 programs
-# were best, their differences within run-to-run noise (up to ~10% for one config between runs); 512..1024
-# shorter programs were mostly 5-15% slower, and block_k 256 tiles slower still.
+# About 2.5 programs per SM of an H100/H200 (132 SMs), each with 3 stages of 16 KB weight tiles in
+# flight: the best of the sweeps (scripts/bench_skinny_matmul.py; figures in benchmarks/NOTES.md).
 DEFAULT_TARGET_PROGRAMS = 320
 
 

@@ -7,8 +7,11 @@ tokenizer), offline.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
+
+from jaxllm.mesh_flags import add_mesh_flags, is_leader, start_processes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,16 +27,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
     p.add_argument("--no-stream", action="store_true", help="print each completion when done instead of streaming")
+    add_mesh_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from jaxllm import LLM  # after argument parsing, so --help is instant
-
     try:
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context)
+        start_processes(args)  # before anything touches a device
+    except ValueError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    from jaxllm import EngineOptions, LLM  # after argument parsing, so --help is instant
+
+    llm = None
+    try:
+        options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances)
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
+                  progress=is_leader())
+        if not is_leader():  # the same steps as process 0, on this process's devices; no output
+            llm.runner.follow()
+            return 0
+        # SIGTERM unwinds like an error, so the finally below still stops the other processes.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=args.stop)
         start = time.perf_counter()
@@ -52,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if llm is not None:
+            llm.close()  # a multi-process run: the other processes stop following and exit
     return 0
 
 

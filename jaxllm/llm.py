@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.engine.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
@@ -19,7 +21,10 @@ from jaxllm.model.tokenizer import load_tokenizer
 from jaxllm.model.chat import chat_prompt
 from jaxllm.model.checkpoints import load_model
 from jaxllm.model.generation_config import load_generation_defaults
+from jaxllm.model.llama import abstract_model
 from pallas_kernels.dispatch import BACKENDS
+from sharding.mesh import check_tensor_parallel, make_mesh
+from sharding.rules import kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
 
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
 
@@ -49,8 +54,17 @@ class EngineOptions:
     # preemptions). Greedy tokens are the same either way up to rounding: cached KV was computed in
     # another step, whose batch shape may round the matmuls differently.
     prefix_caching: bool = True
+    # The mesh (../shared/DESIGN.md decision 6): the model split tensor_parallel ways (KV-head groups,
+    # MLP columns), times `instances` (the instance axis; each instance's share of the KV pool is its
+    # own range of rBlocks). 1 x 1 in one process: one device, no mesh at all.
+    tensor_parallel: int = 1
+    instances: int = 1
 
     def __post_init__(self):
+        for name in ("tensor_parallel", "instances"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not (0.0 < self.kv_memory_fraction <= 1.0):
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         for name in ("block_size", "num_blocks", "max_tokens_per_step"):
@@ -75,8 +89,22 @@ class LLM:
 
     def __init__(self, model: str, *, dtype=None, max_context: int | None = None,
                  options: EngineOptions | None = None, progress: bool = True):
-        self.model, tokenizer_dir = load_model(model, dtype=dtype, progress=progress)
-        self.config = self.model.config
+        self.options = options or EngineOptions()
+        tp, instances = self.options.tensor_parallel, self.options.instances
+        # A mesh only where one is asked for (or several processes share the run): one device in one
+        # process takes exactly the path it always took.
+        self.mesh = make_mesh(tp, instances) if tp * instances > 1 or jax.process_count() > 1 else None
+        if jax.process_count() > 1 and tp * instances != jax.device_count():
+            # Every process runs every step; one whose devices the mesh left out could take no part.
+            raise ValueError(f"a {jax.process_count()}-process run needs the mesh to span all {jax.device_count()} "
+                             f"devices; tensor_parallel {tp} x instances {instances} = {tp * instances}")
+        self.model, tokenizer_dir = load_model(
+            model, dtype=dtype, progress=progress,
+            sharding=None if self.mesh is None else functools.partial(load_sharding, mesh=self.mesh))
+        self.config = self.model.config  # the checkpoint's (KV heads as trained, whatever the mesh)
+        if self.mesh is not None:
+            self.model = self._placed_model()  # its config has the KV heads the mesh needs
+        step_model = self.model
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.generation_defaults = load_generation_defaults(tokenizer_dir)  # used where a request gives none
         if max_context is None:
@@ -84,17 +112,23 @@ class LLM:
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
         self.max_context = max_context
-        self.options = options or EngineOptions()
         on_gpu = jax.default_backend() == "gpu"
         block_size = self.options.block_size or (256 if on_gpu else 16)
         pool_dtype = self.options.kv_dtype or jnp.dtype(self.model.embedding[...].dtype).name
-        num_blocks = self.options.num_blocks or self._default_num_blocks(block_size, pool_dtype, on_gpu)
+        num_blocks = self.options.num_blocks or self._default_num_blocks(step_model.config, block_size, pool_dtype,
+                                                                        on_gpu)
+        if not self.options.num_blocks:
+            num_blocks -= num_blocks % instances
+        if num_blocks % instances or not num_blocks:
+            raise ValueError(f"num_blocks {num_blocks} must be a multiple of instances {instances} (each instance "
+                             "holds an equal range of rBlocks)")
         max_step = self.options.max_tokens_per_step or (4096 if on_gpu else 512)
-        kv_cache = init_kv_cache(self.config, num_blocks, block_size, kv_dtype(pool_dtype))
+        kv_cache = self._kv_pool(step_model.config, num_blocks, block_size, kv_dtype(pool_dtype))
         # The table is as wide as the longest sequence the pool and context limit allow.
         longest = min(self.max_context + 1, num_blocks * block_size)
-        self.runner = Runner(self.model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
-                             table_width=-(-longest // block_size), backend=self.options.attention_backend)
+        self.runner = Runner(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
+                             table_width=-(-longest // block_size), backend=self.options.attention_backend,
+                             mesh=self.mesh)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
                                    max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
@@ -105,12 +139,35 @@ class LLM:
         self.core = EngineCore(self.scheduler, self.runner, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)
 
-    def _default_num_blocks(self, block_size: int, pool_dtype: str, on_gpu: bool) -> int:
-        per_block = kv_bytes_per_block(self.config, block_size, pool_dtype)
+    def _placed_model(self):
+        """The loaded model ready for the mesh: KV heads replicated where the tensor axis exceeds them
+        (the step model's graphdef is built from that config), every Param in its shards."""
+        tp = self.options.tensor_parallel
+        check_tensor_parallel(self.config, tp)
+        graphdef, state = nnx.split(self.model)
+        config, state = prepare_tensor_parallel(self.config, state, tp)
+        if config != self.config:
+            graphdef = nnx.graphdef(abstract_model(config, dtype=self.model.embedding[...].dtype))
+        return nnx.merge(graphdef, shard_params(state, self.mesh))
+
+    def _kv_pool(self, config, num_blocks: int, block_size: int, dtype):
+        """The zeroed KV pool, created in its shards on a mesh (never whole on one device)."""
+        if self.mesh is None:
+            return init_kv_cache(config, num_blocks, block_size, dtype)
+        make = functools.partial(init_kv_cache, config, num_blocks, block_size, dtype)
+        return jax.jit(make, out_shardings=kv_pool_shardings(jax.eval_shape(make), self.mesh))()
+
+    def _default_num_blocks(self, config, block_size: int, pool_dtype: str, on_gpu: bool) -> int:
+        # Per device: a tensor-parallel device holds 1 / tensor_parallel of every rBlock (its KV heads).
+        per_block = kv_bytes_per_block(config, block_size, pool_dtype) // self.options.tensor_parallel
         if on_gpu:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}
             free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
             budget = int(free * self.options.kv_memory_fraction)
+            if jax.process_count() > 1:  # every process must build the same pool: process 0's figure
+                from jax.experimental import multihost_utils
+
+                budget = int(multihost_utils.broadcast_one_to_all(np.float32(budget)))
         else:
             # Enough for a few full-length sequences, within a modest share of host memory.
             budget = min(_CPU_KV_BYTES, 4 * self.max_context * per_block // block_size)
@@ -119,6 +176,12 @@ class LLM:
             raise MemoryError(f"no room for a KV pool: one rBlock needs {per_block} bytes, {budget} are free")
         return num_blocks
 
+
+    def close(self) -> None:
+        """End a multi-process run: the other processes' runners stop following and their programs exit.
+        Call it on process 0 when done (entry points do, also on errors and SIGTERM); idempotent; nothing
+        to do on one process."""
+        self.runner.stop_followers()
 
     # ----- what it is -----
 
@@ -150,7 +213,9 @@ class LLM:
             kv_dtype=self.pool_dtype, context_limit=self.context_limit, vocab_size=cfg.vocab_size,
             num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, block_size=self.runner.block_size, num_blocks=self.allocator.num_blocks,
-            max_seqs=self.scheduler.max_seqs, max_tokens_per_step=self.scheduler.max_tokens_per_step)
+            max_seqs=self.scheduler.max_seqs, max_tokens_per_step=self.scheduler.max_tokens_per_step,
+            tensor_parallel=self.options.tensor_parallel, instances=self.options.instances,
+            processes=jax.process_count(), devices=1 if self.mesh is None else self.mesh.devices.size)
 
     # ----- generation -----
 

@@ -26,6 +26,7 @@ import time
 from jaxllm.engine.threaded import Engine
 from jaxllm.engine.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
+from jaxllm.mesh_flags import add_mesh_flags, is_leader, start_processes
 from jaxllm.model.checkpoints import MODEL_DTYPES
 from jaxllm.model.config import PRESETS
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-only", action="store_true", help="serve the HTTP API only, no gRPC (needs --http-port)")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
                    help="HTTP API: require 'Authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: no key)")
+    add_mesh_flags(p)
     return p
 
 
@@ -81,18 +83,26 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.http_only and args.http_port is None:
         parser.error("--http-only needs --http-port")
+    try:
+        check_model_name(args.model)
+        options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                                max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
+                                prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
+                                instances=args.instances)
+        start_processes(args)  # before anything touches a device
+    except ValueError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not is_leader():
+        return _follow(args, options)
     metrics_port = None
     if not args.no_metrics and not args.http_only:  # an HTTP-only server has /metrics on its HTTP port
         metrics_port = args.metrics_port if args.metrics_port is not None else (args.port + 1 if args.port else 0)
     try:
-        check_model_name(args.model)
         config = ServerConfig(host=args.host, port=args.port, metrics_port=metrics_port,
                               max_running=args.max_running, max_queue=args.max_queue,
                               max_message_bytes=args.max_message_bytes, default_max_tokens=args.default_max_tokens,
                               grace_period_s=args.grace_period)
-        options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                                max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
-                                prefix_caching=not args.no_prefix_caching)
         server = None if args.http_only else Server(config)
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -129,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     if http and server:
         where += f"; OpenAI API on {http.url}"
+    llm = None
     try:
         started = time.monotonic()
         if not args.quiet:
@@ -149,11 +160,17 @@ def main(argv: list[str] | None = None) -> int:
         loading = False
     except ValueError as e:  # unknown model, bad checkpoint, bad option: the user's to fix
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        if llm is not None:
+            llm.close()
         if server:
             server.shutdown(0.0)
         if http:
             http.shutdown(1.0)
         return 2
+    except BaseException:
+        if llm is not None:
+            llm.close()  # a multi-process run: the other processes stop and exit too
+        raise
     print(f"jaxllm serving {args.model} on {where}", flush=True)
     stop.wait()
     print(f"jaxllm: shutting down (grace period {config.grace_period_s:g} s)", file=sys.stderr, flush=True)
@@ -165,7 +182,25 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown(config.grace_period_s)
     if http:
         http.shutdown()
+    llm.close()  # no step runs any more: the other processes of a multi-process run stop following and exit
     print("jaxllm: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _follow(args, options: EngineOptions) -> int:
+    """A process other than 0: the same model on this process's devices, running every step process 0
+    sends (sharding.multihost.StepBroadcast) until it stops; no port, no scheduler."""
+    import jax
+
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options, progress=False)
+    except ValueError as e:
+        print(f"python -m jaxllm.serve: error: {e}", file=sys.stderr)
+        return 2
+    calls = llm.runner.follow()
+    if not args.quiet:
+        print(f"jaxllm process {jax.process_index()}: process 0 stopped after {calls} steps; exiting",
+              file=sys.stderr, flush=True)
     return 0
 
 

@@ -10,7 +10,8 @@ fields and nothing else: no backend string is resolved and no device is queried 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import functools
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,10 @@ class Kernels:
       add + RMSNorm kernel and the skinny matmul's unreduced split-K partials (the next kernel sums them).
     *_block_sizes / mosaic_prefill: each kernel's schedule; None is the kernel's own default.
     interpret: run the Pallas kernels in the interpreter (the CPU, tests).
+    per_shard: None (one device, or a mesh where XLA partitions the reference ops), or a hashable
+      object with `attention(fn)` and `rope_write_kv(fn)` returning those functions run per device
+      (sharding.tensor_parallel.TensorShards, set by the runner on a mesh): Pallas kernels are custom
+      calls XLA cannot partition.
     """
 
     decode_attention: str = "reference"
@@ -67,6 +72,7 @@ class Kernels:
     mosaic_min_tokens: int = MOSAIC_MIN_TOKENS
     fused_norm_max_tokens: int = FUSED_NORM_MAX_TOKENS
     interpret: bool = False
+    per_shard: Any = None
 
     def __post_init__(self):
         for name, allowed in (("decode_attention", DECODE_ATTENTION), ("prefill_attention", PREFILL_ATTENTION),
@@ -149,6 +155,11 @@ def ragged_attention(
     arange), which lets the decode kernel split long KV across programs. Returns [T, Hq, D] (heads in
     group order, h = kv_head * G + g). Semantics are ragged_prefill_reference's.
     """
+    if kernels.per_shard is not None:
+        local = dataclasses.replace(kernels, per_shard=None)
+        return kernels.per_shard.attention(functools.partial(ragged_attention, kernels=local))(
+            q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, decode=decode, k_scale=k_scale, v_scale=v_scale,
+            num_q_heads=num_q_heads)
     if decode and kernels.decode_attention == "triton":
         from pallas_kernels.ragged_decode import ragged_decode
 
@@ -189,6 +200,10 @@ def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_s
     """
     from pallas_kernels import kv_write
 
+    if kernels.per_shard is not None:
+        local = dataclasses.replace(kernels, per_shard=None)
+        return kernels.per_shard.rope_write_kv(functools.partial(rope_write_kv, dtype=dtype, kernels=local))(
+            k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale)
     if kernels.rope_kv_write == "pallas" and k_pool.dtype != jnp.int8:
         q, k_pool, v_pool = kv_write.rope_write_kv_kernel(k_pool, v_pool, qkv, cos, sin, slot_mapping, dtype=dtype,
                                                           interpret=kernels.interpret)

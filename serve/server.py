@@ -105,6 +105,12 @@ class _Metrics:
                   fn=engine_value(lambda e: e.stats().prefix_cache_hit_tokens))
         r.gauge("jaxllm_prefix_cache_blocks", "full KV rBlocks registered in the prefix cache (held or evictable)",
                 fn=engine_value(lambda e: e.stats().prefix_cache_blocks))
+        for field, what in (("tensor_parallel", "devices one model is split over"),
+                            ("instances", "serving instances on the mesh's instance axis"),
+                            ("processes", "JAX processes (hosts) running the program"),
+                            ("devices", "devices the mesh spans")):
+            r.gauge(f"jaxllm_mesh_{field}", f"the mesh: {what}",
+                    fn=engine_value(lambda e, field=field: getattr(e.info(), field)))
         r.gauge("jaxllm_ready", "1 once the model is loaded and warm",
                 fn=lambda: float(servicer.engine is not None))
 
@@ -200,7 +206,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             vocab_size=info.vocab_size, num_layers=info.num_layers, hidden_size=info.hidden_size,
             num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, max_context=info.context_limit,
             kv_block_size=info.block_size, kv_num_blocks=info.num_blocks, kv_dtype=info.kv_dtype,
-            max_running=info.max_seqs, max_queue=info.max_queue or 0,
+            max_running=info.max_seqs, max_queue=info.max_queue or 0, tensor_parallel=info.tensor_parallel,
+            instances=info.instances, processes=info.processes, devices=info.devices,
             default_max_tokens=self.limits.default_max_tokens, max_stop_strings=self.limits.max_stop_strings,
             max_stop_length=self.limits.max_stop_length, backend=jax.default_backend(), version=jaxllm.__version__)
 

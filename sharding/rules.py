@@ -163,6 +163,26 @@ def repeat_kv_heads(config, state, factor: int):
     return new_config, jax.tree_util.tree_map_with_path(expand, state)
 
 
+def load_sharding(config, mesh: Mesh):
+    """path (an nnx state path tuple) , shape -> the NamedSharding a checkpoint's parameter of `config` is
+    loaded with, each device reading only its slice.
+
+    As the rules say, except the fused q/k/v when its KV heads are to be replicated
+    (prepare_tensor_parallel, after loading): it is loaded split on hidden (replicated if that does not
+    divide), so no device holds a whole layer's q/k/v until the replication reshards it on KV heads.
+    """
+    n = tensor_size(mesh)
+    factor = kv_head_replication(config, n)
+
+    def sharding(path: tuple, shape: tuple[int, ...]) -> NamedSharding:
+        name = "/".join(str(p) for p in path)
+        if factor > 1 and re.search(RULES[0].pattern, name):
+            return NamedSharding(mesh, P(TENSOR) if shape[0] % n == 0 else P())
+        return NamedSharding(mesh, spec_for(name, shape, n))
+
+    return sharding
+
+
 def prepare_tensor_parallel(config, state, tensor_parallel: int):
     """(config, state) ready to be split `tensor_parallel` ways: checked, KV heads replicated if needed."""
     return repeat_kv_heads(config, state, kv_head_replication(config, tensor_parallel))

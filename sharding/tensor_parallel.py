@@ -11,6 +11,7 @@ call declares no varying-axes information for the checker to follow).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -42,18 +43,23 @@ def tensor_parallel_attention(attention: Callable, mesh: Mesh) -> Callable:
 
     def wrapped(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *, decode: bool, k_scale=None, v_scale=None,
                 num_q_heads: int | None = None, **kwargs):
-        if num_q_heads is not None and q.shape[1] != num_q_heads:
-            # A fused q|k|v input (the model's rope_write_kv output) keeps its query heads first; cut
-            # them out so the head axis splits into whole groups.
-            q = q[:, :num_q_heads]
-        hq, hkv = q.shape[1], k_pool.shape[1]
-        if hkv % n or hq % n:
+        if q.ndim == 4:
+            # Grouped per KV head [T, Hkv, Gh, hd] (the model's rope_write_kv output): the head axis is
+            # the KV-head axis, so a split keeps whole groups; each device reads num_q_heads / N of them.
+            hq = num_q_heads if num_q_heads is not None else q.shape[1] * q.shape[2]
+        else:
+            if num_q_heads is not None and q.shape[1] != num_q_heads:
+                q = q[:, :num_q_heads]  # a fused q|k|v input keeps its query heads first
+            hq = q.shape[1]
+        hkv = k_pool.shape[1]
+        if hkv % n or hq % n or (q.ndim == 4 and q.shape[1] % n):
             raise ValueError(f"tensor parallel attention over {n} devices needs {hq} query and {hkv} KV heads "
                              f"divisible by {n}; replicate KV heads first (sharding.rules.prepare_tensor_parallel)")
+        local_heads = hq // n
 
         def local(q, k_pool, v_pool, k_scale, v_scale, block_tables, kv_lens, cu_q_lens):
             return attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, decode=decode, k_scale=k_scale,
-                             v_scale=v_scale, num_q_heads=q.shape[1], **kwargs)
+                             v_scale=v_scale, num_q_heads=local_heads, **kwargs)
 
         specs = (_HEADS, _HEADS, _HEADS, _HEADS, _HEADS, _WHOLE, _WHOLE, _WHOLE)
         return per_tensor_shard(local, mesh, specs, _HEADS)(q, k_pool, v_pool, k_scale, v_scale, block_tables,
@@ -84,3 +90,43 @@ def tensor_parallel_rope_write_kv(rope_write_kv: Callable, mesh: Mesh) -> Callab
                                                                   k_scale, v_scale)
 
     return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorShards:
+    """How a step's kernels run on a mesh: `pallas_kernels.dispatch` applies it (Kernels.per_shard) to the
+    attention and RoPE + KV-write kernels, which then run per device inside shard_map over `tensor`.
+
+    Frozen and hashable (the mesh is), so the Kernels holding it stay a static jit argument.
+    """
+
+    mesh: Mesh
+
+    def attention(self, attention: Callable) -> Callable:
+        return tensor_parallel_attention(attention, self.mesh)
+
+    def rope_write_kv(self, rope_write_kv: Callable) -> Callable:
+        wrapped = tensor_parallel_rope_write_kv(rope_write_kv, self.mesh)
+
+        def call(k_pool, v_pool, qkv, *args, **kwargs):
+            # [S, T, Hkv, G + 2, hd]: the skinny matmul's split-K partials (KV heads on axis 2)
+            return wrapped(k_pool, v_pool, qkv, *args, partials=qkv.ndim == 5, **kwargs)
+
+        return call
+
+
+def tensor_parallel_kernels(kernels, mesh: Mesh):
+    """`kernels` (a pallas_kernels.dispatch.Kernels) for a step jitted over `mesh`.
+
+    Tensor parallel 1: unchanged. Otherwise the Pallas attention and RoPE + KV-write kernels run per
+    device (per_shard); under the pure-jnp reference nothing is wrapped: XLA partitions it from the
+    shardings. The decode-layer kernels (one-pass add + RMSNorm over the skinny matmul's split-K
+    partials) take the reference: a row-parallel projection's partials are also partial over the
+    tensor axis, which only an all-reduce in between can sum, so XLA's matmul + norm (which it
+    partitions, all-reduce included) is the correct and simplest choice there.
+    """
+    if tensor_size(mesh) == 1:
+        return kernels
+    pallas = kernels.decode_attention != "reference" or kernels.prefill_attention != "reference" or \
+        kernels.rope_kv_write != "reference"
+    return dataclasses.replace(kernels, decode_layer="reference", per_shard=TensorShards(mesh) if pallas else None)

@@ -86,6 +86,12 @@ class EngineInfo:
     max_seqs: int
     max_tokens_per_step: int
     max_queue: int | None = None  # the threaded Engine's waiting limit (None: unbounded)
+    # The mesh: the model split tensor_parallel ways, `instances` of it, over `devices` devices of
+    # `processes` JAX processes (hosts). One device: 1, 1, 1, 1.
+    tensor_parallel: int = 1
+    instances: int = 1
+    processes: int = 1
+    devices: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import numpy as np
@@ -33,8 +34,15 @@ from jaxllm.engine.step import (StepInputs, bucket, decode_step, inert_step_inpu
 from jaxllm.model.llama import Llama
 from pallas_kernels import compat
 from pallas_kernels.dispatch import Kernels, default_kernels
+from sharding import multihost
+from sharding.rules import replicated
+from sharding.tensor_parallel import tensor_parallel_kernels
 
-__all__ = ["InFlight", "Runner", "bucket"]
+__all__ = ["InFlight", "Runner", "bucket", "host_array"]
+
+# A multi-process run's call word [op, greedy, mode]: which jitted step, and where its inputs come from.
+_DECODE, _PREFILL, _LOGITS = 0, 1, 2
+_FRESH, _CONTINUED, _AS_SENT = 0, 1, 2  # sampling arrays put on the devices / the previous step's / warm-up's
 
 
 class InFlight:
@@ -50,21 +58,65 @@ class InFlight:
     def tokens(self) -> np.ndarray:
         """The sampled token of every sequence in the plan ([S] int32); waits for the device."""
         if self._host is None:
-            self._host = np.asarray(self.device_tokens)[:self.plan.num_seqs]
+            self._host = host_array(self.device_tokens)[:self.plan.num_seqs]
         return self._host
 
 
+def host_array(x: jax.Array) -> np.ndarray:
+    """A replicated device array on the host: on a multi-process mesh, this process's copy."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shardings):
+    """fn(state, pool, inputs, **statics) jitted with shardings and the pool donated, called as jax.jit's
+    result is. jit takes no keyword arguments alongside in_shardings, so the static ones travel
+    positionally (a keyword left out takes fn's default)."""
+    defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items() if name in static_argnames}
+
+    def positional(state, pool, inputs, *statics):
+        return fn(state, pool, inputs, **dict(zip(static_argnames, statics)))
+
+    jitted = jax.jit(positional, static_argnums=tuple(range(3, 3 + len(static_argnames))), donate_argnums=(1,),
+                     in_shardings=in_shardings, out_shardings=out_shardings)
+
+    def call(state, pool, inputs, **statics):
+        return jitted(state, pool, inputs, *(statics.get(name, defaults.get(name)) for name in static_argnames))
+
+    return call
+
+
 class Runner:
-    """Holds the model's state and the KV pool; runs one step at a time."""
+    """Holds the model's state and the KV pool; runs one step at a time.
+
+    mesh: None runs on one device. Otherwise the model's state and the KV pool must already be placed
+    on it (sharding.rules.shard_params / shard_kv_pool); the steps are jitted with those shardings in
+    and out (the pool donated), the inputs and the sampled tokens / logits replicated, and the kernels
+    wrapped for the mesh (sharding.tensor_parallel.tensor_parallel_kernels).
+
+    On a multi-process mesh every process holds a Runner over the same mesh and runs the same jitted
+    calls (../shared/DESIGN.md decision 6): process 0's runner sends each call (which step, the greedy
+    flag, its StepInputs) through sharding.multihost.StepBroadcast before running it, and every other
+    process runs `follow()`, which receives and repeats them until process 0's `stop_followers()`.
+    The scheduler, the engine core and the servers run on process 0 alone and never know.
+    """
 
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int,
-                 table_width: int, backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None):
+                 table_width: int, backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None,
+                 mesh=None):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.kv_cache = kv_cache
         self.backend = backend
         # Resolved once, here: inside the trace no backend name is read and no device is asked.
         self.kernels = kernels or default_kernels(backend, head_dim=model.config.head_dim)
+        self.mesh = mesh
+        if mesh is not None:
+            self.kernels = tensor_parallel_kernels(self.kernels, mesh)
+        # Where dispatch puts the sampling arrays (None: the default device, as without a mesh).
+        self._input_sharding = None if mesh is None else replicated(mesh)
+        # Every call mirrored to the other processes (process 0) or received from process 0 (the others).
+        self.broadcast = multihost.StepBroadcast() if mesh is not None and jax.process_count() > 1 else None
+        self._last: InFlight | None = None  # the last step dispatched (a continuation's only possible source)
         self.min_tokens = min_tokens
         self.max_seqs = max_seqs
         self.max_tokens_per_step = max_tokens_per_step
@@ -77,6 +129,13 @@ class Runner:
         # as a static argument it would be hashed on every call (~0.7 ms for a 32-layer model, a fifth of
         # a 1K-context decode step on an H100). The pool (argument 1) is donated: each step updates it in place.
         jit = functools.partial(jax.jit, donate_argnums=(1,))
+        if mesh is not None:
+            # State and pool as placed (out == in, so the donated pool is updated in place), inputs and
+            # outputs whole on every device: process 0's tokens are every process's tokens.
+            pool = jax.tree.map(lambda x: x.sharding, kv_cache)
+            whole = replicated(mesh)
+            jit = functools.partial(_jit_on_mesh, in_shardings=(jax.tree.map(lambda x: x.sharding, self.state), pool,
+                                                                whole), out_shardings=(whole, pool))
         self.decode_step = jit(self._counted(decode_step), static_argnames=("kernels", "greedy"))
         self.prefill_step = jit(self._counted(prefill_step), static_argnames=("kernels",))
         self.logits_step = jit(self._counted(logits_step), static_argnames=("kernels",))
@@ -139,20 +198,29 @@ class Runner:
             if not (decode and src.is_decode and np.array_equal(src.seq_ids, plan.seq_ids)):
                 raise ValueError("token_source must be a decode step of the same sequences, in the same order, "
                                  f"as the step it feeds ({src.num_seqs} vs {plan.num_seqs} sequences)")
-            prev = token_source.inputs  # same sequences, same order: same sampling parameters, on the device
-            inputs = dataclasses.replace(inputs, tokens=token_source.device_tokens, temperature=prev.temperature,
-                                         top_k=prev.top_k, top_p=prev.top_p, seed=prev.seed)
+            if self.broadcast is not None:
+                if token_source is not self._last:
+                    raise ValueError("on a multi-process run a continuation must follow the step it continues: the "
+                                     "other processes keep only their last step's tokens")
+                self._announce(_DECODE, inputs, token_source.greedy, _CONTINUED)
+            inputs = _continued(inputs, token_source)
             greedy = token_source.greedy
         else:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
             # Padding rows are greedy, so "no row samples" is "every sequence is greedy".
             greedy = decode and not np.any(plan.temperature > 0)
-            # On the device once, so the continuation steps that reuse them transfer nothing.
-            inputs = dataclasses.replace(inputs, **dict(zip(("temperature", "top_k", "top_p", "seed"), jax.device_put(
-                (inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed)))))
+            if self.broadcast is not None:
+                self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _FRESH)
+            inputs = self._sampling_on_device(inputs)
         next_tokens = self.run_step(decode, inputs, greedy=greedy)
-        return InFlight(plan, next_tokens, inputs, greedy)
+        self._last = InFlight(plan, next_tokens, inputs, greedy)
+        return self._last
+
+    def _sampling_on_device(self, inputs: StepInputs) -> StepInputs:
+        """On the device once, so the continuation steps that reuse them transfer nothing."""
+        return dataclasses.replace(inputs, **dict(zip(("temperature", "top_k", "top_p", "seed"), jax.device_put(
+            (inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed), self._input_sharding))))
 
     def step(self, plan: StepPlan) -> np.ndarray:
         """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
@@ -161,9 +229,14 @@ class Runner:
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
         inputs = self.step_inputs(plan)
+        if self.broadcast is not None:
+            self._announce(_LOGITS, inputs, False, _AS_SENT)
+        return host_array(self._logits(inputs))[:plan.num_tokens]
+
+    def _logits(self, inputs: StepInputs) -> jax.Array:
         out, self.kv_cache = self.logits_step(self.state, self.kv_cache, inputs,
                                               kernels=self.kernels_for(False, inputs.num_tokens))
-        return np.asarray(out)[:plan.num_tokens]
+        return out
 
     def bucket_shapes(self) -> list[tuple[bool, int, bool]]:
         """Every (decode, size, greedy) a step can take: sequences for decode, tokens for prefill; decode
@@ -185,6 +258,52 @@ class Runner:
         with Progress(len(shapes), "warm-up compiles", enabled=progress) as bar:
             for decode, size, greedy in shapes:
                 t_pad, s_pad = self.padded_sizes(decode, size)  # size is a bucket already: t_pad == size
-                self.run_step(decode, inert_step_inputs(decode, t_pad, s_pad, self.table_width),
-                              greedy=greedy).block_until_ready()
+                inputs = inert_step_inputs(decode, t_pad, s_pad, self.table_width)
+                if self.broadcast is not None:
+                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _AS_SENT)
+                self.run_step(decode, inputs, greedy=greedy).block_until_ready()
                 bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}")
+
+    # ----- multi-process runs -----
+
+    def _announce(self, op: int, inputs: StepInputs, greedy: bool, mode: int) -> None:
+        """Process 0: hand one call to every other process (their follow() runs it too)."""
+        self.broadcast.send({"call": np.array([op, greedy, mode], np.int32), "inputs": inputs})
+
+    def follow(self) -> int:
+        """Processes other than 0: run every call process 0 sends, as it runs them, until it stops;
+        returns the number of calls run."""
+        if self.broadcast is None or multihost.is_leader():
+            raise ValueError("Runner.follow runs on the processes other than 0 of a multi-process run "
+                             f"(this is process {jax.process_index()} of {jax.process_count()})")
+        calls = 0
+        while (message := self.broadcast.receive()) is not None:
+            op, greedy, mode = (int(x) for x in message["call"])
+            inputs = message["inputs"]
+            if op == _LOGITS:
+                self._logits(inputs)
+            else:
+                if mode == _CONTINUED:
+                    inputs = _continued(inputs, self._last)
+                elif mode == _FRESH:
+                    inputs = self._sampling_on_device(inputs)
+                self._last = InFlight(None, self.run_step(op == _DECODE, inputs, greedy=bool(greedy)), inputs,
+                                      bool(greedy))
+            calls += 1
+        self.broadcast = None
+        return calls
+
+    def stop_followers(self) -> None:
+        """Process 0 at shutdown: the other processes' follow() returns (they exit). Idempotent; a no-op on
+        one process."""
+        if self.broadcast is not None and multihost.is_leader():
+            self.broadcast.stop()
+            self.broadcast = None
+
+
+def _continued(inputs: StepInputs, source: InFlight) -> StepInputs:
+    """A continuation step's inputs: the previous step's sampled tokens (still on the device) and its
+    sampling arrays (same sequences, same order: same parameters, already on the device)."""
+    prev = source.inputs
+    return dataclasses.replace(inputs, tokens=source.device_tokens, temperature=prev.temperature, top_k=prev.top_k,
+                               top_p=prev.top_p, seed=prev.seed)

@@ -45,9 +45,13 @@ def test_check_tensor_parallel_kv_heads_and_mlp():
 
 def test_param_specs_follow_the_table():
     _, state = nnx.split(abstract_model(GQA))
-    specs = {rules._path_name(p): s for p, s in
-             jax.tree_util.tree_flatten_with_path(rules.param_specs(state, 4), is_leaf=lambda x: isinstance(x, P))[0]}
-    assert specs["layers/1/attention/qkv"] == P(None, TENSOR, None)
+    # 2 KV heads over 4 devices: each replicated twice first (the grouped q/k/v is [D, Hkv, G + 2, hd])
+    prepared = jax.eval_shape(lambda s: rules.prepare_tensor_parallel(GQA, s, 4)[1], state)
+    specs = {rules._path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        rules.param_specs(prepared, 4), is_leaf=lambda x: isinstance(x, P))[0]}
+    assert specs["layers/1/attention/qkv"] == P(None, TENSOR, None, None)
+    with pytest.raises(ValueError, match=r"attention/qkv \(64, 2, 6, 8\): tensor_parallel 4 divides none"):
+        rules.param_specs(state, 4)  # unreplicated: 2 KV heads cannot be split 4 ways
     assert specs["layers/1/attention/o"] == P(TENSOR, None, None)
     assert specs["layers/0/mlp/gate_up"] == P(None, None, TENSOR)
     assert specs["layers/0/mlp/down"] == P(TENSOR, None)

@@ -57,7 +57,7 @@ def _run(graphdef, state, kv, out_shardings=None):
     """Logits [tokens, vocab] of the prefill then the decode step (real tokens only), and the final pool."""
     def forward(state, kv, tokens, positions, batch):
         model = nnx.merge(graphdef, state)
-        hidden, kv = model(tokens, positions, kv, batch, backend="reference")
+        hidden, kv = model(tokens, positions, kv, batch)
         return model.logits(hidden), kv
 
     step = jax.jit(forward, out_shardings=out_shardings)
@@ -133,47 +133,41 @@ def kernel_case(tensor_parallel):
     rng = np.random.default_rng(0)
     mesh = make_mesh(tensor_parallel)
     attention = jax.jit(tensor_parallel_attention(dispatch.ragged_attention, mesh),
-                        static_argnames=("decode", "num_q_heads", "backend"))
+                        static_argnames=("decode", "num_q_heads", "kernels"))
+    triton = dispatch.Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
     errors = {}
     for decode, lens, cu in ((True, [37, 6], [0, 1, 2]), (False, [37, 6], [0, 5, 8])):
         k, v, tables, kv_lens = _pool_and_tables(rng, config, lens, block)
         q = jnp.asarray(rng.standard_normal((cu[-1], config.num_heads, config.head_dim)), jnp.float32)
         cu = jnp.array(cu, jnp.int32)
-        want = dispatch.ragged_attention(q, k, v, tables, kv_lens, cu, decode=decode, backend="reference")
-        got = attention(q, k, v, tables, kv_lens, cu, decode=decode, backend="triton")
+        want = dispatch.ragged_attention(q, k, v, tables, kv_lens, cu, decode=decode)
+        got = attention(q, k, v, tables, kv_lens, cu, decode=decode, kernels=triton)
         errors["decode" if decode else "prefill"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         errors["out_spec_" + ("decode" if decode else "prefill")] = str(got.sharding.spec)
     return errors
 
 
 def rope_write_case(tensor_parallel):
-    """RoPE + KV write per shard over the per-KV-head q/k/v layout [T, Hkv, G + 2, hd] (regrouped here from
-    the fused layout the kernels of this tree take) vs the unsharded fused-layout reference."""
+    """RoPE + KV write per shard over the per-KV-head q/k/v layout [T, Hkv, G + 2, hd] vs unsharded."""
     config = CONFIGS["gqa"]
     hq, hkv, hd, t = config.num_heads, config.num_kv_heads, config.head_dim, 6
     g = hq // hkv
     rng = np.random.default_rng(1)
-    fused = jnp.asarray(rng.standard_normal((t, hq + 2 * hkv, hd)), jnp.float32)  # q heads, k heads, v heads
-    grouped = jnp.concatenate([fused[:, :hq].reshape(t, hkv, g, hd), fused[:, hq:hq + hkv, None],
-                               fused[:, hq + hkv:, None]], axis=2)  # [T, Hkv, G + 2, hd]
+    grouped = jnp.asarray(rng.standard_normal((t, hkv, g + 2, hd)), jnp.float32)
     angles = jnp.asarray(rng.standard_normal((t, hd // 2)), jnp.float32)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     slots = jnp.array([0, 1, 2, 5, 9, -1], jnp.int32)
     pool = jnp.zeros((BLOCKS, hkv, BLOCK, hd), jnp.float32)
-    want_q, want_k, want_v, _, _ = kv_write.rope_write_kv(pool, pool, fused, cos, sin, slots, num_q_heads=hq)
+    want_q, want_k, want_v, _, _ = kv_write.rope_write_kv(pool, pool, grouped, cos, sin, slots)
 
     def local(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale):
-        # this device's groups [T, h, G + 2, hd] -> the fused layout the kernel takes
-        tl, h = qkv.shape[0], qkv.shape[1]
-        flat = jnp.concatenate([qkv[:, :, :g].reshape(tl, h * g, hd), qkv[:, :, g], qkv[:, :, g + 1]], axis=1)
-        q, k_pool, v_pool, _, _ = kv_write.rope_write_kv(k_pool, v_pool, flat, cos, sin, slot_mapping,
-                                                         num_q_heads=h * g)
-        return q[:, :h * g], k_pool, v_pool, k_pool[:, :, :, 0], v_pool[:, :, :, 0]
+        q, k_pool, v_pool, _, _ = kv_write.rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping)
+        return q, k_pool, v_pool, k_pool[:, :, :, 0], v_pool[:, :, :, 0]
 
     mesh = make_mesh(tensor_parallel)
-    q, k, v, _, _ = jax.jit(tensor_parallel_rope_write_kv(local, make_mesh(tensor_parallel)))(
+    q, k, v, _, _ = jax.jit(tensor_parallel_rope_write_kv(local, mesh))(
         pool, pool, grouped, cos, sin, slots, pool[:, :, :, 0], pool[:, :, :, 0])
-    error = max(float(jnp.max(jnp.abs(a - b))) for a, b in ((q, want_q[:, :hq]), (k, want_k), (v, want_v)))
+    error = max(float(jnp.max(jnp.abs(a - b))) for a, b in ((q[:, :, :g], want_q[:, :, :g]), (k, want_k), (v, want_v)))
     return dict(error=error, pool_fraction=max(int(np.prod(s.data.shape)) for s in k.addressable_shards) / k.size,
                 devices=mesh.devices.size)
 

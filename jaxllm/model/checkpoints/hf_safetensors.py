@@ -151,14 +151,73 @@ def _checkpoint_dtype(raw_config: dict, ckpt: SafetensorsCheckpoint) -> jnp.dtyp
     return dtype if dtype.name in MODEL_DTYPES else jnp.dtype(jnp.float32)
 
 
-def load_hf(model_dir: str | os.PathLike, *, dtype=None, progress: bool = True) -> Llama:
+def _cut_range(shape: tuple[int, ...], index: tuple[slice, ...], lo: int, hi: int) -> slice:
+    """The run of the flattened axes lo..hi-1 of `shape` that `index` selects: whole, or cut on the
+    group's first axis only (the one axis a tensor-parallel rule splits), hence contiguous."""
+    size = int(np.prod(shape[lo:hi], dtype=np.int64))
+    cut = [ax for ax in range(lo, hi) if index[ax].indices(shape[ax]) != (0, shape[ax], 1)]
+    if not cut:
+        return slice(0, size)
+    start, stop, step = index[cut[0]].indices(shape[cut[0]])
+    if len(cut) > 1 or cut[0] != lo or step != 1:
+        raise NotImplementedError(f"reading slice {index} of a {shape} parameter: only one axis, the first of its "
+                                  "group, may be cut")
+    inner = size // shape[lo]
+    return slice(start * inner, stop * inner)
+
+
+def _read_part(ckpt: SafetensorsCheckpoint, tensor, index: tuple[slice, ...]) -> np.ndarray:
+    """tensor (in our orientation, `tensor.shape`)[index], read from the file without the rest of it."""
+    shape = tensor.shape
+    sliced = tuple(len(range(*index[ax].indices(shape[ax]))) for ax in range(len(shape)))
+    if not tensor.transpose:  # stored as we hold it
+        return ckpt.read_slice(tensor.name, index)
+    # ours = hf.T.reshape(shape): our leading axes flatten to HF's `in` axis (hf_shape[1]), the rest to `out`
+    k = next(k for k in range(1, len(shape) + 1) if int(np.prod(shape[:k], dtype=np.int64)) == tensor.hf_shape[1])
+    hf_index = (_cut_range(shape, index, k, len(shape)), _cut_range(shape, index, 0, k))
+    return ckpt.read_slice(tensor.name, hf_index).T.reshape(sliced)
+
+
+def read_param_slice(ckpt: SafetensorsCheckpoint, rule, config: LlamaConfig, index: tuple[slice, ...],
+                     dtype) -> np.ndarray:
+    """One Param's slice `index` (one device's shard), read and fused on the host from its HF tensors'
+    slices alone, in `dtype`."""
+    name = rule.path[-1]
+    if rule.fuse is None:
+        out = _read_part(ckpt, rule.tensors[0], index)
+    elif name == "qkv":  # [D, Hkv, G + 2, hd] from q [D, Hq, hd], k and v [D, Hkv, hd]
+        g = config.num_heads // config.num_kv_heads
+        d, heads, whole = index[0], index[1], (slice(None),)
+        if index[2].indices(g + 2) != (0, g + 2, 1) or index[3].indices(config.head_dim) != (0, config.head_dim, 1):
+            raise NotImplementedError(f"q/k/v slice {index}: only hidden and KV heads may be cut")
+        start, stop, _ = heads.indices(config.num_kv_heads)
+        q = _read_part(ckpt, rule.tensors[0], (d, slice(start * g, stop * g)) + whole)
+        k, v = (_read_part(ckpt, t, (d, slice(start, stop)) + whole) for t in rule.tensors[1:])
+        q = q.reshape(q.shape[0], stop - start, g, q.shape[-1])
+        out = np.concatenate([q, k[:, :, None], v[:, :, None]], axis=2)
+    elif name == "gate_up":  # [D, 2, F] from gate and up [D, F]
+        if index[1].indices(2) != (0, 2, 1):
+            raise NotImplementedError(f"gate/up slice {index}: only hidden and the MLP width may be cut")
+        out = np.stack([_read_part(ckpt, t, (index[0], index[2])) for t in rule.tensors], axis=1)
+    else:
+        raise NotImplementedError(f"no sliced reader for the fused parameter {'.'.join(map(str, rule.path))}")
+    return out.astype(np.dtype(dtype))
+
+
+def load_hf(model_dir: str | os.PathLike, *, dtype=None, progress: bool = True, sharding=None) -> Llama:
     """Load a HuggingFace Llama checkpoint (config.json + safetensors, single or sharded).
 
     dtype: None keeps the checkpoint's dtype (config.json dtype / torch_dtype, else the tensors');
     'float32' / 'bfloat16' / 'float16' converts each tensor on the device as it arrives.
+    sharding: None puts each Param on the default device; else a function of the model's config
+    returning (path, shape) -> the jax Sharding of that Param (sharding.rules.load_sharding): each
+    device's shard is read on its own (`read_slice`), so no process reads or holds more of a tensor
+    than its devices keep.
     """
     model_dir = os.fspath(model_dir)
     raw_config, config = read_hf_config(model_dir)
+    if sharding is not None:
+        sharding = sharding(config)
     ckpt = SafetensorsCheckpoint(model_dir)
     rules = {rule.path: rule for rule in hf_layout(config)}
     tensors = [t for rule in rules.values() for t in rule.tensors]
@@ -185,7 +244,16 @@ def load_hf(model_dir: str | os.PathLike, *, dtype=None, progress: bool = True) 
             bar.update(ckpt.nbytes(tensor.name), detail=tensor.name)
             return out
 
+        def load_sharded(path, shape, target_dtype):
+            rule = rules[path]
+            out = jax.make_array_from_callback(
+                shape, sharding(path, shape), lambda index: read_param_slice(ckpt, rule, config, index, target_dtype))
+            bar.update(sum(ckpt.nbytes(t.name) for t in rule.tensors), detail=".".join(map(str, path)))
+            return out
+
         def load_one(path, shape, target_dtype):
+            if sharding is not None:
+                return load_sharded(path, shape, target_dtype)
             rule = rules[path]
             value = fuse_parts(rule, [load_tensor(t, target_dtype) for t in rule.tensors])
             if tuple(value.shape) != shape:  # the layout and the model disagree: a bug, not a user error

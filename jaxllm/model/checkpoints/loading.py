@@ -18,12 +18,15 @@ def _tokenizer_dir(directory: str) -> str | None:
     return directory if has_tokenizer(directory) else None
 
 
-def load_model(spec: str, *, dtype=None, progress: bool = True) -> tuple[Llama, str | None]:
+def load_model(spec: str, *, dtype=None, progress: bool = True, sharding=None) -> tuple[Llama, str | None]:
     """A preset name (random weights, seed 0), an HF directory or an Orbax directory -> (model, tokenizer dir).
 
     The tokenizer dir is the checkpoint directory when it holds a tokenizer (tokenizer.json or
     tokenizer.model), else None; its generation_config.json, if any, is read from there too
     (generation_config.load_generation_defaults). Presets with dtype None are float32.
+    sharding: None, or a function of the model's config returning (path, shape) -> each Param's jax
+    Sharding (sharding.rules.load_sharding with its mesh bound): checkpoints load straight into those
+    shards (presets are built on one device; place them with sharding.rules.shard_params).
     """
     resolved = resolve_dtype(dtype)
     spec = os.fspath(spec)
@@ -31,8 +34,8 @@ def load_model(spec: str, *, dtype=None, progress: bool = True) -> tuple[Llama, 
         return init_model(preset(spec), dtype=resolved or jnp.float32, seed=0), None
     if os.path.isdir(spec):
         if os.path.isfile(os.path.join(spec, ORBAX_MARKER)):
-            return load_orbax(spec, dtype=resolved), _tokenizer_dir(spec)
+            return load_orbax(spec, dtype=resolved, sharding=sharding), _tokenizer_dir(spec)
         if os.path.isfile(os.path.join(spec, "config.json")):
-            return load_hf(spec, dtype=resolved, progress=progress), _tokenizer_dir(spec)
+            return load_hf(spec, dtype=resolved, progress=progress, sharding=sharding), _tokenizer_dir(spec)
     raise ValueError(f"model {spec!r} is neither a preset (known: {sorted(PRESETS)}) nor a checkpoint directory "
                      f"(a directory with config.json or {ORBAX_MARKER})")

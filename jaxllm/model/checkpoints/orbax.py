@@ -54,8 +54,13 @@ def save_orbax(model: Llama, out_dir: str | os.PathLike, *, tokenizer_dir: str |
                    "config": {**config.to_hf(), "_name_or_path": config.name}}, f, indent=2)
 
 
-def load_orbax(directory: str | os.PathLike, *, dtype=None) -> Llama:
-    """Restore a checkpoint written by save_orbax (bit-exact when dtype is None or the saved dtype)."""
+def load_orbax(directory: str | os.PathLike, *, dtype=None, sharding=None) -> Llama:
+    """Restore a checkpoint written by save_orbax (bit-exact when dtype is None or the saved dtype).
+
+    sharding: None restores onto the default device; else a function of the model's config returning
+    (path, shape) -> each Param's jax Sharding (sharding.rules.load_sharding): restored straight into
+    those shards.
+    """
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
@@ -81,12 +86,15 @@ def load_orbax(directory: str | os.PathLike, *, dtype=None) -> Llama:
     if not os.path.isdir(params_dir):
         raise CheckpointError(f"{directory} has {ORBAX_MARKER} but no {_ORBAX_PARAMS}/ directory")
 
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if sharding is not None:
+        sharding = sharding(config)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = {}
     graphdef, params, _ = nnx.split(abstract_model(config, dtype=saved_dtype), nnx.Param, ...)
     for path, variable in nnx.to_flat_state(params):
         target = variable_value(variable)
-        shapes[_flat_key(path)] = jax.ShapeDtypeStruct(target.shape, saved_dtype, sharding=sharding)
+        where = one_device if sharding is None else sharding(tuple(path), tuple(target.shape))
+        shapes[_flat_key(path)] = jax.ShapeDtypeStruct(target.shape, saved_dtype, sharding=where)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(params_dir, shapes)
     restored = dict(restored)

@@ -1,0 +1,43 @@
+"""The mesh and multi-process flags shared by `python -m jaxllm.generate` and `python -m jaxllm.serve`.
+
+    --tensor-parallel N --instances M                 the mesh (EngineOptions.tensor_parallel / instances)
+    --coordinator HOST:PORT --num-processes P --process-id I
+                                                      a multi-process run (or JAX_COORDINATOR_ADDRESS,
+                                                      JAX_NUM_PROCESSES, JAX_PROCESS_ID)
+
+`start_processes` must run before anything touches a device (jax.distributed.initialize's rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mesh and multi-process runs")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices (default: 1)")
+    g.add_argument("--instances", type=int, default=1, metavar="M",
+                   help="serving instances on the mesh's instance axis (default: 1)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address, the same on every process of a multi-process run "
+                        "(default: $JAX_COORDINATOR_ADDRESS; none: one process)")
+    g.add_argument("--num-processes", type=int, default=None, metavar="P",
+                   help="processes in the run (default: $JAX_NUM_PROCESSES, else 1)")
+    g.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process's index, 0 .. P-1; process 0 schedules and serves (default: $JAX_PROCESS_ID)")
+
+
+def start_processes(args: argparse.Namespace) -> bool:
+    """Join the multi-process run the flags (or the JAX_* variables) name; whether this is one.
+    Raises ValueError on an incomplete or malformed set."""
+    from sharding import multihost
+
+    return multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+def is_leader() -> bool:
+    """Process 0 (always, on one process): the one that schedules, serves and prints."""
+    import jax
+
+    return jax.process_index() == 0

@@ -33,27 +33,7 @@ from serve import jaxllm_pb2 as pb  # noqa: E402
 from serve import jaxllm_pb2_grpc as pb_grpc  # noqa: E402
 from serve.client import grpc_target  # noqa: E402
 from serve.metrics import parse  # noqa: E402
-
-
-@dataclasses.dataclass
-class Result:
-    ok: bool
-    code: str
-    latency_s: float
-    ttft_s: float | None
-    tpot_s: float | None
-    tokens: int
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated q-th percentile (q in [0, 100]) of values; NaN when empty."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+from load_report import Result, percentile, print_table, read_metric  # noqa: E402,F401
 
 
 def one_request(stub, request: pb.GenerateRequest, timeout: float | None) -> Result:
@@ -72,14 +52,6 @@ def one_request(stub, request: pb.GenerateRequest, timeout: float | None) -> Res
     ttft = first - start if first is not None else None
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
     return Result(True, "OK", time.monotonic() - start, ttft, tpot, tokens)
-
-
-def read_metric(url: str | None, name: str) -> float | None:
-    """The unlabelled sample `name` scraped from url; None without a url or without that sample."""
-    if not url:
-        return None
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return parse(response.read().decode()).get(name)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -165,23 +137,6 @@ def run(args: argparse.Namespace) -> dict:
         "ttft_s": summary(ttft), "tpot_s": summary(tpot), "latency_s": summary(latency),
         "compiles_during_run": (compiles_after - compiles_before) if compiles_before is not None else None,
     }
-
-
-def print_table(report: dict) -> None:
-    s = report["server"]
-    print(f"server {s['target']}: {s['model']} ({s['architecture']}, {s['dtype']}, {s['backend']}), "
-          f"max_context {s['max_context']}, {s['kv_num_blocks']} rBlocks x {s['kv_block_size']}")
-    c = report["config"]
-    mode = f"open loop {c['rate']} req/s" if c["rate"] else f"closed loop, concurrency {c['concurrency']}"
-    print(f"{report['requests']} requests ({mode}), prompt {c['prompt_tokens']} tokens, "
-          f"output {c['max_tokens']} tokens; status {report['codes']}")
-    print(f"duration {report['duration_s']:.2f} s | {report['requests_per_s']:.2f} req/s | "
-          f"{report['output_tokens_per_s']:.1f} output tok/s | compiles during run: "
-          f"{report['compiles_during_run'] if report['compiles_during_run'] is not None else 'n/a'}")
-    print(f"{'metric':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}   (ms)")
-    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "latency")):
-        m = report[key]
-        print(f"{name:<10}" + "".join(f"{m[q] * 1e3:>10.1f}" for q in ("mean", "p50", "p90", "p99")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from load_test import Result, percentile, print_table, read_metric  # noqa: E402
+from load_report import Result, percentile, print_table, read_metric  # noqa: E402
 
 
 class Api:

@@ -26,7 +26,16 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], text
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [logprob for logprob, _ in entries],
-            "top_logprobs": [{text_of(i): v for i, v in top} for _, top in entries], "text_offset": offsets}, offset
+            "top_logprobs": [top_by_text(top, text_of) for _, top in entries], "text_offset": offsets}, offset
+
+
+def top_by_text(top: Sequence[tuple[int, float]], text_of: Callable[[int], str]) -> dict[str, float]:
+    """The legacy {text: logprob} of one token's alternatives. Two ids can decode to the same text
+    (byte tokens of one character both show as U+FFFD): the text keeps the likelier one's logprob."""
+    out: dict[str, float] = {}
+    for i, v in top:
+        out.setdefault(text_of(i), v)
+    return out
 
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], text_of: Callable[[int], str]) -> dict:

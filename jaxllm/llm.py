@@ -34,6 +34,8 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or context limit)
+    # None unless generate(logprobs=k): per token id, (its logprob, ((id, logprob), ...) the k most likely).
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +61,17 @@ class EngineOptions:
     # own range of rBlocks). 1 x 1 in one process: one device, no mesh at all.
     tensor_parallel: int = 1
     instances: int = 1
+    # Top tokens a request may ask log-probabilities of (SamplingParams.logprobs); 0: none, and no
+    # logprob step variants are compiled.
+    max_logprobs: int = 0
 
     def __post_init__(self):
         for name in ("tensor_parallel", "instances"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not (0.0 < self.kv_memory_fraction <= 1.0):
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         for name in ("block_size", "num_blocks", "max_tokens_per_step"):
@@ -128,14 +135,14 @@ class LLM:
         longest = min(self.max_context + 1, num_blocks * block_size)
         self.runner = Runner(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
                              table_width=-(-longest // block_size), backend=self.options.attention_backend,
-                             mesh=self.mesh)
+                             mesh=self.mesh, max_logprobs=self.options.max_logprobs)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
                                    max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
         self.model_name = model
         self.pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
         self.limits = RequestLimits(context_limit=min(self.max_context, num_blocks * block_size),
-                                    vocab_size=self.config.vocab_size)
+                                    vocab_size=self.config.vocab_size, max_logprobs=self.options.max_logprobs)
         self.core = EngineCore(self.scheduler, self.runner, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)
 
@@ -215,7 +222,8 @@ class LLM:
             num_kv_heads=cfg.num_kv_heads, block_size=self.runner.block_size, num_blocks=self.allocator.num_blocks,
             max_seqs=self.scheduler.max_seqs, max_tokens_per_step=self.scheduler.max_tokens_per_step,
             tensor_parallel=self.options.tensor_parallel, instances=self.options.instances,
-            processes=jax.process_count(), devices=1 if self.mesh is None else self.mesh.devices.size)
+            processes=jax.process_count(), devices=1 if self.mesh is None else self.mesh.devices.size,
+            max_logprobs=self.limits.max_logprobs)
 
     # ----- generation -----
 
@@ -265,7 +273,7 @@ class LLM:
     def generate(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]], *, max_new_tokens: int,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int = 0, stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
-                 ignore_eos: bool = False) -> list[Completion]:
+                 ignore_eos: bool = False, logprobs: int | None = None) -> list[Completion]:
         """Complete each prompt (text, or a list of token ids); all prompts run together, continuously batched.
 
         A prompt may have at most context_limit - 1 tokens, and max_new_tokens may be at most the room
@@ -274,6 +282,8 @@ class LLM:
         no top-k, top_p 1 without one).
         ignore_eos: keep generating past the tokenizer's EOS ids (benchmarks); stop strings and
         stop_token_ids still stop.
+        logprobs: None, or k <= EngineOptions.max_logprobs: each Completion carries every token's
+        log-probability and the k most likely tokens' (before temperature, top-k and top-p).
         """
         temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -281,13 +291,14 @@ class LLM:
         if not prompts:
             raise ValueError("prompts is empty")
         sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
                         max_tokens_name="max_new_tokens")
         outputs = self.run(self._requests(prompts, sampling))
         completions = []
         for outs in outputs.values():
             completions.append(Completion("".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
-                                          outs[-1].finish_reason))
+                                          outs[-1].finish_reason,
+                                          None if logprobs is None else [lp for o in outs for lp in o.logprobs]))
         return completions
 
     def stream(self, prompt: str | Seq[int], *, max_new_tokens: int, temperature: float | None = None,

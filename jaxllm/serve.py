@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None, help="KV pool dtype (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of reusing the KV of identical prompt prefixes")
+    p.add_argument("--max-logprobs", type=int, default=20, help="top tokens a request may ask log-probabilities of "
+                   "(OpenAI logprobs / top_logprobs); 0 refuses logprobs and compiles no logprob step variants "
+                   "(default: 20)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none (default: 256)")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted, in bytes (default: 4 MiB)")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM (default: 10)")
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                                 max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
                                 prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
-                                instances=args.instances)
+                                instances=args.instances, max_logprobs=args.max_logprobs)
         start_processes(args)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

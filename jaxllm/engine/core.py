@@ -51,7 +51,9 @@ class RequestOutput:
     """What one step produced for one request: new text and token ids; `finish_reason` set on the last.
 
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or the context
-    limit), "cancelled". timings are set on the last output.
+    limit), "cancelled". timings are set on the last output. logprobs: None unless the request asked
+    (SamplingParams.logprobs = k); then one entry per new token id, `(its logprob, ((id, logprob), ...))`
+    with the k most likely tokens first.
     """
 
     request_id: int
@@ -61,6 +63,7 @@ class RequestOutput:
     completion_tokens: int
     finish_reason: str | None = None
     timings: RequestTimings | None = None
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +95,7 @@ class EngineInfo:
     instances: int = 1
     processes: int = 1
     devices: int = 1
+    max_logprobs: int = 0  # top tokens a request may ask log-probabilities of (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +226,7 @@ class EngineCore:
         # Every sequence of the step is running now (plan() admitted it), so the ones that may have
         # advanced or finished are among these.
         candidates = list(self.scheduler.running)
-        self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_ids)
+        self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_ids, inflight.logprobs())
         self.last_plan = inflight.plan
         self._inflight = following
         self._counts["steps_total"] += 1
@@ -255,9 +259,10 @@ class EngineCore:
             if seq.status is Status.FINISHED:
                 outputs.append(self._final(request_id, live, seq.finish_reason))
             elif new_ids:
+                logprobs = self._logprobs(seq, live.sent)
                 live.sent = len(seq.output_ids)
                 outputs.append(RequestOutput(request_id, live.text.take(), tuple(new_ids), len(seq.prompt_ids),
-                                             len(seq.output_ids)))
+                                             len(seq.output_ids), logprobs=logprobs))
         return outputs
 
     def _final(self, request_id: int, live: _Live, reason: str) -> RequestOutput:
@@ -265,6 +270,7 @@ class EngineCore:
         self._by_seq.pop(live.seq.seq_id, None)
         seq = live.seq
         new_ids = tuple(seq.output_ids[live.sent:])
+        logprobs = self._logprobs(seq, live.sent)
         live.sent = len(seq.output_ids)
         live.text.finish()
         timings = live.clock.timings()
@@ -277,7 +283,14 @@ class EngineCore:
             counts["tpot_count"] += 1
             counts["tpot_sum_s"] += timings.tpot_s
         return RequestOutput(request_id, live.text.take(final=True), new_ids, len(seq.prompt_ids),
-                             len(seq.output_ids), reason, timings)
+                             len(seq.output_ids), reason, timings, logprobs)
+
+    @staticmethod
+    def _logprobs(seq: Sequence, start: int):
+        """The log-probabilities of seq's output tokens from `start` on (one per token), None if not asked."""
+        if seq.params.logprobs is None:
+            return None
+        return tuple(seq.output_logprobs[start:])
 
     # ----- teacher forcing -----
 

@@ -7,7 +7,9 @@ The rules, the same everywhere:
   with a ValueError naming the room, never capped silently; unset, it is the default capped at
   the room;
 - stop strings: at most `max_stop_strings` of them, each non-empty and at most `max_stop_length`
-  characters; `stop=""` and `stop=[""]` are the same empty stop string and both refused.
+  characters; `stop=""` and `stop=[""]` are the same empty stop string and both refused;
+- logprobs: at most `max_logprobs` top tokens per new token (0: the engine returns none, and any
+  request for logprobs is refused).
 Every check raises ValueError naming the value and the limit (servers answer INVALID_ARGUMENT / 400).
 """
 
@@ -29,8 +31,11 @@ class RequestLimits:
     default_max_tokens: int = 256  # max_tokens of a request that sets none (capped at the room left)
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters per stop string
+    max_logprobs: int = 0  # top tokens a request may ask log-probabilities of (0: logprobs are off)
 
     def __post_init__(self):
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("context_limit", "vocab_size", "default_max_tokens", "max_stop_strings", "max_stop_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -98,17 +103,31 @@ def normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def check_params(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits, *,
-                 max_tokens_name: str = "max_tokens") -> SamplingParams:
-    """params, if they fit the limits for a prompt of num_prompt_tokens (max_tokens, stop strings).
+                 max_tokens_name: str = "max_tokens", logprobs_name: str = "logprobs") -> SamplingParams:
+    """params, if they fit the limits for a prompt of num_prompt_tokens (max_tokens, stop strings, logprobs).
 
-    max_tokens_name: what the caller calls params.max_new_tokens, for the message.
+    max_tokens_name, logprobs_name: what the caller calls params.max_new_tokens and params.logprobs
+    (OpenAI chat: top_logprobs), for the messages.
     """
     room = limits.room(num_prompt_tokens)
     if params.max_new_tokens > room:
         raise ValueError(f"{max_tokens_name} {params.max_new_tokens} is over the limit {room}: the context limit "
                          f"{limits.context_limit} minus the prompt's {num_prompt_tokens} tokens")
     check_stop(params.stop, limits)
+    check_logprobs(params.logprobs, limits, logprobs_name)
     return params
+
+
+def check_logprobs(logprobs: int | None, limits: RequestLimits, name: str = "logprobs") -> int | None:
+    """logprobs, if None or within limits.max_logprobs."""
+    if logprobs is None:
+        return None
+    if limits.max_logprobs == 0:
+        raise ValueError(f"{name} {logprobs} is over the limit 0: this engine returns no log-probabilities "
+                         f"(start it with max_logprobs > 0)")
+    if logprobs > limits.max_logprobs:
+        raise ValueError(f"{name} {logprobs} is over the limit {limits.max_logprobs}")
+    return logprobs
 
 
 def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> tuple[str, ...]:
@@ -128,10 +147,12 @@ def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> tuple[str, ...]:
 def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens: int | None = None,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                     stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                    ignore_eos: bool = False, max_tokens_name: str = "max_tokens") -> SamplingParams:
+                    ignore_eos: bool = False, logprobs: int | None = None, max_tokens_name: str = "max_tokens",
+                    logprobs_name: str = "logprobs") -> SamplingParams:
     """Build and check one request's SamplingParams; max_tokens None means the default, capped at the room.
 
-    max_tokens_name: what the caller calls max_tokens (LLM.generate: max_new_tokens), for messages.
+    max_tokens_name, logprobs_name: what the caller calls max_tokens (LLM.generate: max_new_tokens) and
+    logprobs (OpenAI chat: top_logprobs), for messages.
     """
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.room(num_prompt_tokens))
@@ -140,5 +161,7 @@ def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens
     # Stop strings before SamplingParams: the count limit comes first, and each message names the index.
     stop = check_stop(normalize_stop(stop), limits)
     params = SamplingParams(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
-    return check_params(params, num_prompt_tokens, limits, max_tokens_name=max_tokens_name)
+                            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                            logprobs=logprobs)
+    return check_params(params, num_prompt_tokens, limits, max_tokens_name=max_tokens_name,
+                        logprobs_name=logprobs_name)

@@ -8,7 +8,9 @@ limit. A decode step whose sequences are all greedy has its own variant that tak
 skips sampling's full-vocabulary sort (on an H200 the sampler's kernels take 70 / 133 / 476 us a
 step at 1 / 8 / 64 rows, the argmax 5 / 6 / 9: scripts/bench_sampling.py,
 benchmarks/results/nvidia-h200-2026-11-24-1114-sampling.json); prefill steps always carry the sampler, so warm-up compiles one more
-function per decode bucket only. Every trace of a step function (a cache miss, hence a compile) is
+function per decode bucket only. A step in which some sequence wants log-probabilities runs a variant
+of its step that also returns them (the top `max_logprobs`), so the plain variants, and decode speed,
+are untouched; with max_logprobs > 0 warm-up compiles those variants of every bucket too. Every trace of a step function (a cache miss, hence a compile) is
 counted in `compile_count`. Each bucket's step runs the `Kernels` that `kernels_for` names (today
 one resolved from the backend name at construction; a tuner will choose per bucket).
 
@@ -48,11 +50,14 @@ _FRESH, _CONTINUED, _AS_SENT = 0, 1, 2  # sampling arrays put on the devices / t
 class InFlight:
     """A dispatched step: its plan and its sampled tokens, still on the device until `tokens()`."""
 
-    def __init__(self, plan: StepPlan, device_tokens: jax.Array, inputs: StepInputs, greedy: bool = False):
+    def __init__(self, plan: StepPlan, device_tokens: jax.Array, inputs: StepInputs, greedy: bool = False,
+                 device_logprobs: tuple[jax.Array, jax.Array, jax.Array] | None = None):
         self.plan = plan
         self.greedy = greedy  # ran the greedy-only step variant (every sequence at temperature 0)
         self.device_tokens = device_tokens  # [padded sequences] int32
         self.inputs = inputs  # the step's inputs; its sampling arrays are on the device
+        # The logprob variant's (token logprob [S], top ids [S, K], top logprobs [S, K]); None otherwise.
+        self.device_logprobs = device_logprobs
         self._host: np.ndarray | None = None
 
     def tokens(self) -> np.ndarray:
@@ -60,6 +65,13 @@ class InFlight:
         if self._host is None:
             self._host = host_array(self.device_tokens)[:self.plan.num_seqs]
         return self._host
+
+    def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(token logprob [S] float32, top ids [S, K] int32, top logprobs [S, K] float32) of every sequence in
+        the plan, None unless the step computed them; waits for the device."""
+        if self.device_logprobs is None:
+            return None
+        return tuple(np.asarray(a)[:self.plan.num_seqs] for a in self.device_logprobs)
 
 
 def host_array(x: jax.Array) -> np.ndarray:
@@ -102,7 +114,7 @@ class Runner:
 
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int,
                  table_width: int, backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None,
-                 mesh=None):
+                 mesh=None, max_logprobs: int = 0):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.kv_cache = kv_cache
@@ -123,6 +135,9 @@ class Runner:
         self.seq_cap = bucket(max_seqs, 1)
         self.table_width = table_width
         self.compile_count = 0
+        if not 0 <= max_logprobs <= model.config.vocab_size:
+            raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
+        self.max_logprobs = max_logprobs  # top tokens the logprob variants return (0: never run)
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
         # The step functions take (state, kv_pool, inputs) with this runner's graphdef bound, not passed:
@@ -136,8 +151,8 @@ class Runner:
             whole = replicated(mesh)
             jit = functools.partial(_jit_on_mesh, in_shardings=(jax.tree.map(lambda x: x.sharding, self.state), pool,
                                                                 whole), out_shardings=(whole, pool))
-        self.decode_step = jit(self._counted(decode_step), static_argnames=("kernels", "greedy"))
-        self.prefill_step = jit(self._counted(prefill_step), static_argnames=("kernels",))
+        self.decode_step = jit(self._counted(decode_step), static_argnames=("kernels", "greedy", "logprobs"))
+        self.prefill_step = jit(self._counted(prefill_step), static_argnames=("kernels", "logprobs"))
         self.logits_step = jit(self._counted(logits_step), static_argnames=("kernels",))
 
     def _counted(self, fn):
@@ -168,17 +183,19 @@ class Runner:
         """The plan padded to this runner's bucket for it (host arrays)."""
         return make_step_inputs(plan, min_tokens=self.min_tokens, seq_cap=self.seq_cap, table_width=self.table_width)
 
-    def run_step(self, decode: bool, inputs: StepInputs, *, greedy: bool = False) -> jax.Array:
+    def run_step(self, decode: bool, inputs: StepInputs, *, greedy: bool = False, logprobs: bool = False):
         """Run one jitted step on padded inputs, updating the KV pool; returns the sampled tokens
-        [padded sequences] int32 on the device (not waited for)."""
+        [padded sequences] int32 on the device (not waited for). logprobs: run the logprob variant and
+        return (tokens, (token logprob [S], top ids [S, max_logprobs], top logprobs [S, max_logprobs]))."""
         size = inputs.num_seqs if decode else inputs.num_tokens
         kernels = self.kernels_for(decode, size)
+        extra = {"logprobs": self.max_logprobs} if logprobs else {}  # absent: the plain variant, as before
         if decode:
             tokens, self.kv_cache = self.decode_step(self.state, self.kv_cache, inputs,
-                                                     kernels=kernels, greedy=greedy)
+                                                     kernels=kernels, greedy=greedy, **extra)
         else:
             tokens, self.kv_cache = self.prefill_step(self.state, self.kv_cache, inputs,
-                                                      kernels=kernels)
+                                                      kernels=kernels, **extra)
         return tokens
 
     # ----- public -----
@@ -202,7 +219,7 @@ class Runner:
                 if token_source is not self._last:
                     raise ValueError("on a multi-process run a continuation must follow the step it continues: the "
                                      "other processes keep only their last step's tokens")
-                self._announce(_DECODE, inputs, token_source.greedy, _CONTINUED)
+                self._announce(_DECODE, inputs, token_source.greedy, _CONTINUED, plan.wants_logprobs)
             inputs = _continued(inputs, token_source)
             greedy = token_source.greedy
         else:
@@ -211,8 +228,12 @@ class Runner:
             # Padding rows are greedy, so "no row samples" is "every sequence is greedy".
             greedy = decode and not np.any(plan.temperature > 0)
             if self.broadcast is not None:
-                self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _FRESH)
+                self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _FRESH, plan.wants_logprobs)
             inputs = self._sampling_on_device(inputs)
+        if plan.wants_logprobs:  # a continuation has its source's sequences: the same wishes
+            next_tokens, logprobs = self.run_step(decode, inputs, greedy=greedy, logprobs=True)
+            self._last = InFlight(plan, next_tokens, inputs, greedy, logprobs)
+            return self._last
         next_tokens = self.run_step(decode, inputs, greedy=greedy)
         self._last = InFlight(plan, next_tokens, inputs, greedy)
         return self._last
@@ -238,9 +259,10 @@ class Runner:
                                               kernels=self.kernels_for(False, inputs.num_tokens))
         return out
 
-    def bucket_shapes(self) -> list[tuple[bool, int, bool]]:
-        """Every (decode, size, greedy) a step can take: sequences for decode, tokens for prefill; decode
-        steps in both variants (greedy only, or with the sampler)."""
+    def bucket_shapes(self) -> list[tuple[bool, int, bool, bool]]:
+        """Every (decode, size, greedy, logprobs) a step can take: sequences for decode, tokens for prefill;
+        decode steps in both variants (greedy only, or with the sampler); every shape also in its logprob
+        variant when max_logprobs > 0."""
         shapes = [(True, 1 << i, greedy) for i in range(self.seq_cap.bit_length()) for greedy in (False, True)]
         t = bucket(self.min_tokens, 1)
         while True:
@@ -248,7 +270,8 @@ class Runner:
             if t >= self.max_tokens_per_step:
                 break
             t *= 2
-        return shapes
+        return [shape + (logprobs,) for logprobs in ((False, True) if self.max_logprobs else (False,))
+                for shape in shapes]
 
     def warm_up(self, progress: bool = True) -> None:
         """Compile every step shape now, so serving compiles nothing new."""
@@ -256,19 +279,20 @@ class Runner:
 
         shapes = self.bucket_shapes()
         with Progress(len(shapes), "warm-up compiles", enabled=progress) as bar:
-            for decode, size, greedy in shapes:
+            for decode, size, greedy, logprobs in shapes:
                 t_pad, s_pad = self.padded_sizes(decode, size)  # size is a bucket already: t_pad == size
                 inputs = inert_step_inputs(decode, t_pad, s_pad, self.table_width)
                 if self.broadcast is not None:
-                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _AS_SENT)
-                self.run_step(decode, inputs, greedy=greedy).block_until_ready()
-                bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}")
+                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _AS_SENT, logprobs)
+                jax.block_until_ready(self.run_step(decode, inputs, greedy=greedy, logprobs=logprobs))
+                bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}"
+                                     f"{' logprobs' if logprobs else ''}")
 
     # ----- multi-process runs -----
 
-    def _announce(self, op: int, inputs: StepInputs, greedy: bool, mode: int) -> None:
+    def _announce(self, op: int, inputs: StepInputs, greedy: bool, mode: int, logprobs: bool = False) -> None:
         """Process 0: hand one call to every other process (their follow() runs it too)."""
-        self.broadcast.send({"call": np.array([op, greedy, mode], np.int32), "inputs": inputs})
+        self.broadcast.send({"call": np.array([op, greedy, mode, logprobs], np.int32), "inputs": inputs})
 
     def follow(self) -> int:
         """Processes other than 0: run every call process 0 sends, as it runs them, until it stops;
@@ -278,7 +302,7 @@ class Runner:
                              f"(this is process {jax.process_index()} of {jax.process_count()})")
         calls = 0
         while (message := self.broadcast.receive()) is not None:
-            op, greedy, mode = (int(x) for x in message["call"])
+            op, greedy, mode, logprobs = (int(x) for x in message["call"])
             inputs = message["inputs"]
             if op == _LOGITS:
                 self._logits(inputs)
@@ -287,8 +311,9 @@ class Runner:
                     inputs = _continued(inputs, self._last)
                 elif mode == _FRESH:
                     inputs = self._sampling_on_device(inputs)
-                self._last = InFlight(None, self.run_step(op == _DECODE, inputs, greedy=bool(greedy)), inputs,
-                                      bool(greedy))
+                out = self.run_step(op == _DECODE, inputs, greedy=bool(greedy), logprobs=bool(logprobs))
+                tokens = out[0] if logprobs else out  # the logprob variant also returns its (unread) arrays
+                self._last = InFlight(None, tokens, inputs, bool(greedy))
             calls += 1
         self.broadcast = None
         return calls

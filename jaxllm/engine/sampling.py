@@ -28,6 +28,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # EOS only: stop_token_ids still stop
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the request like EOS (not appended)
+    # None: off. k >= 0: each new token's log-probability and the k most likely tokens' (id, logprob),
+    # of the model's distribution before temperature/top-k/top-p (as OpenAI and vLLM report them).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -64,11 +67,31 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None (off) or an integer >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", int(self.logprobs))
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
     """The most likely token of every row ([rows] int32): what sample_tokens gives a temperature-0 row."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the model's distribution (log_softmax of the float32 logits, before any
+    temperature or truncation): each row's token and its k most likely tokens.
+
+    Args:
+      logits: [rows, vocab]; tokens: [rows] int32 (the tokens sampled from these rows); k: static, <= vocab.
+    Returns:
+      (token logprob [rows] float32, top ids [rows, k] int32, top logprobs [rows, k] float32), most likely first.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logprobs, k)
+    return chosen, ids.astype(jnp.int32), top
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

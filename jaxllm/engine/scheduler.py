@@ -42,6 +42,8 @@ class Sequence:
     params: SamplingParams
     max_len: int  # prompt + new tokens may not exceed this (the context limit)
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    # One entry per output id when params.logprobs is set: (its logprob, ((id, logprob), ...) top k).
+    output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -76,7 +78,8 @@ class StepPlan:
     seq_ids [S] int64 (the scheduler maps them back to its sequences); token_ids, positions,
     slot_mapping: [T] int32; cu_q_lens [S+1]; kv_lens [S]; block_tables [S, W]; sample [S] bool: the
     chunk ends at the sequence's last token, so its logits sample a new one. temperature, top_p [S]
-    float32, top_k, seed [S] int32: each sequence's SamplingParams.
+    float32, top_k, seed [S] int32: each sequence's SamplingParams. logprobs [S] int32: top tokens
+    each sequence wants log-probabilities of (SamplingParams.logprobs; -1: none); None: nobody wants any.
     """
 
     seq_ids: np.ndarray
@@ -91,6 +94,7 @@ class StepPlan:
     top_k: np.ndarray
     top_p: np.ndarray
     seed: np.ndarray
+    logprobs: np.ndarray | None = None
 
     def __post_init__(self):
         s, t = len(self.seq_ids), len(self.token_ids)
@@ -100,10 +104,17 @@ class StepPlan:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"StepPlan.{name} has {len(getattr(self, name))} rows, want {n} "
                                  f"({s} sequences, {t} tokens)")
+        if self.logprobs is not None and len(self.logprobs) != s:
+            raise ValueError(f"StepPlan.logprobs has {len(self.logprobs)} rows, want {s} ({s} sequences)")
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_ids)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Some sequence samples a token in this step and wants its log-probabilities."""
+        return self.logprobs is not None and bool(np.any(self.sample & (self.logprobs >= 0)))
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -325,14 +336,18 @@ class Scheduler:
             top_k=np.fromiter((p.top_k for p in params), np.int32, len(rows)),
             top_p=np.fromiter((p.top_p for p in params), np.float32, len(rows)),
             seed=np.fromiter((p.seed for p in params), np.int32, len(rows)),
+            logprobs=np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int32, len(rows)),
         )
 
     # ----- results -----
 
-    def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int | Collection[int]) -> list[Sequence]:
+    def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int | Collection[int],
+               logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[Sequence]:
         """Record a step's results; returns the sequences that received a new token.
 
-        eos_id: the id, or every id (Llama-3.1 has three), that ends a sequence."""
+        eos_id: the id, or every id (Llama-3.1 has three), that ends a sequence.
+        logprobs: (sampled token's logprob [S], top ids [S, K], top logprobs [S, K]) when the step computed
+        them (plan.wants_logprobs); each sequence that asked keeps its own top k with its new token."""
         eos_ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else frozenset(eos_id)
         advanced = []
         for i, seq_id in enumerate(plan.seq_ids):
@@ -355,6 +370,12 @@ class Scheduler:
                 self._finish(seq, "stop")
                 continue
             seq.output_ids.append(token)
+            if seq.params.logprobs is not None:
+                if logprobs is None:
+                    raise ValueError(f"sequence {seq.seq_id} wants logprobs but the step computed none")
+                chosen, top_ids, top = logprobs
+                k = seq.params.logprobs
+                seq.output_logprobs.append((float(chosen[i]), tuple(zip(top_ids[i, :k].tolist(), top[i, :k].tolist()))))
             advanced.append(seq)
             if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_len:
                 self._finish(seq, "length")

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.engine.kv_cache import AttentionBatch, KVCache
-from jaxllm.engine.sampling import greedy_tokens, sample_tokens
+from jaxllm.engine.sampling import greedy_tokens, sample_tokens, token_logprobs
 from jaxllm.engine.scheduler import StepPlan
 from pallas_kernels.dispatch import Kernels
 
@@ -116,27 +116,34 @@ def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, decode: bool
     return model, hidden, kv_pool
 
 
-def _sample_last(model, hidden, inputs: StepInputs, greedy: bool) -> jax.Array:
+def _sample_last(model, hidden, inputs: StepInputs, greedy: bool, logprobs: int | None):
     last = jnp.maximum(inputs.cu_q_lens[1:] - 1, 0)  # each sequence's last query token
     logits = model.logits(hidden[last])  # [S, vocab]
     if greedy:  # every row has temperature 0: sample_tokens would return this argmax too
-        return greedy_tokens(logits)
-    return sample_tokens(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed, inputs.kv_lens)
+        tokens = greedy_tokens(logits)
+    else:
+        tokens = sample_tokens(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed, inputs.kv_lens)
+    if logprobs is None:
+        return tokens
+    return tokens, token_logprobs(logits, tokens, logprobs)
 
 
-def decode_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels, greedy: bool = False
-                ) -> tuple[jax.Array, KVCache]:
+def decode_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels, greedy: bool = False,
+                logprobs: int | None = None):
     """One query token per sequence -> (next tokens [S] int32, KV pool). greedy (static): every row
-    has temperature 0, so the argmax replaces the sampler's full-vocabulary sort."""
+    has temperature 0, so the argmax replaces the sampler's full-vocabulary sort. logprobs (static):
+    None, or k: the variant that returns ((tokens, (token logprob [S], top ids [S, k], top logprobs
+    [S, k])), KV pool) (sampling.token_logprobs); the plain variants compute no log-probabilities."""
     model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, True, kernels)
-    return _sample_last(model, hidden, inputs, greedy), kv_pool
+    return _sample_last(model, hidden, inputs, greedy, logprobs), kv_pool
 
 
-def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels
-                 ) -> tuple[jax.Array, KVCache]:
-    """Packed chunks of any lengths -> (a token sampled after each sequence's last one [S] int32, KV pool)."""
+def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels,
+                 logprobs: int | None = None):
+    """Packed chunks of any lengths -> (a token sampled after each sequence's last one [S] int32, KV pool);
+    logprobs (static) as decode_step's."""
     model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
-    return _sample_last(model, hidden, inputs, False), kv_pool
+    return _sample_last(model, hidden, inputs, False, logprobs), kv_pool
 
 
 def logits_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels

@@ -41,6 +41,8 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     timings: RequestTimings | None = None  # on the last event: the request's TTFT and TPOT
+    # None unless the request asked (SamplingParams.logprobs); one entry per token id, as RequestOutput's.
+    logprobs: tuple | None = None
 
 
 class RequestStream:
@@ -228,7 +230,8 @@ class Engine:
             return
         reason = "error" if error is not None else output.finish_reason
         self._deliver(stream, Event(output.text, list(output.token_ids), reason, prompt_tokens=output.prompt_tokens,
-                                    completion_tokens=output.completion_tokens, error=error, timings=output.timings))
+                                    completion_tokens=output.completion_tokens, error=error, timings=output.timings,
+                                    logprobs=output.logprobs))
         if output.finished:
             del self._by_core_id[output.request_id]
             self._core_ids.pop(stream.request_id, None)

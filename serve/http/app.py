@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from serve.http import protocol
 from serve.http.bridge import StreamGroup
 from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling
+from serve.http.logprobs import chat_logprobs, completion_logprobs
 from serve.http.protocol import APIError
 from serve.metrics import CONTENT_TYPE, Registry
 
@@ -140,6 +141,16 @@ class _Job:
     prompts: list[tuple[int, list[int], object]]  # (choice index, prompt ids, SamplingParams)
     echo: list[str]  # per choice: text to put before the completion ("" unless echo)
     prompt_tokens: int  # counted once per prompt, not per choice
+    logprobs: int | None = None  # top tokens per generated token; None: choices carry "logprobs": null
+    text_of: object = None  # token id -> its text (EngineAdapter.token_text), for logprob entries
+
+    def choice_logprobs(self, token_ids, entries, offset: int = 0) -> tuple[dict | None, int]:
+        """A choice's "logprobs" for these tokens (None unless asked), and the text offset after them."""
+        if self.logprobs is None:
+            return None, offset
+        if self.chat:
+            return chat_logprobs(token_ids, entries, self.text_of), offset
+        return completion_logprobs(token_ids, entries, self.text_of, offset)
 
 
 def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) -> _Job:
@@ -148,6 +159,7 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {adapter.model_name!r}",
                        param="model", code="model_not_found")
     req.unsupported()
+    logprobs, logprobs_name = req.logprobs_wanted()
     if not 1 <= req.n <= state.config.max_n:
         raise APIError(400, f"n must be in [1, {state.config.max_n}], got {req.n}", param="n")
     if chat:
@@ -168,7 +180,8 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
         for j in range(req.n):
             seed = base if j == 0 else (base + j) % SEED_LIMIT  # choice 0 carries the seed as sent (checked)
             sampling = Sampling(max_tokens=req.output_limit(), temperature=temperature, top_p=req.top_p,
-                                top_k=req.top_k, seed=seed, stop=req.stops(), ignore_eos=req.ignore_eos)
+                                top_k=req.top_k, seed=seed, stop=req.stops(), ignore_eos=req.ignore_eos,
+                                logprobs=logprobs, logprobs_name=logprobs_name)
             try:
                 ids, params = adapter.check(prompt, sampling)
             except ValueError as e:
@@ -186,7 +199,8 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
         prompt_tokens += len(checked[-1][1])
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    return _Job(chat, req.model, req.stream, include_usage, continuous_usage, checked, echo, prompt_tokens)
+    return _Job(chat, req.model, req.stream, include_usage, continuous_usage, checked, echo, prompt_tokens,
+                logprobs, adapter.token_text)
 
 
 def _submit(state: ApiState, adapter: EngineAdapter, job: _Job) -> StreamGroup:
@@ -204,13 +218,13 @@ def _submit(state: ApiState, adapter: EngineAdapter, job: _Job) -> StreamGroup:
 
 
 def _chunk(job: _Job, rid: str, created: int, index: int, text: str | None, finish: str | None,
-           first: bool = False) -> dict:
+           first: bool = False, logprobs: dict | None = None) -> dict:
     if job.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         kind = "text_completion"
     out = {"id": rid, "object": kind, "created": created, "model": job.model, "choices": [choice]}
     if job.include_usage:
@@ -262,6 +276,7 @@ def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
     rid = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     outcome = {"code": 499}  # unless the stream reaches its end: the client went away (or the server stopped)
+    offsets = {index: len(echo) for (index, _, _), echo in zip(job.prompts, job.echo)}  # text_offset so far
 
     async def events():
         for (index, _, _), echo in zip(job.prompts, job.echo):
@@ -276,12 +291,14 @@ def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
                 outcome["code"] = 500
                 yield _sse(APIError(500, f"generation failed: {event.error}").body())
                 break
+            # With logprobs, every token's entry goes out with the step that made it, even before its text.
+            logprobs, offsets[index] = job.choice_logprobs(event.token_ids, event.logprobs or (), offsets[index])
             if job.continuous_usage:
-                chunk = _chunk(job, rid, created, index, event.text, event.finish_reason)
+                chunk = _chunk(job, rid, created, index, event.text, event.finish_reason, logprobs=logprobs)
                 chunk["usage"] = _usage(job.prompt_tokens, sum(tally.completion_tokens.values()))
                 yield _sse(chunk)
-            elif event.text or event.finish_reason is not None:
-                yield _sse(_chunk(job, rid, created, index, event.text, event.finish_reason))
+            elif event.text or event.finish_reason is not None or (logprobs is not None and event.token_ids):
+                yield _sse(_chunk(job, rid, created, index, event.text, event.finish_reason, logprobs=logprobs))
         else:
             outcome["code"] = 200
         if job.include_usage:
@@ -299,6 +316,8 @@ def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
 
 async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Request) -> JSONResponse:
     texts = {index: [echo] for (index, _, _), echo in zip(job.prompts, job.echo)}
+    tokens: dict[int, list] = {index: [] for index in texts}
+    entries: dict[int, list] = {index: [] for index in texts}
     finish: dict[int, str] = {}
     errors = []
 
@@ -306,6 +325,8 @@ async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Reques
         async for index, event in group.events():
             tally.see(index, event)
             texts[index].append(event.text)
+            tokens[index].extend(event.token_ids)
+            entries[index].extend(event.logprobs or ())
             if event.finish_reason is not None:
                 finish[index] = event.finish_reason
             if event.error is not None:
@@ -331,11 +352,12 @@ async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Reques
         choices = []
         for index in sorted(texts):
             text = "".join(texts[index])
+            logprobs, _ = job.choice_logprobs(tokens[index], entries[index], len(texts[index][0]))  # after echo
             if job.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": finish[index]})
+                                "logprobs": logprobs, "finish_reason": finish[index]})
             else:
-                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish[index]})
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish[index]})
         body = {"id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
                 "model": job.model, "choices": choices,

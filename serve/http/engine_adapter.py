@@ -32,6 +32,8 @@ class Sampling:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top tokens to return log-probabilities of; None: none
+    logprobs_name: str = "logprobs"  # the request's field for it (chat: top_logprobs), for messages
 
 
 class EngineAdapter:
@@ -44,7 +46,7 @@ class EngineAdapter:
         info = engine.info()
         self.limits = RequestLimits(context_limit=info.context_limit, vocab_size=info.vocab_size,
                                     default_max_tokens=default_max_tokens, max_stop_strings=max_stop_strings,
-                                    max_stop_length=max_stop_length)
+                                    max_stop_length=max_stop_length, max_logprobs=info.max_logprobs)
 
     @property
     def context_limit(self) -> int:
@@ -61,7 +63,8 @@ class EngineAdapter:
         params = sampling_params(self.limits, len(ids), max_tokens=sampling.max_tokens,
                                  temperature=sampling.temperature, top_k=sampling.top_k,
                                  top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
-                                 stop=sampling.stop, ignore_eos=sampling.ignore_eos)
+                                 stop=sampling.stop, ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
+                                 logprobs_name=sampling.logprobs_name)
         return ids, params
 
     def chat_prompt(self, messages: list[dict]) -> str:
@@ -72,6 +75,10 @@ class EngineAdapter:
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (for `echo` of a token-id prompt)."""
         return self.engine.llm.tokenizer.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone (log-probability entries name tokens by it)."""
+        return self.engine.llm.tokenizer.decode([token_id])
 
     def submit(self, ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a checked request; raises QueueFull (-> 429) or EngineStopped (-> 503)."""

@@ -3,6 +3,8 @@
 Requests are strict about the types of the fields they know (a string where a number belongs is a
 400 naming the field) and ignore fields they do not know, as OpenAI's API does. Fields jaxllm
 cannot honour yet are refused with a 400 rather than silently ignored (see `unsupported`).
+Log-probabilities: completions' `logprobs: k`, chat's `logprobs: true` with `top_logprobs: k`
+(`logprobs_wanted` turns either into the engine's k and the field that named it).
 jaxllm's own extras: `top_k` and `ignore_eos`.
 """
 
@@ -80,11 +82,8 @@ class _Common(BaseModel):
                                 f"({self.max_completion_tokens}) disagree; send one of them", param="max_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def unsupported(self, wants_logprobs: bool) -> None:
+    def unsupported(self) -> None:
         """Refuse what the engine cannot do yet, naming the field (one place to lift each limit)."""
-        if wants_logprobs or self.top_logprobs:
-            # The engine returns no per-token log-probabilities yet.
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported yet (only 0)", param=name)
@@ -108,8 +107,20 @@ class CompletionRequest(_Common):
             return [list(p)]
         return list(p)
 
-    def unsupported(self, wants_logprobs: bool = False) -> None:
-        super().unsupported(self.logprobs is not None)
+    def logprobs_wanted(self) -> tuple[int | None, str]:
+        """(top tokens per generated token, None for no logprobs; the field that asked)."""
+        if self.top_logprobs is not None:
+            raise APIError(400, "top_logprobs is a chat completions field; completions take logprobs: <int>",
+                           param="top_logprobs")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise APIError(400, f"logprobs must be >= 0, got {self.logprobs}", param="logprobs")
+        return self.logprobs, "logprobs"
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.logprobs is not None and self.echo:
+            # The prompt's own tokens would need their log-probabilities too (a teacher-forced pass).
+            raise APIError(400, "echo with logprobs is not supported yet", param="echo")
         if self.best_of not in (None, 1, self.n):
             raise APIError(400, "best_of is not supported yet (only equal to n)", param="best_of")
         if self.suffix:
@@ -137,8 +148,16 @@ class ChatCompletionRequest(_Common):
     messages: list[Message]
     logprobs: bool | None = None
 
-    def unsupported(self, wants_logprobs: bool = False) -> None:
-        super().unsupported(bool(self.logprobs))
+    def logprobs_wanted(self) -> tuple[int | None, str]:
+        """(top tokens per generated token, None for no logprobs; the field that asked)."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None, "logprobs"
+        k = 0 if self.top_logprobs is None else self.top_logprobs
+        if k < 0:
+            raise APIError(400, f"top_logprobs must be >= 0, got {k}", param="top_logprobs")
+        return k, "top_logprobs" if self.top_logprobs is not None else "logprobs"
 
 
 def parse(model: type[BaseModel], body: object) -> BaseModel:

@@ -21,6 +21,7 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from serve import jaxllm_pb2 as pb
+from serve.http.logprobs import top_by_text
 from serve.metrics import parse
 from tests.serve.test_server import ROOT, ServerProcess, _env
 
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http")]
 MAX_CONTEXT = 1024
 STEP_TOKENS = 128
 MAX_RUNNING = 16  # few batch buckets to warm up; 64 concurrent streams then queue, as under real load
+MAX_LOGPROBS = 3  # the server's --max-logprobs
 KEY = "test-key-123"
 
 
@@ -84,7 +86,7 @@ def launched(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("JAXLLM_API_KEY", KEY)  # the server reads it; _env() copies os.environ
     s = HttpServerProcess(tmp_path_factory.mktemp("http"), "--max-context", str(MAX_CONTEXT),
                           "--max-tokens-per-step", str(STEP_TOKENS), "--max-running", str(MAX_RUNNING),
-                          "--max-queue", "128")
+                          "--max-queue", "128", "--max-logprobs", str(MAX_LOGPROBS))
 
     def poll_health():
         seen = []
@@ -113,7 +115,7 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def llm(launched):  # built while the server loads and warms up
-    options = EngineOptions(max_tokens_per_step=STEP_TOKENS, max_seqs=MAX_RUNNING)
+    options = EngineOptions(max_tokens_per_step=STEP_TOKENS, max_seqs=MAX_RUNNING, max_logprobs=MAX_LOGPROBS)
     return LLM("tiny", max_context=MAX_CONTEXT, options=options, progress=False)
 
 
@@ -227,6 +229,58 @@ def test_chat_completion_and_stream(client, llm):
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
+# ----- log-probabilities -----
+
+def _close(got: list[float], want: list[float]) -> bool:
+    # The server's batch shapes may round the matmuls differently from the in-process engine's.
+    return len(got) == len(want) and all(abs(g - w) < 1e-4 for g, w in zip(got, want))
+
+
+def test_completion_logprobs_agree_with_the_engine(client, llm):
+    prompt = "The quick brown fox"
+    ref = llm.generate([prompt], max_new_tokens=8, logprobs=3, ignore_eos=True)[0]
+    text = lambda t: llm.tokenizer.decode([t])  # noqa: E731
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    assert lp.tokens == [text(t) for t in ref.token_ids]
+    assert _close(lp.token_logprobs, [v for v, _ in ref.logprobs])
+    for got, (_, top) in zip(lp.top_logprobs, ref.logprobs):
+        want = top_by_text(top, text)  # the legacy dict keeps one entry per distinct text
+        assert list(got) == list(want) and _close(list(got.values()), list(want.values()))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert _close([v for s in streamed for v in s.token_logprobs], lp.token_logprobs)
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [list(d) for s in streamed for d in s.top_logprobs] == [list(d) for d in lp.top_logprobs]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_agree_with_the_engine(client, llm):
+    messages = [{"role": "user", "content": "Hello there"}]
+    ref = llm.generate([render_chat([(m["role"], m["content"]) for m in messages])], max_new_tokens=6,
+                       logprobs=2, ignore_eos=True)[0]
+    text = lambda t: llm.tokenizer.decode([t])  # noqa: E731
+    kwargs = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    for items in (content, streamed):
+        assert [i.token for i in items] == [text(t) for t in ref.token_ids]
+        assert _close([i.logprob for i in items], [v for v, _ in ref.logprobs])
+        for item, (_, top) in zip(items, ref.logprobs):
+            assert item.bytes == list(item.token.encode())
+            assert [t.token for t in item.top_logprobs] == [text(i) for i, _ in top]
+            assert _close([t.logprob for t in item.top_logprobs], [v for _, v in top])
+    # logprobs without top_logprobs: each token's own logprob, no alternatives.
+    bare = client.chat.completions.create(**{**kwargs, "top_logprobs": None}).choices[0].logprobs.content
+    assert [i.top_logprobs for i in bare] == [[]] * len(ref.token_ids)
+    assert _close([i.logprob for i in bare], [v for v, _ in ref.logprobs])
+
+
 # ----- errors, as the client raises them and on the wire -----
 
 ERRORS = [
@@ -239,7 +293,10 @@ ERRORS = [
     (dict(prompt="a", temperature=-1), openai.BadRequestError, "temperature must be a finite number >= 0",
      "temperature"),
     (dict(prompt="a", n=17), openai.BadRequestError, "n must be in [1, 16], got 17", "n"),
-    (dict(prompt="a", logprobs=2), openai.BadRequestError, "logprobs are not supported yet", "logprobs"),
+    (dict(prompt="a", logprobs=MAX_LOGPROBS + 1), openai.BadRequestError,
+     f"logprobs {MAX_LOGPROBS + 1} is over the limit {MAX_LOGPROBS}", "logprobs"),
+    (dict(prompt="a", logprobs=1, echo=True), openai.BadRequestError, "echo with logprobs is not supported yet",
+     "echo"),
     (dict(prompt="a", model="gpt-4"), openai.NotFoundError, "the model 'gpt-4' does not exist", "model"),
 ]
 
@@ -255,8 +312,13 @@ def test_chat_errors_and_auth(server, client):
     with pytest.raises(openai.BadRequestError, match="user and assistant turns alternating"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"},
                                                                {"role": "user", "content": "b"}])
-    with pytest.raises(openai.BadRequestError, match="logprobs are not supported yet"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match=f"top_logprobs {MAX_LOGPROBS + 1} is over the limit "
+                                                     f"{MAX_LOGPROBS}") as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], logprobs=True,
+                                       top_logprobs=MAX_LOGPROBS + 1)
+    assert err.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], top_logprobs=1)
     wrong = openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
         wrong.completions.create(model="tiny", prompt="a", max_tokens=1)

@@ -34,7 +34,7 @@ def test_parse_names_the_bad_field(body, param, message):
 
 
 def test_unsupported_fields_are_refused_not_ignored():
-    for fields, message in [({"logprobs": 1}, "logprobs are not supported yet"),
+    for fields, message in [({"logprobs": 1, "echo": True}, "echo with logprobs is not supported yet"),
                             ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
                             ({"best_of": 3}, "best_of is not supported"),
                             ({"max_tokens": 3, "max_completion_tokens": 4}, "disagree")]:
@@ -43,3 +43,24 @@ def test_unsupported_fields_are_refused_not_ignored():
             r.unsupported()
             r.output_limit()
     parse(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 0, "best_of": 1}).unsupported()
+
+
+def test_logprobs_wanted_in_both_shapes():
+    """completions: logprobs k; chat: logprobs true with top_logprobs k (0 when unset); each names its field."""
+    completion = lambda **f: parse(CompletionRequest, {"model": "m", "prompt": "x", **f})  # noqa: E731
+    chat = lambda **f: parse(ChatCompletionRequest, {"model": "m", "messages": [], **f})  # noqa: E731
+    assert completion().logprobs_wanted() == (None, "logprobs")
+    assert completion(logprobs=0).logprobs_wanted() == (0, "logprobs")
+    assert completion(logprobs=4).logprobs_wanted() == (4, "logprobs")
+    assert chat().logprobs_wanted() == (None, "logprobs")
+    assert chat(logprobs=False).logprobs_wanted() == (None, "logprobs")
+    assert chat(logprobs=True).logprobs_wanted() == (0, "logprobs")
+    assert chat(logprobs=True, top_logprobs=3).logprobs_wanted() == (3, "top_logprobs")
+    for request, message, param in [(completion(logprobs=-1), "logprobs must be >= 0", "logprobs"),
+                                    (completion(top_logprobs=2), "chat completions field", "top_logprobs"),
+                                    (chat(top_logprobs=2), "top_logprobs needs logprobs: true", "top_logprobs"),
+                                    (chat(logprobs=True, top_logprobs=-1), "top_logprobs must be >= 0",
+                                     "top_logprobs")]:
+        with pytest.raises(APIError, match=message) as err:
+            request.logprobs_wanted()
+        assert (err.value.status, err.value.param) == (400, param)

@@ -57,7 +57,10 @@ class ServerProcess:
     def __init__(self, tmp_path, *args: str):
         self.stderr_path = tmp_path / "server.stderr"
         self._stderr = open(self.stderr_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--port", "0", *args], cwd=ROOT,
+        # No logprob step variants unless a test asks (args come after, and argparse keeps the last):
+        # warm-up then compiles half as many functions.
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--port", "0", "--max-logprobs", "0",
+                                      *args], cwd=ROOT,
                                      env=_env(), stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

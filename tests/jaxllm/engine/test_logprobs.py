@@ -1,0 +1,99 @@
+"""Per-token log-probabilities (SamplingParams.logprobs) on the tiny model: the values, their shape, and
+that asking for them changes no token and, after warm-up, compiles nothing."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm import LLM, EngineOptions
+from jaxllm.engine.requests import RequestLimits, sampling_params
+from jaxllm.engine.sampling import SamplingParams
+
+MAX_LOGPROBS = 5
+PROMPTS = ["The quick brown fox", "a", "Ragged batches mix very different lengths: " + "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # Small rBlocks and a small token budget: chunked prefill, mixed steps, pipelined decode.
+    options = EngineOptions(block_size=4, max_tokens_per_step=24, max_seqs=4, max_logprobs=MAX_LOGPROBS)
+    return LLM("tiny", max_context=128, options=options, progress=False)
+
+
+def _reference(llm, prompt, token_ids):
+    """log_softmax of the teacher-forced logits at each generated token's position [n, vocab]."""
+    prompt_ids = llm.tokenizer.encode(prompt)
+    full = prompt_ids + token_ids
+    logits = llm.logits(full)[len(prompt_ids) - 1:len(full) - 1]
+    return np.asarray(jax.nn.log_softmax(logits.astype(np.float32), axis=-1))
+
+
+def test_greedy_logprobs_equal_teacher_forced_log_softmax(llm):
+    outs = llm.generate(PROMPTS, max_new_tokens=8, logprobs=3, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, outs):
+        assert len(out.logprobs) == len(out.token_ids) == 8
+        ref = _reference(llm, prompt, out.token_ids)
+        for i, (token, (logprob, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert len(top) == 3
+            ids = [t for t, _ in top]
+            values = [v for _, v in top]
+            assert ids[0] == token and values[0] == logprob  # greedy: the token is the top-1
+            assert values == sorted(values, reverse=True)
+            np.testing.assert_allclose(logprob, ref[i, token], rtol=0, atol=1e-4)
+            np.testing.assert_allclose(values, ref[i, ids], rtol=0, atol=1e-4)
+            np.testing.assert_allclose(values, np.sort(ref[i])[::-1][:3], rtol=0, atol=1e-4)  # the 3 most likely
+
+
+def test_logprobs_change_no_sampled_token_and_k_as_asked(llm):
+    kwargs = dict(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=1234, ignore_eos=True)
+    plain = llm.generate(PROMPTS, **kwargs)
+    for k in (0, MAX_LOGPROBS):
+        asked = llm.generate(PROMPTS, logprobs=k, **kwargs)
+        for p, a, prompt in zip(plain, asked, PROMPTS):
+            assert a.token_ids == p.token_ids and p.logprobs is None
+            assert all(len(top) == k for _, top in a.logprobs)
+            ref = _reference(llm, prompt, a.token_ids)
+            np.testing.assert_allclose([lp for lp, _ in a.logprobs], ref[np.arange(len(a.token_ids)), a.token_ids],
+                                       rtol=0, atol=1e-4)
+    # One request asking beside others that do not: only it gets logprobs, nobody's tokens move.
+    from jaxllm.engine.core import Request
+    reqs = [Request(llm.tokenizer.encode(p), SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9,
+                                                            seed=1234, ignore_eos=True, logprobs=2 if i == 1 else None))
+            for i, p in enumerate(PROMPTS)]
+    outputs = list(llm.run(reqs).values())
+    for i, (outs, p) in enumerate(zip(outputs, plain)):
+        assert [t for o in outs for t in o.token_ids] == p.token_ids
+        if i == 1:
+            assert [len(top) for o in outs for _, top in o.logprobs] == [2] * len(p.token_ids)
+        else:
+            assert all(o.logprobs is None for o in outs)
+
+
+def test_logprobs_over_the_limit_are_refused(llm):
+    with pytest.raises(ValueError, match=f"logprobs {MAX_LOGPROBS + 1} is over the limit {MAX_LOGPROBS}"):
+        llm.generate("a", max_new_tokens=2, logprobs=MAX_LOGPROBS + 1)
+    limits = RequestLimits(context_limit=64, vocab_size=100)  # max_logprobs 0: logprobs are off
+    with pytest.raises(ValueError, match="top_logprobs 0 is over the limit 0"):
+        sampling_params(limits, 3, max_tokens=2, logprobs=0, logprobs_name="top_logprobs")
+    with pytest.raises(ValueError, match="logprobs must be None"):
+        SamplingParams(logprobs=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("logprobs_compiles")
+def test_no_new_compiles_after_warm_up_with_logprobs():
+    # Few buckets (decode 1 and 2, prefill 8), each in its plain and its logprob variant.
+    llm = LLM("tiny", max_context=64, options=EngineOptions(block_size=8, max_seqs=2, max_tokens_per_step=8,
+                                                            max_logprobs=2), progress=False)
+    llm.warm_up(progress=False)
+    warm = llm.compile_count
+    assert warm == len(llm.runner.bucket_shapes())
+    assert sum(1 for shape in llm.runner.bucket_shapes() if shape[3]) == warm // 2
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=n)) for n in rng.integers(1, 40, size=3)]
+        temperature = 0.7 if rng.random() < 0.5 else 0.0
+        for logprobs in (None, int(rng.integers(0, 3))):
+            llm.generate(prompts, max_new_tokens=int(rng.integers(1, 8)), temperature=temperature, seed=3,
+                         logprobs=logprobs)
+    assert llm.compile_count == warm

@@ -194,6 +194,6 @@ def test_gpu_rope_write_kernel_matches_reference(num_tokens, q_heads, kv_heads, 
     # The same projection as float32 split-K partials (halves: their sum is exact), as a decode step passes it.
     halves = jnp.stack([qkv.astype(jnp.float32) * 0.5] * 2)
     got = rope_write_kv_kernel(k_pool, v_pool, halves, cos, sin, slots, dtype=dtype)
-    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want_q[:, :q_heads], np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want_q[:, :, :g], np.float32), **tol)
     np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want_k, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want_v, np.float32))

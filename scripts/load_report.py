@@ -57,3 +57,37 @@ def print_table(report: dict) -> None:
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "latency")):
         m = report[key]
         print(f"{name:<10}" + "".join(f"{m[q] * 1e3:>10.1f}" for q in ("mean", "p50", "p90", "p99")))
+
+
+def add_load_arguments(p, metrics_example: str) -> None:
+    """The load's command-line options, the same for both load tests."""
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=32, help="streams in flight (closed loop)")
+    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals at this many req/s")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-requests", type=int, default=1, help="sent (one at a time) before timing starts")
+    p.add_argument("--metrics-url", default=None, help=f"e.g. {metrics_example}")
+    p.add_argument("--json", default=None, help="write the report here")
+
+
+def check_load_arguments(p, args, positive: tuple[str, ...] = ()) -> None:
+    for name in ("requests", "concurrency", "prompt_tokens", "max_tokens") + positive:
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.rate is not None and args.rate <= 0:
+        p.error(f"--rate must be positive, got {args.rate}")
+
+
+def finish(report: dict, json_path: str | None) -> int:
+    """Print the report, write it where asked; the exit status: 0 when every request succeeded."""
+    import json
+
+    print_table(report)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {json_path}")
+    return 0 if report["ok"] == report["requests"] else 1

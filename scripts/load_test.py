@@ -16,14 +16,11 @@ compile counter is read before and after, so compiles during the run show up.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import random
 import sys
 import threading
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,8 +29,8 @@ import grpc  # noqa: E402
 from serve import jaxllm_pb2 as pb  # noqa: E402
 from serve import jaxllm_pb2_grpc as pb_grpc  # noqa: E402
 from serve.client import grpc_target  # noqa: E402
-from serve.metrics import parse  # noqa: E402
-from load_report import Result, percentile, print_table, read_metric  # noqa: E402,F401
+from load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
+                         read_metric)
 
 
 def one_request(stub, request: pb.GenerateRequest, timeout: float | None) -> Result:
@@ -143,32 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=32, help="streams in flight (closed loop)")
-    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals at this many req/s")
     p.add_argument("--channels", type=int, default=4, help="gRPC connections to spread streams over")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
-    p.add_argument("--warmup-requests", type=int, default=1, help="sent (one at a time) before timing starts")
-    p.add_argument("--metrics-url", default=None, help="e.g. http://127.0.0.1:50052/metrics")
-    p.add_argument("--json", default=None, help="write the report here")
+    add_load_arguments(p, "http://127.0.0.1:50052/metrics")
     args = p.parse_args(argv)
-    for name in ("requests", "concurrency", "prompt_tokens", "max_tokens", "channels"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.rate is not None and args.rate <= 0:
-        p.error(f"--rate must be positive, got {args.rate}")
-    report = run(args)
-    print_table(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
-    return 0 if report["ok"] == report["requests"] else 1
-
+    check_load_arguments(p, args, positive=("channels",))
+    return finish(run(args), args.json)
 
 if __name__ == "__main__":
     sys.exit(main())

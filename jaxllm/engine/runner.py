@@ -5,9 +5,8 @@ step functions, all of them at warm-up: a decode step is shaped by its sequence 
 power of two), a prefill/mixed step by its token count alone (a power of two; its sequence axis
 padded to the same size, capped at max_seqs), and the rBlock-table width is fixed by the context
 limit. A decode step whose sequences are all greedy has its own variant that takes the argmax and
-skips sampling's full-vocabulary sort (on an H200 the sampler's kernels take 70 / 133 / 476 us a
-step at 1 / 8 / 64 rows, the argmax 5 / 6 / 9: scripts/bench_sampling.py,
-benchmarks/results/nvidia-h200-2026-11-24-1114-sampling.json); prefill steps always carry the sampler, so warm-up compiles one more
+skips sampling's full-vocabulary sort (the sort costs tens to hundreds of microseconds a step, the argmax
+a few: scripts/bench_sampling.py, benchmarks/NOTES.md); prefill steps always carry the sampler, so warm-up compiles one more
 function per decode bucket only. A step in which some sequence wants log-probabilities runs a variant
 of its step that also returns them (the top `max_logprobs`), so the plain variants, and decode speed,
 are untouched; with max_logprobs > 0 warm-up compiles those variants of every bucket too. Every trace of a step function (a cache miss, hence a compile) is

@@ -11,10 +11,8 @@ Parameter layout (einsum-friendly; weights.py maps HuggingFace names onto it):
   layers[i].attention.o     [num_heads, head_dim, hidden]
   layers[i].mlp.gate_up     [hidden, 2, intermediate]  (gate, then up)
   layers[i].mlp.down        [intermediate, hidden]
-q/k/v and gate/up are stored fused so a decode step reads each group of weights in one matmul: at
-batch 1 on an H200 one 4096 x 12288 matmul streams 3.8 TB/s where three 4096 x 4096 ones stream
-3.0, and one 4096 x 22016 streams 4.2 where two 4096 x 11008 stream 3.5
-(benchmarks/results/nvidia-h200-2026-11-22-0158-skinny-matmul.json, XLA's kernels). q/k/v are grouped
+q/k/v and gate/up are stored fused so a decode step reads each group of weights in one matmul (one wide
+weight-streaming matmul reads HBM faster than several narrow ones: benchmarks/NOTES.md). q/k/v are grouped
 per KV head so that a tensor-parallel split on the KV-head axis keeps each group whole; the kernels
 read the grouped projection in place (group_qkv / ungroup_qkv map the HF-style [q | k | v] order).
 Each residual add is done by the next RMSNorm (RMSNorm(x, delta) returns the normalised sum and the

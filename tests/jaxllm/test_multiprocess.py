@@ -64,7 +64,9 @@ def test_serve_two_processes_grpc_then_sigterm_stops_both():
         env = dict(_env(), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "jaxllm.serve", "--port", str(port), "--no-metrics", "--quiet",
-             "--tensor-parallel", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)],
+             "--tensor-parallel", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),
+             # A small engine: warm-up compiles (mirrored on both processes) are most of this test's time.
+             "--max-running", "4", "--max-tokens-per-step", "64", "--max-logprobs", "0"],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         deadline = time.monotonic() + 240

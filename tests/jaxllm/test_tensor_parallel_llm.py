@@ -41,8 +41,14 @@ def test_logits_and_tokens_equal_tensor_parallel_1(results, case):
     assert results["device_count"] == 8
     r = results[case]
     assert r["error"] < 1e-5, r["error"]
-    assert r["greedy_equal"] and r["sampled_equal"], r
-    assert all(len(tokens) == 6 for tokens in r["greedy"])
+    if r["generated"]:  # one tensor-parallel size per config generates (tp_llm_worker.GENERATE_AT)
+        assert r["greedy_equal"] and r["sampled_equal"], r
+        assert all(len(tokens) == 6 for tokens in r["greedy"])
+
+
+def test_every_config_generates_at_some_tensor_parallel_size(results):
+    generated = {case.split("/")[0] for case in CASES if results[case]["generated"]}
+    assert generated == {case.split("/")[0] for case in CASES}, generated
 
 
 def _assert_split(params: dict, n: int, devices: int) -> None:

@@ -260,8 +260,7 @@ def test_completion_logprobs_agree_with_the_engine(client, llm):
 
 def test_chat_logprobs_agree_with_the_engine(client, llm):
     messages = [{"role": "user", "content": "Hello there"}]
-    ref = llm.generate([render_chat([(m["role"], m["content"]) for m in messages])], max_new_tokens=6,
-                       logprobs=2, ignore_eos=True)[0]
+    ref = llm.chat(messages, max_new_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
     text = lambda t: llm.tokenizer.decode([t])  # noqa: E731
     kwargs = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
                   extra_body={"ignore_eos": True})

@@ -199,3 +199,38 @@ def serve_metrics(registry: Registry, host: str, port: int) -> http.server.Threa
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, name="jaxllm-metrics", daemon=True).start()
     return httpd
+
+
+def register_engine_metrics(registry: Registry, engine) -> None:
+    """The engine's counters and gauges, read from its stats() / info() snapshots at scrape time: one set
+    for the gRPC and the HTTP server alike. `engine()` returns the Engine, or None until it is loaded
+    (every reading is 0 until then)."""
+
+    def read(fn):
+        return lambda: fn(engine()) if engine() is not None else 0
+
+    r = registry
+    r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted", fn=read(lambda e: e.stats().prompt_tokens_total))
+    r.counter("jaxllm_generation_tokens_total", "tokens generated",
+              fn=read(lambda e: e.stats().generated_tokens_total))
+    r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
+              fn=read(lambda e: e.stats().requests_cancelled))
+    r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
+              fn=read(lambda e: e.stats().requests_rejected))
+    r.counter("jaxllm_engine_steps_total", "engine steps run", fn=read(lambda e: e.stats().steps_total))
+    r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
+              fn=read(lambda e: e.stats().compile_count))
+    r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=read(lambda e: e.stats().queue_depth))
+    r.gauge("jaxllm_running_requests", "requests in the running batch", fn=read(lambda e: e.stats().running))
+    r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use", fn=read(lambda e: e.stats().pool_usage))
+    r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool", fn=read(lambda e: e.stats().pool_blocks))
+    r.counter("jaxllm_prefix_cache_hit_tokens_total", "tokens whose KV came from the prefix cache instead of a prefill",
+              fn=read(lambda e: e.stats().prefix_cache_hit_tokens))
+    r.gauge("jaxllm_prefix_cache_blocks", "full KV rBlocks registered in the prefix cache (held or evictable)",
+            fn=read(lambda e: e.stats().prefix_cache_blocks))
+    for field, what in (("tensor_parallel", "devices one model is split over"),
+                        ("instances", "serving instances on the mesh's instance axis"),
+                        ("processes", "JAX processes (hosts) running the program"),
+                        ("devices", "devices the mesh spans")):
+        r.gauge(f"jaxllm_mesh_{field}", f"the mesh: {what}", fn=read(lambda e, field=field: getattr(e.info(), field)))
+    r.gauge("jaxllm_ready", "1 once the model is loaded and warm", fn=lambda: float(engine() is not None))

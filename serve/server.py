@@ -28,7 +28,7 @@ from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
 from serve.client import grpc_target
-from serve.metrics import Registry, serve_metrics
+from serve.metrics import Registry, register_engine_metrics, serve_metrics
 from serve.validation import RequestLimits, to_engine_request
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LLMService"].full_name  # "jaxllm.v1.LLMService"
@@ -69,50 +69,17 @@ _TRANSPORT_SLACK = 4  # the transport's receive limit, in multiples of ServerCon
 
 
 class _Metrics:
-    """What /metrics shows; engine-side values are read at scrape time."""
+    """What /metrics shows for gRPC: its own request series, and the engine's (read at scrape time)."""
 
     def __init__(self, registry: Registry, servicer: "LLMServicer"):
-        def engine_value(read):
-            return lambda: read(servicer.engine) if servicer.engine is not None else 0
-
         r = registry
         self.requests = r.counter("jaxllm_requests_total", "Generate calls, by final gRPC status code", ["code"])
-        r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted",
-                  fn=engine_value(lambda e: e.stats().prompt_tokens_total))
-        r.counter("jaxllm_generation_tokens_total", "tokens generated",
-                  fn=engine_value(lambda e: e.stats().generated_tokens_total))
-        r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
-                  fn=engine_value(lambda e: e.stats().requests_cancelled))
-        r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
-                  fn=engine_value(lambda e: e.stats().requests_rejected))
-        r.counter("jaxllm_engine_steps_total", "engine steps run", fn=engine_value(lambda e: e.stats().steps_total))
-        r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
-                  fn=engine_value(lambda e: e.stats().compile_count))
         self.ttft = r.histogram("jaxllm_time_to_first_token_seconds", "request arrival to its first token")
         self.tpot = r.histogram("jaxllm_time_per_output_token_seconds",
                                 "a request's mean time per output token after the first")
         self.duration = r.histogram("jaxllm_request_duration_seconds", "Generate call, arrival to last message")
-        r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=engine_value(lambda e: e.stats().queue_depth))
-        r.gauge("jaxllm_running_requests", "requests in the running batch",
-                fn=engine_value(lambda e: e.stats().running))
         self.streams = r.gauge("jaxllm_active_streams", "Generate calls in progress")
-        r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use",
-                fn=engine_value(lambda e: e.stats().pool_usage))
-        r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool",
-                fn=engine_value(lambda e: e.stats().pool_blocks))
-        r.counter("jaxllm_prefix_cache_hit_tokens_total",
-                  "tokens whose KV came from the prefix cache instead of a prefill",
-                  fn=engine_value(lambda e: e.stats().prefix_cache_hit_tokens))
-        r.gauge("jaxllm_prefix_cache_blocks", "full KV rBlocks registered in the prefix cache (held or evictable)",
-                fn=engine_value(lambda e: e.stats().prefix_cache_blocks))
-        for field, what in (("tensor_parallel", "devices one model is split over"),
-                            ("instances", "serving instances on the mesh's instance axis"),
-                            ("processes", "JAX processes (hosts) running the program"),
-                            ("devices", "devices the mesh spans")):
-            r.gauge(f"jaxllm_mesh_{field}", f"the mesh: {what}",
-                    fn=engine_value(lambda e, field=field: getattr(e.info(), field)))
-        r.gauge("jaxllm_ready", "1 once the model is loaded and warm",
-                fn=lambda: float(servicer.engine is not None))
+        register_engine_metrics(r, lambda: servicer.engine)
 
 
 class LLMServicer(pb_grpc.LLMServiceServicer):
@@ -195,7 +162,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             yield response
 
     def Tokenize(self, request, context):  # noqa: N802
-        engine = self._ready_engine(context)
+        self._ready_engine(context)  # UNAVAILABLE until the model is loaded
         return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context):  # noqa: N802

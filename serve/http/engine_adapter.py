@@ -9,16 +9,13 @@ same requests with the same messages), and the model facts and load readings com
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
 from jaxllm.engine.sampling import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
 from jaxllm.model.chat import chat_prompt
-from serve.metrics import Registry
 
-__all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT",
-           "register_engine_metrics"]
+__all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,30 +83,3 @@ class EngineAdapter:
 
     def stop_accepting(self) -> None:
         self.engine.stop_accepting()
-
-
-def register_engine_metrics(registry: Registry, adapter: Callable[[], EngineAdapter | None]) -> None:
-    """The engine-side gauges and counters (as the gRPC server registers them), for an HTTP-only server.
-
-    `adapter()` is None until the model is loaded; every reading is 0 until then.
-    """
-
-    def read(fn):
-        return lambda: fn(adapter().engine) if adapter() is not None else 0
-
-    r = registry
-    r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted", fn=read(lambda e: e.stats().prompt_tokens_total))
-    r.counter("jaxllm_generation_tokens_total", "tokens generated",
-              fn=read(lambda e: e.stats().generated_tokens_total))
-    r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
-              fn=read(lambda e: e.stats().requests_cancelled))
-    r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
-              fn=read(lambda e: e.stats().requests_rejected))
-    r.counter("jaxllm_engine_steps_total", "engine steps run", fn=read(lambda e: e.stats().steps_total))
-    r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
-              fn=read(lambda e: e.stats().compile_count))
-    r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=read(lambda e: e.stats().queue_depth))
-    r.gauge("jaxllm_running_requests", "requests in the running batch", fn=read(lambda e: e.stats().running))
-    r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use", fn=read(lambda e: e.stats().pool_usage))
-    r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool", fn=read(lambda e: e.info().num_blocks))
-    r.gauge("jaxllm_ready", "1 once the model is loaded and warm", fn=lambda: float(adapter() is not None))

@@ -21,8 +21,8 @@ import threading
 import uvicorn
 
 from serve.http.app import ApiConfig, ApiState, build_app
-from serve.http.engine_adapter import EngineAdapter, register_engine_metrics
-from serve.metrics import Registry
+from serve.http.engine_adapter import EngineAdapter
+from serve.metrics import Registry, register_engine_metrics
 
 _SPARE_THREADS = 16
 
@@ -81,7 +81,7 @@ class HttpServer:
         self.state = ApiState(ApiConfig(config.api_key, config.max_body_bytes, config.max_n), self.registry,
                               self._pool)
         if engine_metrics:
-            register_engine_metrics(self.registry, lambda: self.state.adapter)
+            register_engine_metrics(self.registry, lambda: self.state.adapter.engine if self.state.adapter else None)
         self._socket = _listen(config.host, config.port)
         self.port = self._socket.getsockname()[1]
         uv_config = uvicorn.Config(build_app(self.state), log_level="warning", access_log=False, lifespan="off",

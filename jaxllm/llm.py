@@ -15,6 +15,8 @@ from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.engine.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
 from jaxllm.engine.core import EngineCore, EngineInfo, Request, RequestOutput
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
+from jaxllm.engine.instance_runner import InstanceRunner
+from jaxllm.engine.instances import InstanceSchedulers
 from jaxllm.engine.runner import Runner
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.model.tokenizer import load_tokenizer
@@ -23,7 +25,7 @@ from jaxllm.model.checkpoints import load_model
 from jaxllm.model.generation_config import load_generation_defaults
 from jaxllm.model.llama import abstract_model
 from pallas_kernels.dispatch import BACKENDS
-from sharding.mesh import check_tensor_parallel, make_mesh
+from sharding.mesh import check_tensor_parallel, instance_hosts, make_mesh
 from sharding.rules import kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
 
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
@@ -57,10 +59,15 @@ class EngineOptions:
     # another step, whose batch shape may round the matmuls differently.
     prefix_caching: bool = True
     # The mesh (../shared/DESIGN.md decision 6): the model split tensor_parallel ways (KV-head groups,
-    # MLP columns), times `instances` (the instance axis; each instance's share of the KV pool is its
-    # own range of rBlocks). 1 x 1 in one process: one device, no mesh at all.
+    # MLP columns), times `instances` (the instance axis: serving instances with a scheduler and an rBlock
+    # pool each, num_blocks rBlocks apiece, running their own rows side by side in every step; requests go
+    # to the least-loaded). 1 x 1 in one process: one device, no mesh at all.
     tensor_parallel: int = 1
     instances: int = 1
+    # Instances lend each other rBlocks (DistKV-LLM): a sequence longer than one instance's pool borrows
+    # from the others and its attention runs where its KV lives (DistAttention). False: each instance lives
+    # within its own pool (preempting or queueing), for comparison.
+    lending: bool = True
     # Top tokens a request may ask log-probabilities of (SamplingParams.logprobs); 0: none, and no
     # logprob step variants are compiled.
     max_logprobs: int = 0
@@ -122,26 +129,33 @@ class LLM:
         on_gpu = jax.default_backend() == "gpu"
         block_size = self.options.block_size or (256 if on_gpu else 16)
         pool_dtype = self.options.kv_dtype or jnp.dtype(self.model.embedding[...].dtype).name
+        # Each instance's pool (one device's memory, or one tensor-parallel group's).
         num_blocks = self.options.num_blocks or self._default_num_blocks(step_model.config, block_size, pool_dtype,
                                                                         on_gpu)
-        if not self.options.num_blocks:
-            num_blocks -= num_blocks % instances
-        if num_blocks % instances or not num_blocks:
-            raise ValueError(f"num_blocks {num_blocks} must be a multiple of instances {instances} (each instance "
-                             "holds an equal range of rBlocks)")
         max_step = self.options.max_tokens_per_step or (4096 if on_gpu else 512)
-        kv_cache = self._kv_pool(step_model.config, num_blocks, block_size, kv_dtype(pool_dtype))
+        kv_cache = self._kv_pool(step_model.config, num_blocks * instances, block_size, kv_dtype(pool_dtype))
+        # One sequence may fill every pool it can reach: the whole mesh's when instances lend.
+        reach = num_blocks * (instances if self.options.lending else 1)
         # The table is as wide as the longest sequence the pool and context limit allow.
-        longest = min(self.max_context + 1, num_blocks * block_size)
-        self.runner = Runner(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
-                             table_width=-(-longest // block_size), backend=self.options.attention_backend,
-                             mesh=self.mesh, max_logprobs=self.options.max_logprobs)
-        self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
-                                   max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
+        longest = min(self.max_context + 1, reach * block_size)
+        runner_args = dict(max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
+                           table_width=-(-longest // block_size), backend=self.options.attention_backend,
+                           mesh=self.mesh, max_logprobs=self.options.max_logprobs)
+        if instances > 1:
+            self.runner = InstanceRunner(step_model, kv_cache, instances=instances, blocks_per_instance=num_blocks,
+                                         **runner_args)
+            self.scheduler = InstanceSchedulers(instances, num_blocks, block_size, max_tokens_per_step=max_step,
+                                                max_seqs=self.options.max_seqs, lending=self.options.lending,
+                                                hosts=instance_hosts(self.mesh))
+            self.allocator = self.scheduler.allocator
+        else:
+            self.runner = Runner(step_model, kv_cache, **runner_args)
+            self.allocator = BlockAllocator(num_blocks)
+            self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
+                                       max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
         self.model_name = model
         self.pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
-        self.limits = RequestLimits(context_limit=min(self.max_context, num_blocks * block_size),
+        self.limits = RequestLimits(context_limit=min(self.max_context, reach * block_size),
                                     vocab_size=self.config.vocab_size, max_logprobs=self.options.max_logprobs)
         self.core = EngineCore(self.scheduler, self.runner, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)

@@ -62,3 +62,8 @@ def make_mesh(tensor_parallel: int, instances: int = 1, devices: Sequence[jax.De
 def tensor_size(mesh: Mesh) -> int:
     """How many ways the mesh splits a model (1 for a mesh without a tensor axis)."""
     return int(mesh.shape.get(TENSOR, 1))
+
+
+def instance_hosts(mesh: Mesh) -> list[int]:
+    """The host (process index) of each instance on the mesh: lending prefers a creditor on the same host."""
+    return [int(row[0].process_index) for row in np.asarray(mesh.devices).reshape(int(mesh.shape[INSTANCE]), -1)]

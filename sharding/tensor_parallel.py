@@ -26,7 +26,14 @@ _WHOLE = P()
 
 
 def per_tensor_shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
-    """`fn` (a single-device function of local shards) as a function of the global arrays on `mesh`."""
+    """`fn` (a single-device function of local shards) as a function of the global arrays on `mesh`.
+
+    Inside an engine step of several instances the step already runs per instance (a shard_map manual over
+    `instance`): this one then goes manual over `tensor` only, on the mesh of that context."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        return jax.shard_map(fn, mesh=context, in_specs=in_specs, out_specs=out_specs, axis_names={TENSOR},
+                             check_vma=False)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 

@@ -120,6 +120,16 @@ class EngineStats:
     prefix_cache_blocks: int = 0
     preemptions_total: int = 0
     compile_count: int = 0
+    # Lending between instances (DistKV; all 0 on one instance): rBlocks borrowed now (all debtors, and per
+    # instance), instances lending now, rBlocks lent / recalled home and circular-debt swaps so far, and
+    # steps that ran DistAttention (some sequence had borrowed rBlocks).
+    borrowed_blocks: int = 0
+    borrowed_by_instance: tuple[int, ...] = ()
+    lending_instances: int = 0
+    loans_total: int = 0
+    recalled_blocks_total: int = 0
+    swapped_pairs_total: int = 0
+    dist_steps_total: int = 0
     ttft_count: int = 0
     ttft_sum_s: float = 0.0
     tpot_count: int = 0
@@ -212,6 +222,7 @@ class EngineCore:
         is dispatched before this one's tokens are read. Idle (no work): []."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
+            self._recall()
             plan = self.scheduler.plan()
             if plan is None:
                 if self.scheduler.has_work():
@@ -231,6 +242,14 @@ class EngineCore:
         self._inflight = following
         self._counts["steps_total"] += 1
         return self._collect(candidates, time.monotonic())
+
+    def _recall(self) -> None:
+        """Between steps: rBlocks lent to an instance that has room again go home (DistKV's recall; nothing
+        on one instance). The copy is done on the device before the tables change."""
+        copies = self.scheduler.recall_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
+            self.scheduler.confirm_recall()
 
     def drain(self) -> list[RequestOutput]:
         """Record the step in flight, if any, queueing nothing after it (returns with none in flight)."""
@@ -321,4 +340,14 @@ class EngineCore:
                            running=len(self.scheduler.running), pool_blocks=allocator.num_blocks,
                            pool_blocks_free=allocator.num_free, prefix_cache_hit_tokens=self.scheduler.cached_tokens,
                            prefix_cache_blocks=allocator.num_cached, preemptions_total=self.scheduler.preemptions,
-                           compile_count=self.runner.compile_count)
+                           compile_count=self.runner.compile_count, **self._lending_stats())
+
+    def _lending_stats(self) -> dict:
+        ledger = self.scheduler.lending_stats()
+        if not ledger:
+            return {}
+        borrowed = tuple(ledger["borrowed"][i] for i in sorted(ledger["borrowed"]))
+        return dict(borrowed_blocks=sum(borrowed), borrowed_by_instance=borrowed,
+                    lending_instances=sum(1 for n in ledger["lent"].values() if n), loans_total=ledger["loans"],
+                    recalled_blocks_total=ledger["recalled"], swapped_pairs_total=ledger["swapped"],
+                    dist_steps_total=self.runner.borrowed_steps)

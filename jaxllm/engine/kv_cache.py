@@ -8,6 +8,7 @@ pool without slicing (a slice of a stacked pool would be copied before a custom 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,10 +83,13 @@ class AttentionBatch:
     tokens are written), cu_q_lens [num_seqs + 1] int32 (packed query tokens per sequence),
     slot_mapping [num_tokens] int32 (block * block_size + row; -1 for padding tokens).
     `decode` (static) marks steps where every sequence has exactly one query token.
+    parts: None, or on an engine of several instances a step with borrowed rBlocks, this instance's
+    sharding.dist_step.DistParts (attention then runs where the KV lives: DistAttention).
     """
 
     block_tables: jax.Array
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     slot_mapping: jax.Array
+    parts: Any = None
     decode: bool = dataclasses.field(default=False, metadata=dict(static=True))

@@ -18,7 +18,7 @@ import dataclasses
 import enum
 import hashlib
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 import numpy as np
 
@@ -80,6 +80,9 @@ class StepPlan:
     chunk ends at the sequence's last token, so its logits sample a new one. temperature, top_p [S]
     float32, top_k, seed [S] int32: each sequence's SamplingParams. logprobs [S] int32: top tokens
     each sequence wants log-probabilities of (SamplingParams.logprobs; -1: none); None: nobody wants any.
+    instances [S] int32: each sequence's home instance, on an engine of several instances (their plans
+    joined, rows grouped by instance; block ids are then global: instance * blocks_per_instance + local);
+    None on one instance.
     """
 
     seq_ids: np.ndarray
@@ -95,6 +98,7 @@ class StepPlan:
     top_p: np.ndarray
     seed: np.ndarray
     logprobs: np.ndarray | None = None
+    instances: np.ndarray | None = None
 
     def __post_init__(self):
         s, t = len(self.seq_ids), len(self.token_ids)
@@ -106,6 +110,8 @@ class StepPlan:
                                  f"({s} sequences, {t} tokens)")
         if self.logprobs is not None and len(self.logprobs) != s:
             raise ValueError(f"StepPlan.logprobs has {len(self.logprobs)} rows, want {s} ({s} sequences)")
+        if self.instances is not None and len(self.instances) != s:
+            raise ValueError(f"StepPlan.instances has {len(self.instances)} rows, want {s} ({s} sequences)")
 
     @property
     def num_seqs(self) -> int:
@@ -138,7 +144,9 @@ def block_key(previous: bytes, tokens: list[int]) -> bytes:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, *, max_tokens_per_step: int, max_seqs: int,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, seq_ids: Iterator[int] | None = None):
+        """seq_ids: where sequence ids come from (default 0, 1, 2, ...); several schedulers of one engine
+        (one per instance) draw from disjoint ranges, so a plan's ids name one sequence engine-wide."""
         if max_tokens_per_step <= 0 or max_seqs <= 0:
             raise ValueError("max_tokens_per_step and max_seqs must be positive")
         self.allocator = allocator
@@ -150,7 +158,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first
         self.cached_tokens = 0  # tokens whose KV came from the prefix cache, all admissions together
         self.preemptions = 0  # sequences preempted so far, all together
-        self._ids = itertools.count()
+        self._ids = seq_ids if seq_ids is not None else itertools.count()
         self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id: what a plan's ids name
 
     # ----- requests -----
@@ -171,6 +179,18 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def recall_copies(self) -> list[tuple[int, int]]:
+        """rBlock copies (source, destination) the device must do before the next plan: none on one
+        instance (instances.InstanceSchedulers recalls lent rBlocks home)."""
+        return []
+
+    def confirm_recall(self) -> None:
+        """The copies of recall_copies are done (nothing to confirm on one instance)."""
+
+    def lending_stats(self) -> dict:
+        """The lending ledger's figures (instances.InstanceSchedulers); empty on one instance."""
+        return {}
 
     # ----- planning -----
 

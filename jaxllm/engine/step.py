@@ -9,6 +9,7 @@ jits these functions with the KV pool donated; nothing here reads a live Sequenc
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +44,15 @@ class StepInputs:
     top_k: np.ndarray | jax.Array
     top_p: np.ndarray | jax.Array
     seed: np.ndarray | jax.Array
+    parts: Any = None  # on several instances, a step with borrowed rBlocks: sharding.dist_step.DistParts
 
     @property
     def num_tokens(self) -> int:
-        return self.tokens.shape[0]
+        return self.tokens.shape[-1]  # [T], or [I, T] stacked per instance
 
     @property
     def num_seqs(self) -> int:
-        return self.kv_lens.shape[0]
+        return self.kv_lens.shape[-1]
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -111,7 +113,8 @@ def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_wid
 
 def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, decode: bool, kernels: Kernels):
     model = nnx.merge(graphdef, state)
-    batch = AttentionBatch(inputs.block_tables, inputs.kv_lens, inputs.cu_q_lens, inputs.slot_mapping, decode=decode)
+    batch = AttentionBatch(inputs.block_tables, inputs.kv_lens, inputs.cu_q_lens, inputs.slot_mapping, inputs.parts,
+                           decode=decode)
     hidden, kv_pool = model(inputs.tokens, inputs.positions, kv_pool, batch, kernels=kernels)
     return model, hidden, kv_pool
 

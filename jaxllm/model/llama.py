@@ -32,6 +32,7 @@ from flax import nnx
 from jaxllm.model.config import LlamaConfig
 from jaxllm.engine.kv_cache import AttentionBatch, KVCache, LayerKV
 from jaxllm.model.rope import attention_scaling, inverse_frequencies, rope_tables
+from sharding.dist_step import dist_attention
 from pallas_kernels.dispatch import REFERENCE, Kernels, add_rms_norm, matmul_unreduced, ragged_attention, rope_write_kv
 
 _INIT_STD = 0.02
@@ -90,17 +91,26 @@ class Attention(nnx.Module):
         # their heads in place; q [T, Hkv, Gh, hd] holds each group's rotated queries first (read in place).
         qkv = matmul_unreduced(x, w.reshape(w.shape[0], -1), kernels=kernels)
         qkv = qkv.reshape(*qkv.shape[:-1], *w.shape[1:])
+        if batch.parts is not None:  # some sequence has rBlocks on other instances: DistAttention
+            out, k_pool, v_pool, k_scale, v_scale = dist_attention(
+                qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.k_scale, layer_kv.v_scale, batch.parts,
+                decode=batch.decode, num_q_heads=self.num_heads, dtype=x.dtype, kernels=kernels,
+                rope_write_kv=rope_write_kv)
+            return self._project_out(out, x.dtype, kernels), LayerKV(k_pool, v_pool, k_scale, v_scale)
         q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(layer_kv.k, layer_kv.v, qkv, cos, sin,
                                                             batch.slot_mapping, layer_kv.k_scale, layer_kv.v_scale,
                                                             dtype=x.dtype, kernels=kernels)
         out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
                                decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=self.num_heads,
                                kernels=kernels)  # [T, Hq, hd]
-        # Left unreduced where it can be: the next norm adds it to the residual stream.
+        return self._project_out(out, x.dtype, kernels), LayerKV(k_pool, v_pool, k_scale, v_scale)
+
+    def _project_out(self, out, dtype, kernels: Kernels):
+        """Attention output [T, Hq, hd] through o, left unreduced where it can be: the next norm adds it to
+        the residual stream."""
         o = self.o[...]
-        out = matmul_unreduced(out.astype(x.dtype).reshape(out.shape[0], -1), o.reshape(-1, o.shape[-1]),
-                               kernels=kernels)
-        return out, LayerKV(k_pool, v_pool, k_scale, v_scale)
+        return matmul_unreduced(out.astype(dtype).reshape(out.shape[0], -1), o.reshape(-1, o.shape[-1]),
+                                kernels=kernels)
 
 
 class MLP(nnx.Module):

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
     p.add_argument("--no-stream", action="store_true", help="print each completion when done instead of streaming")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock (default: 256 on a GPU, 16 on the CPU)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV rBlocks per layer of each instance's pool (default: from memory)")
     add_mesh_flags(p)
     return p
 
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = None
     try:
-        options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances)
+        options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances,
+                                lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks)
         llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
                   progress=is_leader())
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
@@ -64,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for prompt, completion in zip(args.prompt, llm.generate(args.prompt, **sampling)):
                 print(f"{prompt}{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]")
-        print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles]",
+        stats = llm.core.stats()
+        lending = (f", {stats.loans_total} rBlocks lent between instances, {stats.preemptions_total} preemptions"
+                   if args.instances > 1 else "")
+        print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles{lending}]",
               file=sys.stderr)
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

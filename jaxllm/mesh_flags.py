@@ -19,6 +19,9 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
                    help="split the model over N devices (default: 1)")
     g.add_argument("--instances", type=int, default=1, metavar="M",
                    help="serving instances on the mesh's instance axis (default: 1)")
+    g.add_argument("--no-lending", action="store_true",
+                   help="instances do not lend each other KV rBlocks (each lives within its own pool; default: "
+                        "they lend, so one sequence may use every instance's pool)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address, the same on every process of a multi-process run "
                         "(default: $JAX_COORDINATOR_ADDRESS; none: one process)")

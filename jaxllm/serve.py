@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         check_model_name(args.model)
         options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                                 max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
-                                prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
+                                prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel, lending=not args.no_lending,
                                 instances=args.instances, max_logprobs=args.max_logprobs)
         start_processes(args)  # before anything touches a device
     except ValueError as e:

@@ -45,6 +45,27 @@ def test_generate_two_processes_tensor_parallel_4_equals_one_process():
     assert "[1] " not in "".join(line[:4] for line in proc.stdout.splitlines() if "tokens," in line)
 
 
+def test_generate_two_processes_two_instances_lending_equals_one_process():
+    """2 processes x 2 devices as 2 instances x tensor parallel 2, each instance's pool (10 rBlocks of 16)
+    shorter than the prompt: the sequence borrows from the instance on the other process, and the text is
+    one process's with a pool big enough."""
+    prompt = "the quick brown fox jumps over the lazy dog; " * 5  # 225 tokens: more than one pool's 160
+    args = ["-m", "jaxllm.generate", "--no-stream", "--max-new-tokens", "8", "--block-size", "16", prompt]
+    single = subprocess.run([sys.executable, *args, "--num-blocks", "40"], env=_env(), cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--cpu-devices",
+                           "2", "--timeout", "300", "--", sys.executable, *args, "--num-blocks", "10", "--instances",
+                           "2", "--tensor-parallel", "2"], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=360)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    want = _completions(single.stdout)
+    assert len(want) == 1
+    assert _completions(proc.stdout, "[0] ") == want, proc.stdout[-3000:]
+    lent = re.search(r"\[0\] \[.*, (\d+) rBlocks lent between instances, (\d+) preemptions\]", proc.stdout)
+    assert lent and int(lent.group(1)) > 0 and int(lent.group(2)) == 0, proc.stdout[-3000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -45,7 +45,7 @@ def test_errors_name_the_shapes():
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from sharding.dist_attention import dist_decode_attention
+    from sharding.dist_attention import dist_decode_attention, dist_prefill_attention
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("instance",))
     q = jnp.zeros((2, 4, 64), jnp.float32)
@@ -59,6 +59,16 @@ def test_errors_name_the_shapes():
         dist_decode_attention(q, pools, pools, tables, jnp.zeros((1, 3), jnp.int32), mesh=mesh)
     with pytest.raises(ValueError, match="int8 pools need k_scales and v_scales"):
         dist_decode_attention(q, pools.astype(jnp.int8), pools.astype(jnp.int8), tables, lens, mesh=mesh)
+    rows = (tables, lens, lens, jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 4), jnp.int32))  # R = 2 rows
+    with pytest.raises(ValueError, match=r"query_starts \(1, 3\) must be kv_lens' shape \(1, 2\)"):
+        dist_prefill_attention(q, pools, pools, tables, lens, jnp.zeros((1, 3), jnp.int32), *rows[3:], mesh=mesh)
+    with pytest.raises(ValueError, match=r"cu_q_lens \(1, 2\) must be \[instances, rows \+ 1\] = \(1, 3\)"):
+        dist_prefill_attention(q, pools, pools, *rows[:3], jnp.zeros((1, 2), jnp.int32), rows[4], mesh=mesh)
+    with pytest.raises(ValueError, match=r"token_index \(4,\) must be \[instances=1, local tokens\]"):
+        dist_prefill_attention(q, pools, pools, *rows[:4], jnp.zeros((4,), jnp.int32), mesh=mesh)
+    # Rows without keys (lens 0): zeros, no NaN.
+    out = dist_prefill_attention(q, pools, pools, *rows, mesh=mesh, reference=True)
+    assert out.shape == q.shape and not np.asarray(out).any()  # no row has a key: zeros
 
 
 # ----- the subprocess -----
@@ -213,6 +223,10 @@ def _main():
     from sharding.prefill_parts import prefill_parts
 
     assert len(jax.devices()) == 8, jax.devices()
+    # Jitted, each shard_map compiles once; called eagerly it runs op by op (seconds a call on the CPU).
+    static = ("mesh", "axis", "reference", "return_residuals", "sm_scale", "block_sizes", "interpret")
+    dist_decode = jax.jit(dist_decode_attention, static_argnames=static)
+    dist_prefill = jax.jit(dist_prefill_attention, static_argnames=static)
     t0 = time.time()
     rng = np.random.default_rng(int(os.environ.get("JAXLLM_TEST_SEED", "0")))
     hq, _, d = HEADS
@@ -237,15 +251,15 @@ def _main():
             want = ragged_decode_reference(q, *unsplit, kv_lens, **kw).astype(jnp.float32)
             if kv == "f32":
                 oracle = _oracle_decode(np.asarray(q), dense)
-                got = dist_decode_attention(q, *split, jnp.asarray(lens), mesh=mesh, reference=True, **skw)
+                got = dist_decode(q, *split, jnp.asarray(lens), mesh=mesh, reference=True, **skw)
                 errs = (_rel_err(got, oracle), _rel_err(want, oracle))
                 assert max(errs) < tol["f32"], errs
                 print(f"ok oracle {errs}", flush=True)
                 continue
             # The jnp path once (it is the kernel's stand-in, not what runs): the kernel at every size.
             for op, reference in (("decode", False),) + ((("decode_ref", True),) if instances == 2 else ()):
-                got, (m, l) = dist_decode_attention(q, *split, jnp.asarray(lens), mesh=mesh, reference=reference,
-                                                    return_residuals=True, **skw)
+                got, (m, l) = dist_decode(q, *split, jnp.asarray(lens), mesh=mesh, reference=reference,
+                                          return_residuals=True, **skw)
                 _, (want_m, want_l) = ragged_decode_reference(q, *unsplit, kv_lens, return_residuals=True, **kw)
                 err = _rel_err(got.astype(jnp.float32), want)
                 assert got.dtype == q.dtype and err < tol[kv], (instances, kv, op, err)
@@ -265,7 +279,7 @@ def _main():
             pkw = {} if pks is None else dict(k_scales=jnp.asarray(pks), v_scales=jnp.asarray(pvs))
             placed = (jnp.asarray(pk, pool_dtype), jnp.asarray(pv, pool_dtype))
             for op, reference in (("prefill", False),) + ((("prefill_ref", True),) if instances == 2 else ()):
-                got, (m, l) = dist_prefill_attention(
+                got, (m, l) = dist_prefill(
                     qp, *placed, *map(jnp.asarray, parts.device_args()), mesh=mesh, reference=reference,
                     return_residuals=True, block_sizes=PrefillBlockSizes(block_q=16, block_k=16), **pkw)
                 err = _rel_err(got.astype(jnp.float32), want.astype(jnp.float32))

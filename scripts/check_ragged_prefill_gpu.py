@@ -331,8 +331,8 @@ def _print_table(rows):
                   f"ours / baseline {r['ratio']:.3f}, max diff {r['max_diff_vs_baseline']:.4f}")
             continue
         if "ms_split" in r:
-            print(f"{r['what']:32} {r['parts']} parts ({r['rows']} rows) merged vs unsplit: max err {r['max_err']:.4f}, "
-                  f"residual err {r['residual_err']:.2e}, finite {r['finite']}; ms split {r['ms_split']:.3f} "
+            print(f"{r['what']:32} {r['parts']} parts ({r['rows']} rows) merged vs unsplit: "
+                  f"max err {r['max_err']:.4f}, residual err {r['residual_err']:.2e}, finite {r['finite']}; ms split {r['ms_split']:.3f} "
                   f"whole {r['ms_whole']:.3f}")
             continue
         if "TFLOPs" not in r:

@@ -8,9 +8,9 @@ max, row sum of exponentials), the partials are gathered over the axis and merge
 `residuals.merge_partials`. Every instance ends with the whole result.
 
 Decode: a sequence's KV is cut into parts, one per instance (possibly empty), listed in that instance's
-table row with its length. Decode ignores where a part sits in the sequence (every key is visible to the one query token), so an
-instance's table may list its rBlocks of the sequence in any order as long as the partial last rBlock
-of the sequence, if it holds it, comes last.
+table row with its length. Decode ignores where a part sits in the sequence (every key is visible to the
+one query token), so an instance's table may list its rBlocks of the sequence in any order as long as the
+partial last rBlock of the sequence, if it holds it, comes last.
 
 Prefill is causal, so it works on PART ROWS (`sharding.prefill_parts`): each run of consecutive table
 entries of a sequence on one instance is a row of that instance's ragged batch, with its local table,

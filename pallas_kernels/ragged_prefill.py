@@ -351,7 +351,8 @@ def ragged_prefill(
       q: [num_tokens, num_q_heads, head_dim] packed query tokens.
       k_pool, v_pool: [num_blocks, num_kv_heads, block_size, head_dim] (bf16/fp16/f32, or int8 with scales).
       block_tables: [num_seqs, max_blocks_per_seq] int32.
-      kv_lens: [num_seqs] int32, KV tokens of each sequence including this chunk's.
+      kv_lens: [num_seqs] int32, KV tokens of each sequence including this chunk's (with query_starts:
+        the keys of each row's part).
       cu_q_lens: [num_seqs + 1] int32 cumulative query-token counts; tokens past the end are padding.
       query_starts: optional [num_seqs] int32, each sequence's first query position relative to key 0 of
         its row (any integer; default kv_lens - q_lens). kv_lens may then be less than the query count.

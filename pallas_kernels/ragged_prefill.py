@@ -5,6 +5,14 @@ Sequence `s` owns query tokens `cu_q_lens[s]:cu_q_lens[s+1]` of the packed batch
 at position `kv_lens[s] - q_len[s] + i` and attends to keys `0..position`. KV cached before this
 chunk (chunked prefill, shared prefixes) is simply the part of the KV before the first query
 position. Decode is the case `q_len == 1`. Tokens past `cu_q_lens[-1]` are padding: output 0.
+
+Parts (DistAttention): a table row may hold only one part of a sequence's KV, its keys `j` at
+absolute positions `part_start + j`. `query_starts[s]` then gives the first query token's position
+relative to key 0 of the row (`first query position - part_start`): the `i`-th query token sees keys
+`j <= query_starts[s] + i` with `j < kv_lens[s]`. A relative position may be negative (the token
+sees nothing of this part: out 0, row_max -inf, row_sum 0) or past the part (it sees all of it);
+`merge_partials` joins the parts' residuals exactly. Without query_starts, query_starts =
+kv_lens - q_lens: the whole sequence, the rule above.
 """
 
 from __future__ import annotations
@@ -21,21 +29,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat, kv_layout
-from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch, check_ragged_prefill_args
+from pallas_kernels.validation import (MIN_DOT_ROWS, check_cu_q_lens, check_dot_tile, check_launch, check_pool,
+                                       check_ragged_prefill_args, check_tables)
 
 # Fewer token rows at a time keeps the reference's memory at O(chunk * context) on long prompts.
 _REFERENCE_TOKEN_CHUNK = 64
 
 
-def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
-    """Per packed token: (sequence index [T], position in its sequence [T], is-real-token [T])."""
+def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, query_starts: jax.Array | None = None):
+    """Per packed token: (sequence index [T], position relative to key 0 of its table row [T],
+    is-real-token [T]). query_starts [S]: see the module docstring; None: kv_lens - q_lens."""
     num_seqs = kv_lens.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    position = kv_lens[seq] - q_lens[seq] + (t - cu_q_lens[seq])
+    starts = _query_starts(cu_q_lens, kv_lens, query_starts)
+    position = starts[seq] + (t - cu_q_lens[seq])
     real = t < cu_q_lens[num_seqs]
     return seq, position, real
+
+
+def _query_starts(cu_q_lens, kv_lens, query_starts):
+    """Each sequence's first query position relative to key 0 of its row, int32 [S]."""
+    if query_starts is not None:
+        return query_starts.astype(jnp.int32)
+    return (kv_lens - (cu_q_lens[1:] - cu_q_lens[:-1])).astype(jnp.int32)
 
 
 def owner_rows(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
@@ -52,23 +69,24 @@ class QueryTiles(NamedTuple):
     is_seq: jax.Array  # a used tile of a real sequence
     q_start: jax.Array  # packed index of the tile's first query token
     rows: jax.Array  # query tokens in the tile, 0 for unused tiles
-    pos0: jax.Array  # position of the tile's first query token in its sequence
+    pos0: jax.Array  # position of the tile's first query token relative to key 0 of its row (may be < 0)
     kv_len: jax.Array  # kv_lens[seq] where is_seq, else 0
 
 
-def query_tiles(cu_q_lens, kv_lens, num_tokens: int, tile_q: int) -> QueryTiles:
+def query_tiles(cu_q_lens, kv_lens, num_tokens: int, tile_q: int, query_starts=None) -> QueryTiles:
     """The batch's query tokens cut into tiles of at most tile_q tokens of one owner, in packed order.
 
     Each sequence's query tokens are cut into tiles from its first token on; the padding tokens past
     cu_q_lens[-1] form tiles of their own (owner S, no keys). The count is bounded statically by
     cdiv(T, tile_q) + S + 1; unused tiles have 0 rows. Shared by the Triton and Mosaic kernels'
-    work lists, which add their own fields.
+    work lists, which add their own fields. query_starts [S] (parts; see the module docstring) sets
+    pos0; None: kv_lens - q_lens.
     """
     num_seqs = kv_lens.shape[0]
     num_tiles = pl.cdiv(num_tokens, tile_q) + num_seqs + 1
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    starts = _query_starts(cu_q_lens, kv_lens, query_starts)  # [S]
     rows_of_owner = owner_rows(cu_q_lens, num_tokens)  # [S + 1], last = padding
     tiles = (rows_of_owner + tile_q - 1) // tile_q
     ends = jnp.cumsum(tiles)
@@ -81,14 +99,15 @@ def query_tiles(cu_q_lens, kv_lens, num_tokens: int, tile_q: int) -> QueryTiles:
     rows = jnp.where(used, jnp.clip(rows_of_owner[owner] - first_row, 0, tile_q), 0)
     is_seq = used & (owner < num_seqs)
     seq = jnp.where(is_seq, owner, 0)
-    pos0 = kv_lens[seq] - q_lens[seq] + first_row
+    pos0 = starts[seq] + first_row
     kv_len = jnp.where(is_seq, kv_lens[seq], 0)
     return QueryTiles(owner=owner, seq=seq, is_seq=is_seq, q_start=cu_q_lens[owner] + first_row, rows=rows,
                       pos0=pos0, kv_len=kv_len)
 
 
-# Rows of the packed work list that `_ragged_prefill_kernel` reads per query tile.
-_SEQ, _Q_START, _ROWS, _POS0, _FULL_BLOCKS, _KV_BLOCKS = range(6)
+# Rows of the packed work list that `_ragged_prefill_kernel` reads per query tile; _LAST only with
+# query_starts (parts), where a tile's last visible key is also capped by its row's kv_len.
+_SEQ, _Q_START, _ROWS, _POS0, _FULL_BLOCKS, _KV_BLOCKS, _LAST = range(7)
 _WORK_FIELDS = 6
 _LOG2E = math.log2(math.e)
 # Three stages of 128 x 128 K/V tiles need 224 KiB of shared memory: Hopper has 227 KiB a block,
@@ -142,18 +161,26 @@ def _effective_block_k(block_k: int, block_size: int) -> int:
     return step
 
 
-def _work_list(cu_q_lens, kv_lens, num_tokens: int, block_q: int, block_k: int) -> jax.Array:
-    """Query tiles of the batch in packed order, as int32 [_WORK_FIELDS, num_tiles].
+def _work_list(cu_q_lens, kv_lens, num_tokens: int, block_q: int, block_k: int, query_starts=None) -> jax.Array:
+    """Query tiles of the batch in packed order, as int32 [_WORK_FIELDS, num_tiles] ([_WORK_FIELDS + 1,
+    num_tiles] with query_starts: the _LAST row).
 
     The tiles of `query_tiles`: padding tiles have no keys (they write zeros), unused tiles 0 rows
     (they exit at once). Packed order is JAX's `mha` order (each sequence's tiles from its first
     token on); launching the heaviest tiles first measured no faster on an H200 and costs a sort.
     """
-    t = query_tiles(cu_q_lens, kv_lens, num_tokens, block_q)
-    # Key blocks entirely at or before pos0 are visible to every row: no mask needed there.
-    full_blocks = jnp.where(t.is_seq, (t.pos0 + 1) // block_k, 0)
-    kv_blocks = jnp.where(t.is_seq, (t.pos0 + t.rows + block_k - 1) // block_k, 0)
-    return jnp.stack([t.seq, t.q_start, t.rows, t.pos0, full_blocks, kv_blocks]).astype(jnp.int32)
+    t = query_tiles(cu_q_lens, kv_lens, num_tokens, block_q, query_starts)
+    if query_starts is None:
+        # Key blocks entirely at or before pos0 are visible to every row: no mask needed there.
+        full_blocks = jnp.where(t.is_seq, (t.pos0 + 1) // block_k, 0)
+        kv_blocks = jnp.where(t.is_seq, (t.pos0 + t.rows + block_k - 1) // block_k, 0)
+        return jnp.stack([t.seq, t.q_start, t.rows, t.pos0, full_blocks, kv_blocks]).astype(jnp.int32)
+    # A part: keys stop at kv_len too, and pos0 may be negative (floor division keeps full_blocks <= 0
+    # there) or past kv_len. last = -1 where no row of the tile sees a key: no steps run.
+    last = jnp.where(t.is_seq & (t.rows > 0), jnp.minimum(t.pos0 + t.rows, t.kv_len) - 1, -1)
+    kv_blocks = jnp.maximum((last + block_k) // block_k, 0)
+    full_blocks = jnp.clip(jnp.minimum(t.pos0 + 1, t.kv_len) // block_k, 0, kv_blocks)
+    return jnp.stack([t.seq, t.q_start, t.rows, t.pos0, full_blocks, kv_blocks, last]).astype(jnp.int32)
 
 
 def _ragged_prefill_kernel(
@@ -170,6 +197,7 @@ def _ragged_prefill_kernel(
     group: int,
     quantized: bool,
     compute_dtype,
+    parts: bool = False,
 ):
     if quantized:
         k_scale_ref, v_scale_ref, out_ref, *residual_refs = refs
@@ -195,7 +223,8 @@ def _ragged_prefill_kernel(
     pos0 = work_ref[_POS0, tile]
     full_blocks = work_ref[_FULL_BLOCKS, tile]
     kv_blocks = work_ref[_KV_BLOCKS, tile]
-    last = pos0 + rows - 1  # last key any real row of the tile sees
+    # Last key any real row of the tile sees; a part's rows may also end at its kv_len, before pos0 + rows.
+    last = work_ref[_LAST, tile] if parts else pos0 + rows - 1
     row_mask = jnp.arange(block_q, dtype=jnp.int32) < rows  # [block_q]
     q = plgpu.load(q_ref.at[pl.ds(q_start, block_q), head, :], mask=row_mask[:, None], other=0.0)
     q = q.astype(compute_dtype)  # [block_q, D]
@@ -217,13 +246,16 @@ def _ragged_prefill_kernel(
             key_pos = start + jnp.arange(block_k, dtype=jnp.int32)
             s = jnp.where(key_pos[None, :] <= limit[:, None], s, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        # Every row sees key 0 in step 0, so m_next is finite from then on: no inf - inf.
+        # Without parts every row sees key 0 in step 0, so m_next is finite from then on: no inf - inf.
+        # A part's row may see nothing yet (its position before the part, or past a short tail): a finite
+        # stand-in for its max keeps alpha and p at 0 instead of NaN. Unmasked steps need no guard.
+        m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next) if (parts and masked) else m_next
         if exp_scale != 1.0:
-            alpha = jnp.exp2((m_prev - m_next) * exp_scale)
-            p = jnp.exp2(s * exp_scale - (m_next * exp_scale)[:, None])
+            alpha = jnp.exp2((m_prev - m_use) * exp_scale)
+            p = jnp.exp2(s * exp_scale - (m_use * exp_scale)[:, None])
         else:
-            alpha = jnp.exp2(m_prev - m_next)
-            p = jnp.exp2(s - m_next[:, None])
+            alpha = jnp.exp2(m_prev - m_use)
+            p = jnp.exp2(s - m_use[:, None])
         l_next = l_prev * alpha + jnp.sum(p, axis=1)
         # Keys past the tile's last position hold stale (maybe NaN) values or scales; p is 0 there,
         # but 0 * NaN would poison the sum, so the masked steps load zeros instead (a masked load
@@ -278,6 +310,21 @@ def _ragged_prefill_kernel(
         plgpu.store(row_sum_ref.at[pl.ds(q_start, block_q), head], l, mask=store_mask)
 
 
+def _check_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, query_starts, k_scale, v_scale) -> None:
+    """check_ragged_prefill_args; with query_starts a row's kv_len may be below its query count."""
+    if query_starts is None:
+        check_ragged_prefill_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale)
+        return
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    check_pool(q, k_pool, v_pool, k_scale, v_scale)
+    check_tables(block_tables, kv_lens, k_pool.shape[0], k_pool.shape[2])
+    check_cu_q_lens(cu_q_lens, block_tables.shape[0], q.shape[0])
+    if query_starts.shape != kv_lens.shape or not jnp.issubdtype(query_starts.dtype, jnp.integer):
+        raise ValueError(f"query_starts must be integer [num_seqs] = {kv_lens.shape}; got {query_starts.dtype} "
+                         f"{query_starts.shape}")
+
+
 def ragged_prefill(
     q: jax.Array,
     k_pool: jax.Array,
@@ -286,6 +333,7 @@ def ragged_prefill(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    query_starts: jax.Array | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     sm_scale: float | None = None,
@@ -297,13 +345,17 @@ def ragged_prefill(
 
     Flash attention over query tiles of one sequence each; a tile reads its sequence's K/V rBlocks
     through the block table (no gather, no copy), from position 0 to its last query's position.
+    With query_starts a row of the table may be one part of a sequence (module docstring).
 
     Args:
       q: [num_tokens, num_q_heads, head_dim] packed query tokens.
       k_pool, v_pool: [num_blocks, num_kv_heads, block_size, head_dim] (bf16/fp16/f32, or int8 with scales).
       block_tables: [num_seqs, max_blocks_per_seq] int32.
-      kv_lens: [num_seqs] int32, KV tokens of each sequence including this chunk's.
+      kv_lens: [num_seqs] int32, KV tokens of each sequence including this chunk's (with query_starts:
+        the keys of each row's part).
       cu_q_lens: [num_seqs + 1] int32 cumulative query-token counts; tokens past the end are padding.
+      query_starts: optional [num_seqs] int32, each sequence's first query position relative to key 0 of
+        its row (any integer; default kv_lens - q_lens). kv_lens may then be less than the query count.
       k_scale, v_scale: [num_blocks, num_kv_heads, block_size] float32 for int8 pools.
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       return_residuals: also return the row max and row sum of exponentials.
@@ -311,22 +363,23 @@ def ragged_prefill(
       interpret: run the Pallas interpreter; default True unless on a GPU.
 
     Returns:
-      out [num_tokens, num_q_heads, head_dim] in q.dtype (0 for padding tokens), and with residuals
-      `(out, (row_max, row_sum))`, each [num_tokens, num_q_heads] float32 (-inf and 0 for padding).
+      out [num_tokens, num_q_heads, head_dim] in q.dtype (0 for padding tokens and rows that see no key),
+      and with residuals `(out, (row_max, row_sum))`, each [num_tokens, num_q_heads] float32 (-inf and 0
+      for padding and rows that see no key).
     """
-    check_ragged_prefill_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale)
+    _check_args(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, query_starts, k_scale, v_scale)
     if block_sizes is None:
         block_sizes = default_block_sizes(_compute_dtype(q.dtype, k_pool.dtype))
     _effective_block_k(block_sizes.block_k, k_pool.shape[2])  # raise here, not inside jit
     interpret = compat.default_interpret(interpret)
     scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5
-    return _ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale,
+    return _ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, query_starts, k_scale, v_scale,
                            sm_scale=scale, return_residuals=return_residuals, block_sizes=block_sizes,
                            interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "return_residuals", "block_sizes", "interpret"))
-def _ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale, v_scale, *,
+def _ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, query_starts, k_scale, v_scale, *,
                     sm_scale, return_residuals, block_sizes, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
@@ -334,10 +387,11 @@ def _ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale
     block_k = _effective_block_k(block_sizes.block_k, block_size)
     quantized = k_pool.dtype == jnp.int8
     compute_dtype = _compute_dtype(q.dtype, k_pool.dtype)
-    work = _work_list(cu_q_lens, kv_lens, num_tokens, block_q, block_k)
+    work = _work_list(cu_q_lens, kv_lens, num_tokens, block_q, block_k, query_starts)
     kernel = functools.partial(
         _ragged_prefill_kernel, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
-        group=num_q_heads // num_kv_heads, quantized=quantized, compute_dtype=compute_dtype)
+        group=num_q_heads // num_kv_heads, quantized=quantized, compute_dtype=compute_dtype,
+        parts=query_starts is not None)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if return_residuals:
         out_shape += [jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)] * 2
@@ -368,6 +422,7 @@ def ragged_prefill_reference(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
+    query_starts: jax.Array | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     sm_scale: float | None = None,
@@ -381,6 +436,7 @@ def ragged_prefill_reference(
       block_tables: [num_seqs, max_blocks_per_seq] int32.
       kv_lens: [num_seqs] int32, KV tokens of each sequence including this chunk's.
       cu_q_lens: [num_seqs + 1] int32 cumulative query-token counts.
+      query_starts: optional [num_seqs] int32, as in `ragged_prefill` (parts).
       k_scale, v_scale: [num_blocks, num_kv_heads, block_size] float32 for int8 pools.
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       return_residuals: also return the row max and row sum of exponentials.
@@ -394,7 +450,7 @@ def ragged_prefill_reference(
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
     scale = sm_scale if sm_scale is not None else head_dim ** -0.5
-    seq, position, real = token_positions(cu_q_lens, kv_lens, num_tokens)
+    seq, position, real = token_positions(cu_q_lens, kv_lens, num_tokens, query_starts)
     key_index = jnp.arange(block_tables.shape[1] * k_pool.shape[2])
     highest = jax.lax.Precision.HIGHEST  # a float32 oracle for the kernels, also on GPUs that default to TF32
 

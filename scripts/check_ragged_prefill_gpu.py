@@ -5,6 +5,7 @@ Usage (GPU machine, repo root):
       [--budget-s 300] [--baseline PATH/TO/old_ragged_prefill.py] [--quick]
   ... --profile-only   (run our default kernel and mha once each at 16K, e.g. under ncu)
   ... --dump-ttir DIR  (save the Triton IR of our default kernel and mha at 4K, for offline compiles)
+  ... --ab --baseline PATH (only: the A/B below, the parts check, then section 2)
 
 1. Causal prefill of one sequence (each of --tokens), 32 x 128 heads (MHA), bf16, rBlocks of 256
    laid out consecutively: cuDNN (jax.nn.dot_product_attention(implementation="cudnn")), JAX's
@@ -14,6 +15,11 @@ Usage (GPU machine, repo root):
 2. Our default on smaller rBlocks (64, 16), a shuffled rBlock table, GQA (32 q / 8 kv heads), and a
    ragged batch of 8 sequences with cached prefixes (TFLOP/s of the real causal work), with the
    output and residual error against ragged_prefill_reference on the first sequence's first tokens.
+3. Parts (query_starts): a sequence's rBlock table cut into runs placed on "instances" of one pool,
+   each instance's part rows (sharding.prefill_parts) through the kernel with residuals, merged with
+   merge_partials, against the unsplit kernel: a fresh 16K prompt and a 4K chunk after 12K cached.
+4. --ab: our default kernel against --baseline's (an older ragged_prefill.py, its own defaults) on the
+   same inputs, alternating, --ab-rounds rounds of best-of-3 each: median ms and ours / baseline.
 TFLOP/s counts causal FLOPs: 4 * H * D * sum over query tokens of (position + 1). Prints a table
 (ratios to mha's defaults and to cuDNN at the same token count), writes
 `<device>-<date>-<HHMM>-ragged-prefill-check.json` under --out (default benchmarks/results/): the
@@ -37,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_prefill as rp
+from pallas_kernels.residuals import merge_partials
+from sharding.prefill_parts import prefill_parts
 import harness
 
 SWEEP = [(128, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 4, 3)]  # (block_q, block_k, warps, stages)
@@ -117,6 +125,62 @@ def _dump_ttir(out_dir):
     reg.lowering.lower_jaxpr_to_triton_module = hooked
 
 
+def _parts_check(rng, q_len, cached, parts, block=256):
+    """One sequence's table cut at random rBlock boundaries into `parts` runs on as many instances (one
+    pool: global ids), each instance's part rows through the kernel with residuals, merged per token,
+    against the unsplit kernel. Returns a dict of errors and times (ms)."""
+    (q, k, v, tables, kv_lens, cu), flops = _problem(rng, [q_len], [cached], H, block)
+    width = int(tables.shape[1])
+    cuts = np.sort(rng.choice(np.arange(1, width), parts - 1, replace=False))
+    owner = np.searchsorted(cuts, np.arange(width), side="right")  # run index = instance
+    placements = [[(int(owner[e]), int(tables[0, e])) for e in range(width)]]
+    pp = prefill_parts(placements, [q_len + cached], [q_len], block_size=block, instances=parts)
+    fn = _ours(residuals=True)
+    args = [(q[jnp.asarray(np.clip(pp.token_index[i], 0, q_len - 1))], k, v, jnp.asarray(pp.tables[i]),
+             jnp.asarray(pp.kv_lens[i]), jnp.asarray(pp.cu_q_lens[i]), jnp.asarray(pp.query_starts[i]))
+            for i in range(parts)]
+    part_fn = lambda qq, kk, vv, t, n, c, qs: fn(qq, kk, vv, t, n, c, query_starts=qs)
+    merge = jax.jit(lambda outs, ms, ls, ids: merge_partials(outs, ms, ls, segment_ids=ids, num_segments=q_len))
+
+    def split(*flat):
+        res = [part_fn(*flat[7 * i:7 * i + 7]) for i in range(parts)]
+        outs = jnp.concatenate([r[0] for r in res])
+        ms, ls = jnp.concatenate([r[1][0] for r in res]), jnp.concatenate([r[1][1] for r in res])
+        return merge(outs, ms, ls, jnp.asarray(pp.token_index.reshape(-1)))
+
+    flat = [x for a in args for x in a]
+    got, gm, gl = split(*flat)
+    want, (wm, wl) = fn(q, k, v, tables, kv_lens, cu)
+    finite = bool(jnp.all(jnp.isfinite(got)))
+    err = float(jnp.max(jnp.abs(got - want.astype(jnp.float32))))
+    res_err = max(float(jnp.max(jnp.abs(gm - wm))), float(jnp.max(jnp.abs(gl / wl - 1))))
+    t_split, t_whole = _time(split, *flat), _time(fn, q, k, v, tables, kv_lens, cu)
+    return dict(parts=parts, cuts=[int(c) for c in cuts], rows=int((pp.seq >= 0).sum()), max_err=err,
+                residual_err=res_err, finite=finite, ms_split=t_split * 1e3, ms_whole=t_whole * 1e3,
+                TFLOPs_whole=flops / t_whole / 1e12)
+
+
+def _ab(baseline, tokens, rounds, rec):
+    """Our default against the baseline's default on the same inputs, alternating rounds."""
+    rng = np.random.default_rng(1)
+    for T in tokens:
+        (q, k, v, tables, kv_lens, cu), flops = _problem(rng, [T], [0], H, 256)
+        inputs = (q, k, v, tables, kv_lens, cu)
+        base = jax.jit(functools.partial(baseline.ragged_prefill, interpret=False))
+        ours = _ours()
+        err = float(jnp.max(jnp.abs(ours(*inputs).astype(jnp.float32) - base(*inputs).astype(jnp.float32))))
+        times = {"baseline": [], "ours": []}
+        for _ in range(rounds):
+            for name, fn in (("baseline", base), ("ours", ours)):
+                times[name].append(_time(fn, *inputs) * 1e3)
+        med = {n: float(np.median(t)) for n, t in times.items()}
+        rec(what=f"ab_prefill{T // 1024}k", impl="ours_vs_baseline", config="defaults", ms_ours=med["ours"],
+            ms_baseline=med["baseline"], ratio=med["ours"] / med["baseline"], ms_ours_all=times["ours"],
+            ms_baseline_all=times["baseline"], TFLOPs=flops / (med["ours"] / 1e3) / 1e12,
+            max_diff_vs_baseline=err)
+        del inputs, q, k, v
+
+
 def _run_once(fa, tokens):
     """Our default kernel, then mha at MHA_CONFIG, once each (for a profiler or an IR dump)."""
     (q, k, v, tables, kv_lens, cu), _ = _problem(np.random.default_rng(0), [tokens], [0], H, 256)
@@ -134,6 +198,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="our default only, no sweep")
     parser.add_argument("--profile-only", action="store_true", help="run ours and mha once each at 16K, stop")
     parser.add_argument("--dump-ttir", default=None, help="save the Triton IR of ours and mha at 4K here, stop")
+    parser.add_argument("--ab", action="store_true", help="only the A/B against --baseline, parts, section 2")
+    parser.add_argument("--ab-rounds", type=int, default=5)
     args = parser.parse_args()
     from jax.experimental.pallas.ops.gpu import attention as fa
     if args.profile_only:
@@ -171,7 +237,21 @@ def main():
     baseline = _load_baseline(args.baseline) if args.baseline and os.path.exists(args.baseline) else None
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
     rng = np.random.default_rng(0)
-    for T in [int(t) for t in args.tokens.split(",")]:
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.ab:
+        if baseline is None:
+            raise SystemExit(f"--ab needs --baseline (an older ragged_prefill.py); got {args.baseline!r}")
+        _ab(baseline, tokens, args.ab_rounds, rec)
+    for q_len, cached, parts in [(16384, 0, 4), (4096, 12288, 3)]:
+        if time.perf_counter() - t_start > args.budget_s:
+            break
+        try:
+            rec(what=f"parts_q{q_len // 1024}k_cached{cached // 1024}k", impl="ours", config="default",
+                **_parts_check(rng, q_len, cached, parts))
+        except Exception as e:
+            rec(what=f"parts_q{q_len // 1024}k", impl="ours", config="default",
+                error=(type(e).__name__ + ": " + str(e))[:300])
+    for T in [] if args.ab else tokens:
         what = f"prefill{T // 1024}k"
         (q, k, v, tables, kv_lens, cu), flops = _problem(rng, [T], [0], H, 256)
         ks, vs = _seq_major(k, tables, T), _seq_major(v, tables, T)
@@ -246,6 +326,15 @@ def _print_table(rows):
             base[(r["what"], r["impl"])] = r["TFLOPs"]
     print(f"\n{'case':32} {'impl':9} {'config':34} {'ms':>8} {'TFLOP/s':>8} {'x mha':>6} {'x cudnn':>7} {'err':>8}")
     for r in rows:
+        if "ratio" in r:
+            print(f"{r['what']:32} A/B median ms: ours {r['ms_ours']:.3f}, baseline {r['ms_baseline']:.3f}, "
+                  f"ours / baseline {r['ratio']:.3f}, max diff {r['max_diff_vs_baseline']:.4f}")
+            continue
+        if "ms_split" in r:
+            print(f"{r['what']:32} {r['parts']} parts ({r['rows']} rows) merged vs unsplit: "
+                  f"max err {r['max_err']:.4f}, residual err {r['residual_err']:.2e}, finite {r['finite']}; ms split {r['ms_split']:.3f} "
+                  f"whole {r['ms_whole']:.3f}")
+            continue
         if "TFLOPs" not in r:
             print(f"{r['what']:32} {r['impl']:9} {str(r.get('config', '')):34} {r.get('error', '')[:60]}")
             continue

@@ -2,32 +2,34 @@
 
 Each instance on the mesh's `instance` axis holds its own pool shard; the pools are stacked on a
 leading instance axis sharded over it: `[instances, num_blocks, num_kv_heads, block_size, head_dim]`.
-A sequence's KV is cut into parts, one per instance (possibly empty): instance i holds positions
-`[start_i, start_i + len_i)` in its local rBlocks, listed in its own table row, the part's first token
-at row 0 of the first local rBlock. The query is replicated to every instance (the query travels to the
-KV, the KV never moves); inside `shard_map` every instance attends over its own part and returns the
-output with its residuals (row max, row sum of exponentials), the parts are gathered over the axis and
-merged exactly with `residuals.merge_partials`. Every instance ends with the whole result.
+The query is replicated to every instance (the query travels to the KV, the KV never moves); inside
+`shard_map` every instance attends over what it holds and returns the output with its residuals (row
+max, row sum of exponentials), the partials are gathered over the axis and merged exactly with
+`residuals.merge_partials`. Every instance ends with the whole result.
 
-Decode ignores where a part sits in the sequence (every key is visible to the one query token), so an
-instance's table may list its rBlocks of the sequence in any order as long as the partial last rBlock
-of the sequence, if it holds it, comes last. Prefill is causal: its parts carry their start positions.
+Decode: a sequence's KV is cut into parts, one per instance (possibly empty), listed in that instance's
+table row with its length. Decode ignores where a part sits in the sequence (every key is visible to the
+one query token), so an instance's table may list its rBlocks of the sequence in any order as long as the
+partial last rBlock of the sequence, if it holds it, comes last.
+
+Prefill is causal, so it works on PART ROWS (`sharding.prefill_parts`): each run of consecutive table
+entries of a sequence on one instance is a row of that instance's ragged batch, with its local table,
+its kv_len, its `query_starts` (where its keys sit relative to its queries) and the indices of its query
+tokens in the step's packed queries. An instance gathers its rows' query tokens, runs `ragged_prefill`
+over its rows with residuals, and the partials of every row on every instance are gathered over the
+axis and merged per query token (`merge_partials` by segment). Any number of runs of one sequence may
+lie on one instance, in any order.
 """
 
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pallas_kernels import kv_layout
 from pallas_kernels.ragged_decode import DecodeBlockSizes, ragged_decode, ragged_decode_reference
-from pallas_kernels.ragged_prefill import token_positions
+from pallas_kernels.ragged_prefill import PrefillBlockSizes, ragged_prefill, ragged_prefill_reference
 from pallas_kernels.residuals import merge_partials
-
-# Token rows at a time in the prefill part math: memory O(chunk x local context).
-_TOKEN_CHUNK = 64
 
 
 def shard_map(f, mesh: Mesh, in_specs, out_specs):
@@ -126,88 +128,90 @@ def dist_decode_attention(
     return fn(q, k_pools, v_pools, tables.astype(jnp.int32), lens.astype(jnp.int32), *scales)
 
 
-def _part_prefill(q, k_pool, v_pool, table, starts, lens, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale):
-    """One instance's part of causal ragged attention, float32 math (ragged_prefill_reference's, with keys
-    at positions start + j for j < len): (out [T, Hq, D] float32, row_max, row_sum [T, Hq])."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[1]
-    group = num_q_heads // num_kv_heads
-    seq, position, real = token_positions(cu_q_lens, kv_lens, num_tokens)
-    local_index = jnp.arange(table.shape[1] * k_pool.shape[2])
-    highest = jax.lax.Precision.HIGHEST
-
-    def one_token(args):
-        q_t, s, pos, is_real = args  # q_t [Hq, D]
-        keys = kv_layout.gather_sequences(k_pool, k_scale, table[s][None])[0]  # [Hkv, L, D]
-        values = kv_layout.gather_sequences(v_pool, v_scale, table[s][None])[0]
-        # A key at absolute position p is visible to a query at position pos iff p <= pos.
-        visible = (local_index < lens[s]) & (starts[s] + local_index <= pos) & is_real  # [L]
-        keys = jnp.where(visible[None, :, None], keys, 0.0)  # rows outside the part may hold anything
-        values = jnp.where(visible[None, :, None], values, 0.0)
-        q_t = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
-        scores = jnp.einsum("kgd,kld->kgl", q_t, keys, precision=highest) * sm_scale  # [Hkv, G, L]
-        scores = jnp.where(visible, scores, -jnp.inf)
-        row_max = jnp.max(scores, axis=-1)  # [Hkv, G]
-        safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-        p = jnp.exp(scores - safe_max[..., None])
-        row_sum = jnp.sum(p, axis=-1)
-        out = jnp.einsum("kgl,kld->kgd", p, values, precision=highest) / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
-        return out.reshape(num_q_heads, head_dim), row_max.reshape(num_q_heads), row_sum.reshape(num_q_heads)
-
-    return jax.lax.map(one_token, (q, seq, position, real), batch_size=_TOKEN_CHUNK)
-
-
 def dist_prefill_attention(
     q: jax.Array,
     k_pools: jax.Array,
     v_pools: jax.Array,
     tables: jax.Array,
-    starts: jax.Array,
-    lens: jax.Array,
-    cu_q_lens: jax.Array,
     kv_lens: jax.Array,
+    query_starts: jax.Array,
+    cu_q_lens: jax.Array,
+    token_index: jax.Array,
     *,
     mesh: Mesh,
     axis: str = "instance",
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     sm_scale: float | None = None,
+    reference: bool = False,
     return_residuals: bool = False,
+    block_sizes: PrefillBlockSizes | None = None,
+    interpret: bool | None = None,
 ):
-    """Causal ragged attention of packed query tokens over KV spread across the mesh's `axis` (pure jnp).
+    """Causal ragged attention of packed query tokens over KV spread across the mesh's `axis`, by part rows.
 
-    Sequence s owns query tokens cu_q_lens[s]:cu_q_lens[s+1], at positions kv_lens[s] - q_len + i
-    (as in `ragged_prefill`); instance i holds its positions [starts[i, s], starts[i, s] + lens[i, s]).
+    The last five arrays are `PrefillParts.device_args()` (sharding.prefill_parts): R part rows and T_l
+    packed query tokens per instance. Row r of instance i holds keys 0..kv_lens[i, r]-1 of one part of a
+    sequence in its local rBlocks tables[i, r]; its query tokens are q[token_index[i, cu_q_lens[i, r]:
+    cu_q_lens[i, r + 1]]], the first at position query_starts[i, r] relative to the row's key 0 (each
+    sees the row's keys up to its own position). Every query token's result is the exact merge of its
+    partials over all rows of all instances.
 
     Args:
-      q: [num_tokens, num_q_heads, head_dim], replicated.
-      k_pools, v_pools, k_scales, v_scales, tables, mesh, axis, sm_scale: as in `dist_decode_attention`.
-      starts: [instances, num_seqs] int32, the position of each part's first token.
-      lens: [instances, num_seqs] int32, the part's tokens (0: none).
-      cu_q_lens: [num_seqs + 1] int32, replicated.
-      kv_lens: [num_seqs] int32, each sequence's whole KV length (this chunk's tokens included), replicated.
+      q: [num_tokens, num_q_heads, head_dim] the step's packed query tokens, replicated.
+      k_pools, v_pools: [instances, num_blocks, num_kv_heads, block_size, head_dim], sharded on `axis`
+        (float, or int8 with scales).
+      tables: [instances, R, W] int32 local rBlock ids of each row.
+      kv_lens: [instances, R] int32 keys of each row (0: unused).
+      query_starts: [instances, R] int32 first query position of each row, relative to its key 0.
+      cu_q_lens: [instances, R + 1] int32 the rows' query tokens packed per instance.
+      token_index: [instances, T_l] int32 per packed local token, its index into q; outside
+        [0, num_tokens) for padding (ignored).
+      mesh, axis: the mesh and its instance axis.
+      k_scales, v_scales: [instances, num_blocks, num_kv_heads, block_size] float32 for int8 pools.
+      sm_scale: softmax scale, default 1/sqrt(head_dim).
+      reference: every instance runs `ragged_prefill_reference` (pure jnp) instead of the kernel.
+      return_residuals: also return the merged row max and row sum.
+      block_sizes, interpret: the prefill kernel's schedule and interpret flag.
 
     Returns:
-      out [num_tokens, num_q_heads, head_dim] in q.dtype (0 for padding tokens), and with
-      return_residuals `(row_max, row_sum)` [num_tokens, num_q_heads] float32, replicated.
+      out [num_tokens, num_q_heads, head_dim] in q.dtype (0 for tokens no row holds: padding), and with
+      return_residuals `(row_max, row_sum)` [num_tokens, num_q_heads] float32 (-inf and 0 there), replicated.
     """
-    _check(q, k_pools, v_pools, tables, lens, k_scales, v_scales, mesh, axis)
-    if starts.shape != lens.shape:
-        raise ValueError(f"starts {starts.shape} must be lens' shape {lens.shape}")
-    if cu_q_lens.shape != (tables.shape[1] + 1,) or kv_lens.shape != (tables.shape[1],):
-        raise ValueError(f"cu_q_lens {cu_q_lens.shape} and kv_lens {kv_lens.shape} must be [num_seqs + 1] and "
-                         f"[num_seqs] with num_seqs = {tables.shape[1]}")
+    instances = _check(q, k_pools, v_pools, tables, kv_lens, k_scales, v_scales, mesh, axis)
+    rows = tables.shape[1]
+    if query_starts.shape != kv_lens.shape:
+        raise ValueError(f"query_starts {query_starts.shape} must be kv_lens' shape {kv_lens.shape}")
+    if cu_q_lens.shape != (instances, rows + 1):
+        raise ValueError(f"cu_q_lens {cu_q_lens.shape} must be [instances, rows + 1] = {(instances, rows + 1)}")
+    if token_index.ndim != 2 or token_index.shape[0] != instances:
+        raise ValueError(f"token_index {token_index.shape} must be [instances={instances}, local tokens]")
     quantized = k_scales is not None
-    scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5
+    num_tokens = q.shape[0]
 
-    def local(q, cu, kv, k, v, table, start, n, *scales):
+    def local(q, k, v, table, n, starts, cu, index, *scales):
         k_scale, v_scale = (scales[0][0], scales[1][0]) if quantized else (None, None)
-        out, m, l = _part_prefill(q, k[0], v[0], table[0], start[0], n[0], cu, kv, k_scale, v_scale, scale)
-        return _merge(out, m, l, axis, q.dtype, return_residuals)
+        # The query travels to the KV: this instance's rows' tokens, packed (padding reads token 0).
+        q_local = q[jnp.clip(index[0], 0, num_tokens - 1)]  # [T_l, Hq, D]
+        args = (q_local, k[0], v[0], table[0], n[0], cu[0])
+        if reference:
+            out, (m, l) = ragged_prefill_reference(*args, query_starts=starts[0], k_scale=k_scale,
+                                                   v_scale=v_scale, sm_scale=sm_scale, return_residuals=True)
+        else:
+            out, (m, l) = ragged_prefill(*args, query_starts=starts[0], k_scale=k_scale, v_scale=v_scale,
+                                         sm_scale=sm_scale, return_residuals=True, block_sizes=block_sizes,
+                                         interpret=interpret)
+        outs, maxes, sums, ids = jax.lax.all_gather((out, m, l, index[0]), axis)  # [I, T_l, ...]
+        flat = lambda x: x.reshape((-1,) + x.shape[2:])  # [I * T_l, ...]
+        merged, total_max, total_sum = merge_partials(flat(outs), flat(maxes), flat(sums), segment_ids=flat(ids),
+                                                      num_segments=num_tokens)
+        merged = merged.astype(q.dtype)
+        return (merged, (total_max, total_sum)) if return_residuals else merged
 
     sharded = P(axis)
     scales = (k_scales, v_scales) if quantized else ()
     out_specs = (P(), (P(), P())) if return_residuals else P()
-    fn = shard_map(local, mesh, (P(),) * 3 + (sharded,) * (5 + len(scales)), out_specs)
-    return fn(q, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), k_pools, v_pools, tables.astype(jnp.int32),
-              starts.astype(jnp.int32), lens.astype(jnp.int32), *scales)
+    fn = shard_map(local, mesh, (P(),) + (sharded,) * (7 + len(scales)), out_specs)
+    as_i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return fn(q, k_pools, v_pools, as_i32(tables), as_i32(kv_lens), as_i32(query_starts), as_i32(cu_q_lens),
+              as_i32(token_index), *scales)

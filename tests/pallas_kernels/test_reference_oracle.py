@@ -11,8 +11,10 @@ from pallas_kernels.ragged_decode import ragged_decode_reference
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 
 
-def oracle(q, k_pool, v_pool, tables, kv_lens, cu_q_lens, k_scale=None, v_scale=None, sm_scale=None):
-    """Loop per sequence and query token in float64. Returns (out [T, Hq, D], row_max [T, Hq], row_sum [T, Hq])."""
+def oracle(q, k_pool, v_pool, tables, kv_lens, cu_q_lens, k_scale=None, v_scale=None, sm_scale=None,
+           query_starts=None):
+    """Loop per sequence and query token in float64. Returns (out [T, Hq, D], row_max [T, Hq], row_sum [T, Hq]).
+    query_starts: each sequence's first query position relative to key 0 of its row (default kv_len - q_len)."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k_pool, np.float64)
     v = np.asarray(v_pool, np.float64)
@@ -29,11 +31,12 @@ def oracle(q, k_pool, v_pool, tables, kv_lens, cu_q_lens, k_scale=None, v_scale=
     for s in range(len(kv_lens)):
         first, last = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
         for i, t in enumerate(range(first, last)):
-            position = int(kv_lens[s]) - (last - first) + i
+            start = int(kv_lens[s]) - (last - first) if query_starts is None else int(query_starts[s])
+            position = start + i
             for h in range(num_q_heads):
                 kh = h // group
                 scores, values = [], []
-                for p in range(position + 1):
+                for p in range(min(position + 1, int(kv_lens[s]))):  # none where position < 0
                     blk, row = int(tables[s, p // block_size]), p % block_size
                     scores.append(scale * float(q[t, h] @ k[blk, kh, row]))
                     values.append(v[blk, kh, row])
@@ -87,6 +90,29 @@ def test_prefill_reference_matches_oracle_with_cached_prefixes(int8):
     want = oracle(q, k, v, np.asarray(tables), np.asarray(kv_lens), np.asarray(cu_q_lens), ks, vs)
     check(got, want)
     assert np.all(np.asarray(got[0][-2:]) == 0)  # padding tokens
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_prefill_reference_matches_oracle_on_parts(int8):
+    """query_starts: positions before the row's keys (negative), inside them, and past its kv_len."""
+    rng = np.random.default_rng(20 + int(int8))
+    block_size, head_dim, num_q_heads, num_kv_heads = 8, 16, 4, 2
+    q_lens = np.array([5, 3, 1, 0, 7, 4])
+    kv_lens = jnp.asarray([5, 20, 9, 4, 3, 0], jnp.int32)
+    query_starts = jnp.asarray([-2, 7, 30, 0, -9, 1], jnp.int32)
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    num_tokens = int(q_lens.sum()) + 2
+    width = 3
+    num_blocks = len(q_lens) * width + 2
+    k, v, ks, vs = random_pools(rng, num_blocks, num_kv_heads, block_size, head_dim, int8)
+    tables = random_tables(rng, len(q_lens), width, num_blocks)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, head_dim)), jnp.float32)
+    got = ragged_prefill_reference(q, k, v, tables, kv_lens, cu_q_lens, query_starts=query_starts, k_scale=ks,
+                                   v_scale=vs, return_residuals=True)
+    want = oracle(q, k, v, np.asarray(tables), np.asarray(kv_lens), np.asarray(cu_q_lens), ks, vs,
+                  query_starts=np.asarray(query_starts))
+    check(got, want)
+    assert np.isinf(want[1]).sum() > 8  # rows that see nothing: the first of sequence 0, all of 4 and 5, padding
 
 
 def test_prefill_reference_custom_scale():

@@ -1,0 +1,190 @@
+"""Host-side (NumPy) part rows of a DistAttention prefill step: where each piece of each sequence's KV lives.
+
+A sequence's rBlock table, entry e holding positions [e * block_size, (e + 1) * block_size), is cut
+into maximal runs of consecutive entries on one instance. Each run becomes one PART ROW on its
+instance: the run's rBlocks as the row's local table, its keys (positions start .. end - 1, start =
+first entry x block_size) as the row's kv_len, and the sequence's query tokens that can see any of
+them (positions >= start) as the row's query tokens, packed per instance. A query at position p sits
+at p - start relative to key 0 of the row: `ragged_prefill`'s `query_starts`. Every (query, key) pair
+of the causal attention lies in exactly one row, so the rows' partial results, merged per query
+token with their residuals, are the whole attention (`dist_prefill_attention`).
+
+The runner builds a `PrefillParts` per step from the allocator's tables (`prefill_parts`, for tables
+of (instance, block) placements as `Allocation.table` holds them, or `prefill_parts_from_global` for a
+[S, W] table of global rBlock ids) and passes `parts.device_args()` to `dist_prefill_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillParts:
+    """Part rows of one prefill step, per instance (int32 NumPy arrays; I instances, R rows per instance,
+    W rBlocks per row, T_l query tokens per instance, padded to those sizes).
+
+    tables: [I, R, W] each row's local rBlock ids on its instance (0 past the row's rBlocks).
+    kv_lens: [I, R] the row's keys (0: an unused row).
+    query_starts: [I, R] the row's first query position relative to its key 0 (>= 0 here).
+    cu_q_lens: [I, R + 1] the rows' query tokens packed per instance.
+    token_index: [I, T_l] per packed local query token, its index in the step's packed queries; -1 past
+      cu_q_lens[i, -1] (padding).
+    seq: [I, R] the sequence the row belongs to, -1 for unused rows (host bookkeeping, not sent).
+    starts: [I, R] the absolute position of the row's key 0 (host bookkeeping, not sent).
+    """
+
+    tables: np.ndarray
+    kv_lens: np.ndarray
+    query_starts: np.ndarray
+    cu_q_lens: np.ndarray
+    token_index: np.ndarray
+    seq: np.ndarray
+    starts: np.ndarray
+
+    def __post_init__(self):
+        if self.tables.ndim != 3:
+            raise ValueError(f"tables must be [instances, rows, max_blocks], got shape {self.tables.shape}")
+        rows = self.tables.shape[:2]
+        for name in ("kv_lens", "query_starts", "seq", "starts"):
+            if getattr(self, name).shape != rows:
+                raise ValueError(f"{name} shape {getattr(self, name).shape} != [instances, rows] = {rows}")
+        if self.cu_q_lens.shape != (rows[0], rows[1] + 1):
+            raise ValueError(f"cu_q_lens shape {self.cu_q_lens.shape} != [instances, rows + 1] = "
+                             f"{(rows[0], rows[1] + 1)}")
+        if self.token_index.ndim != 2 or self.token_index.shape[0] != rows[0]:
+            raise ValueError(f"token_index shape {self.token_index.shape} != [instances={rows[0]}, tokens]")
+        if np.any(self.cu_q_lens[:, -1] > self.token_index.shape[1]):
+            raise ValueError(f"cu_q_lens ends at {int(self.cu_q_lens[:, -1].max())} query tokens; token_index "
+                             f"holds {self.token_index.shape[1]} per instance")
+
+    def device_args(self) -> tuple[np.ndarray, ...]:
+        """(tables, kv_lens, query_starts, cu_q_lens, token_index): dist_prefill_attention's arguments after
+        the pools."""
+        return self.tables, self.kv_lens, self.query_starts, self.cu_q_lens, self.token_index
+
+
+def _placement(p: Any) -> tuple[int, int]:
+    """(instance, block) of a `Placement` (anything with .instance and .block) or a 2-tuple."""
+    if hasattr(p, "instance"):
+        return int(p.instance), int(p.block)
+    instance, block = p
+    return int(instance), int(block)
+
+
+def _fit(name: str, needed: int, limit: int | None) -> int:
+    """The padded size: `limit` if given (raising when `needed` exceeds it), else needed (at least 1)."""
+    if limit is None:
+        return max(1, needed)
+    if needed > limit:
+        raise ValueError(f"this step needs {name} = {needed}, more than the bucket's {limit}")
+    return limit
+
+
+def prefill_parts(
+    tables: Sequence[Sequence[Any]],
+    kv_lens: Sequence[int],
+    q_lens: Sequence[int],
+    *,
+    block_size: int,
+    instances: int,
+    max_rows: int | None = None,
+    max_blocks: int | None = None,
+    max_tokens: int | None = None,
+) -> PrefillParts:
+    """Part rows of a prefill step from per-sequence tables of (instance, block) placements.
+
+    Args:
+      tables: per sequence, its rBlock table: entry e (a `Placement` or an (instance, block) pair) holds
+        positions [e * block_size, (e + 1) * block_size); entries past the sequence's kv_len are ignored.
+      kv_lens: per sequence, its KV tokens including this step's query tokens.
+      q_lens: per sequence, its query tokens this step, packed in sequence order (the last q_len
+        positions of its KV; 0: no row).
+      block_size: tokens per rBlock.
+      instances: instances on the mesh axis.
+      max_rows, max_blocks, max_tokens: pad rows per instance, rBlocks per row and query tokens per
+        instance to these (a bucket; ValueError if the step needs more); default the step's own maxima.
+
+    Returns:
+      PrefillParts with one row per run of consecutive table entries on one instance.
+    """
+    if len(tables) != len(kv_lens) or len(q_lens) != len(kv_lens):
+        raise ValueError(f"tables ({len(tables)}), kv_lens ({len(kv_lens)}) and q_lens ({len(q_lens)}) must "
+                         "have one entry per sequence")
+    if block_size <= 0 or instances <= 0:
+        raise ValueError(f"block_size {block_size} and instances {instances} must be positive")
+    rows: list[list[tuple[int, list[int], int, int, int, int]]] = [[] for _ in range(instances)]
+    first_token = 0
+    for s, (table, kv_len, q_len) in enumerate(zip(tables, kv_lens, q_lens)):
+        kv_len, q_len = int(kv_len), int(q_len)
+        if not 0 <= q_len <= kv_len:
+            raise ValueError(f"sequence {s}: q_len {q_len} must be in [0, kv_len {kv_len}]")
+        used = -(-kv_len // block_size)
+        if used > len(table):
+            raise ValueError(f"sequence {s}: kv_len {kv_len} needs {used} rBlocks of {block_size}; its table has "
+                             f"{len(table)}")
+        chunk = kv_len - q_len  # the first query position
+        runs: list[tuple[int, int, list[int]]] = []  # (instance, first entry, local blocks)
+        for e in range(used if q_len else 0):
+            instance, block = _placement(table[e])
+            if not 0 <= instance < instances:
+                raise ValueError(f"sequence {s}: table entry {e} is on instance {instance}, outside [0, {instances})")
+            if runs and runs[-1][0] == instance:
+                runs[-1][2].append(block)
+            else:
+                runs.append((instance, e, [block]))
+        for instance, e, blocks in runs:
+            start = e * block_size
+            end = min(start + len(blocks) * block_size, kv_len)
+            first = max(chunk, start)  # queries before the run see none of it
+            tokens = np.arange(first - chunk, q_len, dtype=np.int64) + first_token
+            rows[instance].append((s, blocks, end - start, first - start, start, tokens))
+        first_token += q_len
+    num_rows = _fit("rows per instance", max(len(r) for r in rows), max_rows)
+    width = _fit("rBlocks per row", max((len(row[1]) for r in rows for row in r), default=0), max_blocks)
+    num_tokens = _fit("query tokens per instance", max(sum(len(row[5]) for row in r) for r in rows), max_tokens)
+    out = dict(tables=np.zeros((instances, num_rows, width), np.int32),
+               kv_lens=np.zeros((instances, num_rows), np.int32),
+               query_starts=np.zeros((instances, num_rows), np.int32),
+               cu_q_lens=np.zeros((instances, num_rows + 1), np.int32),
+               token_index=np.full((instances, num_tokens), -1, np.int32),
+               seq=np.full((instances, num_rows), -1, np.int32),
+               starts=np.zeros((instances, num_rows), np.int32))
+    for i, instance_rows in enumerate(rows):
+        count = 0
+        for r, (s, blocks, kv_len, query_start, start, tokens) in enumerate(instance_rows):
+            out["tables"][i, r, :len(blocks)] = blocks
+            out["kv_lens"][i, r], out["query_starts"][i, r] = kv_len, query_start
+            out["seq"][i, r], out["starts"][i, r] = s, start
+            out["token_index"][i, count:count + len(tokens)] = tokens
+            count += len(tokens)
+            out["cu_q_lens"][i, r + 1] = count
+        out["cu_q_lens"][i, len(instance_rows) + 1:] = count
+    return PrefillParts(**out)
+
+
+def prefill_parts_from_global(
+    tables: np.ndarray,
+    kv_lens: Sequence[int],
+    q_lens: Sequence[int],
+    *,
+    block_size: int,
+    blocks_per_instance: int,
+    instances: int,
+    max_rows: int | None = None,
+    max_blocks: int | None = None,
+    max_tokens: int | None = None,
+) -> PrefillParts:
+    """`prefill_parts` for a [S, W] table of global rBlock ids: id g is rBlock g % blocks_per_instance of
+    instance g // blocks_per_instance."""
+    tables = np.asarray(tables)
+    if tables.ndim != 2:
+        raise ValueError(f"tables must be [num_seqs, max_blocks] global rBlock ids, got shape {tables.shape}")
+    if blocks_per_instance <= 0:
+        raise ValueError(f"blocks_per_instance {blocks_per_instance} must be positive")
+    placements = [[(int(g) // blocks_per_instance, int(g) % blocks_per_instance) for g in row] for row in tables]
+    return prefill_parts(placements, kv_lens, q_lens, block_size=block_size, instances=instances, max_rows=max_rows,
+                         max_blocks=max_blocks, max_tokens=max_tokens)

@@ -1,0 +1,246 @@
+"""The distributed design at full size, on every GPU the machine has (issue: run on several GPUs).
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 PYTHONPATH=$PWD python3 scripts/bench_mesh.py --out $OUT
+
+(a) longest: Llama-2-7B shape, random bf16 weights, the `instance` axis over every device: the longest single
+    sequence that prefills and decodes with its KV spread over every device by lending (DistKV), with the
+    time to prefill it, ms/token at that length and the floor beside it (each device reads the weights and its
+    share of the KV at the HBM bandwidth; the step is as slow as the device holding the most), against the
+    longest one device's pool holds.
+(b) tensor: Llama-2-70B shape, tensor parallel over every device: batch-1 ms/token at --tp-contexts against
+    the floor. Skipped (with the reason in the JSON) where the weights do not fit the devices.
+(c) skew: --skew-instances x (devices / instances) tensor parallel, a skewed load (every other request
+    generates --skew-long tokens, the rest --skew-short; routing balances prompt tokens, so the long ones
+    share instances), each instance's pool --skew-blocks rBlocks: throughput and preemptions with lending
+    on and off.
+
+--dry-run runs the same code on the CPU's host devices with the tiny model and small pools (the test suite
+does, on 8 devices), to keep the script working where no GPU is.
+Writes JSON to --out (benchmarks/results/ by default) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import numpy as np
+
+import harness
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _weight_bytes(llm) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.runner.state))
+
+
+def _drive(llm, requests) -> tuple[dict, list[float], list[float]]:
+    """Run requests to their ends (LLM.run); (outputs by id, prefill step times, decode step times): a step's
+    time is the gap between its tokens and the previous step's reaching the host."""
+    prefill, decode = [], []
+    last = time.perf_counter()
+
+    def on_step(_outputs) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        (decode if llm.core.last_plan.is_decode else prefill).append(now - last)
+        last = now
+
+    outputs = llm.run(requests, on_step=on_step)
+    return outputs, prefill, decode
+
+
+def _generated(outputs) -> int:
+    return sum(len(o.token_ids) for outs in outputs.values() for o in outs)
+
+
+def _engine(model: str, *, dry_run: bool, max_context: int | None, **options):
+    from jaxllm import LLM, EngineOptions
+
+    dtype = None if dry_run else "bfloat16"
+    return LLM(model, dtype=dtype, max_context=max_context, options=EngineOptions(**options), progress=not dry_run)
+
+
+def longest(args, devices: int, floor_tb_s: float | None) -> dict:
+    """(a): one sequence as long as the whole mesh's pools allow, prefilled and decoded."""
+    from jaxllm.engine.core import Request
+    from jaxllm.engine.kv_cache import kv_bytes_per_block
+    from jaxllm.engine.sampling import SamplingParams
+
+    llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=devices,
+                  max_seqs=1, max_tokens_per_step=args.chunk, num_blocks=args.num_blocks, block_size=args.block_size,
+                  kv_dtype=args.kv_dtype)
+    info = llm.info()
+    per_instance_tokens = info.num_blocks // devices * info.block_size
+    length = llm.context_limit - args.new_tokens
+    _log(f"[longest] {devices} instance(s) x {per_instance_tokens} tokens of KV each: a prompt of {length} tokens")
+    prompt = np.random.default_rng(0).integers(3, 259, size=length).tolist()
+    t0 = time.perf_counter()
+    outputs, prefill, decode = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=args.new_tokens,
+                                                                             ignore_eos=True))])
+    wall = time.perf_counter() - t0
+    stats = llm.core.stats()
+    ms = [1e3 * t for t in decode[2:]] or [1e3 * t for t in decode]  # the first decode steps compile
+    kv_token = kv_bytes_per_block(llm.runner.config, info.block_size, info.kv_dtype) / info.block_size
+    context = length + args.new_tokens
+    # The device holding the most KV sets the step: its home pool is full, the rest is spread by lending.
+    most_kv = min(context, per_instance_tokens) * kv_token
+    weights = _weight_bytes(llm)
+    floor_ms = 1e3 * (weights + most_kv) / (floor_tb_s * 1e12) if floor_tb_s else None
+    result = dict(instances=devices, kv_dtype=info.kv_dtype, block_size=info.block_size,
+                  per_instance_pool_tokens=per_instance_tokens, context_tokens=context, prompt_tokens=length,
+                  ratio_to_one_pool=context / per_instance_tokens, prefill_s=sum(prefill), wall_s=wall,
+                  decode_ms_per_token=float(np.median(ms)) if ms else None, decode_spread=harness.spread(ms) if ms else None,
+                  floor_ms=floor_ms, fraction_of_floor=(floor_ms / float(np.median(ms))) if floor_ms and ms else None,
+                  generated=_generated(outputs), rblocks_lent=stats.loans_total, dist_steps=stats.dist_steps_total,
+                  steps=stats.steps_total, preemptions=stats.preemptions_total, compiles=llm.compile_count)
+    llm.close()
+    del llm
+    gc.collect()
+    return result
+
+
+def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
+    """(b): the 70B shape split over every device, batch-1 decode at each context."""
+    from jaxllm.engine.core import Request
+    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.model.config import preset
+    from sharding.mesh import check_tensor_parallel
+
+    config = preset(args.tp_model)
+    try:
+        check_tensor_parallel(config, devices)
+    except ValueError as e:
+        return dict(skipped=str(e))
+    c = config  # bf16 weights: embedding and head, q/k/v and o, the MLP
+    weights = 2 * (2 * c.vocab_size * c.hidden_size + c.num_layers * (
+        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+        + 3 * c.hidden_size * c.intermediate_size))
+    if not args.dry_run:
+        import jax
+
+        limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+        need = (weights or 0) / devices * 1.15
+        if need > limit:
+            return dict(skipped=f"{args.tp_model} needs about {need / 2**30:.0f} GiB of weights a device over "
+                                f"{devices} device(s); a device has {limit / 2**30:.0f} GiB")
+    rows = []
+    llm = _engine(args.tp_model, dry_run=args.dry_run, max_context=max(args.tp_contexts) + args.new_tokens + 1,
+                  tensor_parallel=devices, max_seqs=1, max_tokens_per_step=args.chunk, block_size=args.block_size)
+    info = llm.info()
+    from jaxllm.engine.kv_cache import kv_bytes_per_block
+
+    kv_token = kv_bytes_per_block(llm.runner.config, info.block_size, info.kv_dtype) / info.block_size
+    for context in args.tp_contexts:
+        prompt = np.random.default_rng(1).integers(3, 259, size=context).tolist()
+        _, _, decode = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))])
+        ms = [1e3 * t for t in decode[2:]] or [1e3 * t for t in decode]
+        floor_ms = 1e3 * (_weight_bytes(llm) + context * kv_token) / devices / (floor_tb_s * 1e12) if floor_tb_s else None
+        rows.append(dict(context=context, decode_ms_per_token=float(np.median(ms)), spread=harness.spread(ms),
+                         floor_ms=floor_ms))
+    llm.close()
+    del llm
+    gc.collect()
+    return dict(model=args.tp_model, tensor_parallel=devices, rows=rows)
+
+
+def skew(args, devices: int) -> dict:
+    """(c): instances x tensor parallel with a skewed load, lending on and off."""
+    from jaxllm.engine.core import Request
+    from jaxllm.engine.sampling import SamplingParams
+
+    instances = args.skew_instances or devices
+    if devices % instances:
+        return dict(skipped=f"{instances} instances do not divide {devices} devices")
+    tp = devices // instances
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 259, size=args.skew_prompt).tolist() for _ in range(args.skew_requests)]
+    out = {}
+    for lending in (True, False):
+        llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=instances,
+                      tensor_parallel=tp, lending=lending, num_blocks=args.skew_blocks, block_size=args.block_size,
+                      max_tokens_per_step=args.chunk, prefix_caching=False)
+        requests = [Request(p, SamplingParams(max_new_tokens=args.skew_long if i % 2 == 0 else args.skew_short,
+                                              ignore_eos=True)) for i, p in enumerate(prompts)]
+        _log(f"[skew] {instances} instances x TP {tp}, lending {'on' if lending else 'off'}")
+        t0 = time.perf_counter()
+        outputs, _, _ = _drive(llm, requests)
+        wall = time.perf_counter() - t0
+        stats = llm.core.stats()
+        generated = _generated(outputs)
+        out["on" if lending else "off"] = dict(wall_s=wall, generated=generated, tokens_per_s=generated / wall,
+                                               preemptions=stats.preemptions_total, rblocks_lent=stats.loans_total,
+                                               recalled=stats.recalled_blocks_total, dist_steps=stats.dist_steps_total,
+                                               steps=stats.steps_total, compiles=llm.compile_count)
+        llm.close()
+        del llm
+        gc.collect()
+    return dict(instances=instances, tensor_parallel=tp, requests=args.skew_requests, prompt=args.skew_prompt,
+                long=args.skew_long, short=args.skew_short, pool_blocks=args.skew_blocks, **out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["longest", "tensor", "skew"], choices=["longest", "tensor", "skew"])
+    p.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU's host devices, small pools")
+    p.add_argument("--model", default=None, help="(a) and (c)'s model (default: llama2-7b; tiny with --dry-run)")
+    p.add_argument("--tp-model", default=None, help="(b)'s model (default: llama2-70b; tiny with --dry-run)")
+    p.add_argument("--kv-dtype", default=None, help="KV pool dtype for (a) (default: the model's)")
+    p.add_argument("--max-context", type=int, default=1 << 22, help="context limit (the pools bind first)")
+    p.add_argument("--num-blocks", type=int, default=None, help="(a): rBlocks an instance (default: from memory)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--chunk", type=int, default=8192, help="prefill tokens a step")
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--tp-contexts", type=int, nargs="+", default=[4096, 131072])
+    p.add_argument("--skew-instances", type=int, default=None, help="(c): instances (default: every device)")
+    p.add_argument("--skew-requests", type=int, default=8)
+    p.add_argument("--skew-prompt", type=int, default=1024)
+    p.add_argument("--skew-long", type=int, default=1536)
+    p.add_argument("--skew-short", type=int, default=64)
+    p.add_argument("--skew-blocks", type=int, default=32, help="(c): rBlocks an instance")
+    p.add_argument("--out", default=harness.RESULTS_DIR)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+        args.model = args.model or "tiny"
+        args.tp_model = args.tp_model or "tiny"
+        args.num_blocks = args.num_blocks or 4
+        args.block_size = args.block_size or 16
+        args.chunk = min(args.chunk, 128)
+        args.new_tokens = min(args.new_tokens, 6)
+        args.max_context = min(args.max_context, 4096)
+        args.tp_contexts = [min(c, 96) for c in args.tp_contexts][:1]
+        args.skew_requests, args.skew_prompt = min(args.skew_requests, 4), min(args.skew_prompt, 40)
+        args.skew_long, args.skew_short, args.skew_blocks = min(args.skew_long, 60), min(args.skew_short, 4), 8
+        args.skew_instances = args.skew_instances or 2
+    args.model = args.model or "llama2-7b"
+    args.tp_model = args.tp_model or "llama2-70b"
+    import jax
+
+    devices = jax.device_count()
+    device = harness.device_kind()
+    floor = None if args.dry_run else harness.hbm_floor_tb_s(device)
+    result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model)
+    for part, run in (("longest", lambda: longest(args, devices, floor)), ("tensor", lambda: tensor(args, devices, floor)),
+                      ("skew", lambda: skew(args, devices))):
+        if part in args.parts:
+            _log(f"[{part}] on {devices} x {device}")
+            result[part] = run()
+            _log(f"[{part}] {result[part]}")
+    name = f"mesh-x{devices}" + ("-dry-run" if args.dry_run else "")
+    path = os.path.join(args.out, harness.result_stem(device, name) + ".json")
+    harness.write_json(path, result)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -164,7 +164,7 @@ def skew(args, devices: int) -> dict:
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 259, size=args.skew_prompt).tolist() for _ in range(args.skew_requests)]
     out = {}
-    for lending in (True, False):
+    for lending in [mode == "on" for mode in args.skew_lending]:
         llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=instances,
                       tensor_parallel=tp, lending=lending, num_blocks=args.skew_blocks, block_size=args.block_size,
                       max_tokens_per_step=args.chunk, prefix_caching=False)
@@ -206,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--skew-long", type=int, default=1536)
     p.add_argument("--skew-short", type=int, default=64)
     p.add_argument("--skew-blocks", type=int, default=32, help="(c): rBlocks an instance")
+    p.add_argument("--skew-lending", nargs="+", default=["on", "off"], choices=["on", "off"],
+                   help="(c): lending modes to run (one a process keeps two engines' memory apart)")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
     if args.dry_run:

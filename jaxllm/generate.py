@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
     p.add_argument("--no-stream", action="store_true", help="print each completion when done instead of streaming")
+    p.add_argument("--compile-cache", default=None, metavar="DIR", help="JAX's persistent compilation cache in DIR, "
+                   "so a restart compiles nothing (default: $JAXLLM_COMPILE_CACHE; unset: off)")
+    p.add_argument("--tuner", choices=("auto", "fixed"), default="auto", help="each step's kernels: auto (the "
+                   "learned cost model where one was trained for this GPU, else fixed) or fixed (the defaults) "
+                   "(default: auto)")
     add_mesh_flags(p)
     return p
 
@@ -43,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = None
     try:
-        options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances)
+        options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances,
+                                tuner=args.tuner, compile_cache_dir=args.compile_cache)
         llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
                   progress=is_leader())
         if not is_leader():  # the same steps as process 0, on this process's devices; no output

@@ -136,9 +136,9 @@ class Buckets:
         return (bucket - smallest) / bucket
 
     def max_waste(self, decode: bool, *, above_smallest: bool = True) -> float:
-        """The largest waste_bound over the buckets; above_smallest leaves out the smallest prefill
-        bucket (whose floor min_tokens is a choice, not the rounding)."""
+        """The largest waste_bound over the buckets (0.0 if none); above_smallest leaves out the smallest
+        prefill bucket (whose floor min_tokens is a choice, not the rounding)."""
         sizes = self.sizes(decode)
         if above_smallest and not decode:
-            sizes = sizes[1:] or sizes
-        return max(self.waste_bound(decode, b) for b in sizes)
+            sizes = sizes[1:]
+        return max((self.waste_bound(decode, b) for b in sizes), default=0.0)

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for prompt, completion in zip(args.prompt, llm.generate(args.prompt, **sampling)):
                 print(f"{prompt}{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]")
-        print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles]",
+        print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles, "
+              f"{llm.runner.xla_compiles} by XLA]",
               file=sys.stderr)
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

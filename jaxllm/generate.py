@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=None, metavar="DIR", help="JAX's persistent compilation cache in DIR, "
                    "so a restart compiles nothing (default: $JAXLLM_COMPILE_CACHE; unset: off)")
     p.add_argument("--tuner", choices=("auto", "fixed"), default="auto", help="each step's kernels: auto (the "
-                   "learned cost model where one was trained for this GPU, else fixed) or fixed (the defaults) "
+                   "learned cost model where one was trained for this GPU, else fixed) or fixed (the backend's own kernels) "
                    "(default: auto)")
     add_mesh_flags(p)
     return p

@@ -69,6 +69,8 @@ def test_batch_one_decode_keeps_its_shape_and_limits_are_enforced():
         b.waste_bound(True, 3)
 
 
+@pytest.mark.slow  # ten compiles, about 30 s on two CPU cores
+@pytest.mark.xdist_group("tuner_compiles")
 def test_shapes_listed_are_the_shapes_warm_up_runs(monkeypatch):
     config = LlamaConfig.tiny(num_layers=1)
     runner = Runner(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 8, 8, jnp.float32), max_seqs=3,

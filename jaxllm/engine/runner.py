@@ -4,8 +4,9 @@ Shapes come from a small set of buckets, so a long-running server compiles a bou
 step functions, all of them at warm-up: a decode step is shaped by its sequence count alone (a
 power of two), a prefill/mixed step by its token count alone (a power of two; its sequence axis
 padded to the same size, capped at max_seqs), and the rBlock-table width is fixed by the context
-limit (jaxllm.tuner.buckets.Buckets owns the rule and states the padding waste it accepts). A decode step whose sequences are all greedy has its own variant that takes the argmax and
-skips sampling's full-vocabulary sort (the sort costs tens to hundreds of microseconds a step, the argmax
+limit (jaxllm.tuner.buckets.Buckets owns the rule and states the padding waste it accepts). A decode
+step whose sequences are all greedy has its own variant that takes the argmax and skips sampling's
+full-vocabulary sort (the sort costs tens to hundreds of microseconds a step, the argmax
 a few: scripts/bench_sampling.py, benchmarks/NOTES.md); prefill steps always carry the sampler, so warm-up compiles one more
 function per decode bucket only. A step in which some sequence wants log-probabilities runs a variant
 of its step that also returns them (the top `max_logprobs`), so the plain variants, and decode speed,
@@ -110,6 +111,10 @@ class Runner:
     on it (sharding.rules.shard_params / shard_kv_pool); the steps are jitted with those shardings in
     and out (the pool donated), the inputs and the sampled tokens / logits replicated, and the kernels
     wrapped for the mesh (sharding.tensor_parallel.tensor_parallel_kernels).
+
+    tuner: the StepTuner that lists each bucket's Kernels variants and picks one per step (default
+    FixedTuner(kernels): one variant, the backend's kernels); its Kernels are unwrapped, the runner
+    wraps them for the mesh. Set it before warm-up: each bucket's variants are asked once.
 
     On a multi-process mesh every process holds a Runner over the same mesh and runs the same jitted
     calls (../shared/DESIGN.md decision 6): process 0's runner sends each call (which step, the greedy

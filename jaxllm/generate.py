@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock (default: 256 on a GPU, 16 on the CPU)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV rBlocks per layer of each instance's pool (default: from memory)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR", help="JAX's persistent compilation cache in DIR, "
+                   "so a restart compiles nothing (default: $JAXLLM_COMPILE_CACHE; unset: off)")
+    p.add_argument("--tuner", choices=("auto", "fixed"), default="auto", help="each step's kernels: auto (the "
+                   "learned cost model where one was trained for this GPU, else fixed) or fixed (the backend's own kernels) "
+                   "(default: auto)")
     add_mesh_flags(p)
     return p
 
@@ -47,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = None
     try:
         options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances,
-                                lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks)
+                                lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks,
+                                tuner=args.tuner, compile_cache_dir=args.compile_cache)
         llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
                   progress=is_leader())
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
@@ -71,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = llm.core.stats()
         lending = (f", {stats.loans_total} rBlocks lent between instances, {stats.preemptions_total} preemptions"
                    if args.instances > 1 else "")
-        print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles{lending}]",
+        print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles, "
+              f"{llm.runner.xla_compiles} by XLA{lending}]",
               file=sys.stderr)
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import jax
@@ -24,10 +25,13 @@ from jaxllm.model.chat import chat_prompt
 from jaxllm.model.checkpoints import load_model
 from jaxllm.model.generation_config import load_generation_defaults
 from jaxllm.model.llama import abstract_model
-from pallas_kernels.dispatch import BACKENDS
+from jaxllm.tuner.compile_cache import enable_persistent_cache, resolve_cache_dir
+from jaxllm.tuner.fixed import FixedTuner
+from pallas_kernels.dispatch import BACKENDS, default_kernels
 from sharding.mesh import check_tensor_parallel, instance_hosts, make_mesh
 from sharding.rules import kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
 
+TUNERS = ("auto", "fixed")
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
 
 
@@ -71,6 +75,12 @@ class EngineOptions:
     # Top tokens a request may ask log-probabilities of (SamplingParams.logprobs); 0: none, and no
     # logprob step variants are compiled.
     max_logprobs: int = 0
+    # Which kernels each step runs: "auto" (the learned tuner if a cost model was trained for this
+    # device kind, else "fixed", said once) or "fixed" (the backend's defaults for every bucket).
+    tuner: str = "auto"
+    # JAX's persistent compilation cache in this directory (created if missing), so a restart compiles
+    # nothing; None: $JAXLLM_COMPILE_CACHE if set, else off.
+    compile_cache_dir: str | None = None
 
     def __post_init__(self):
         for name in ("tensor_parallel", "instances"):
@@ -89,6 +99,11 @@ class EngineOptions:
             raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of {BACKENDS}")
+        if self.tuner not in TUNERS:
+            raise ValueError(f"tuner {self.tuner!r} is not one of {TUNERS}")
+        if self.compile_cache_dir is not None and (not isinstance(self.compile_cache_dir, str)
+                                                   or not self.compile_cache_dir):
+            raise ValueError(f"compile_cache_dir must be a non-empty path or None, got {self.compile_cache_dir!r}")
 
 
 class LLM:
@@ -104,6 +119,11 @@ class LLM:
     def __init__(self, model: str, *, dtype=None, max_context: int | None = None,
                  options: EngineOptions | None = None, progress: bool = True):
         self.options = options or EngineOptions()
+        cache_dir = resolve_cache_dir(self.options.compile_cache_dir)
+        if cache_dir is not None:  # before anything compiles, so loading's small programs are cached too
+            self.compile_cache_dir = enable_persistent_cache(cache_dir)
+        else:
+            self.compile_cache_dir = None
         tp, instances = self.options.tensor_parallel, self.options.instances
         # A mesh only where one is asked for (or several processes share the run): one device in one
         # process takes exactly the path it always took.
@@ -138,10 +158,12 @@ class LLM:
         reach = num_blocks * (instances if self.options.lending else 1)
         # The table is as wide as the longest sequence the pool and context limit allow.
         longest = min(self.max_context + 1, reach * block_size)
+        base = default_kernels(self.options.attention_backend, head_dim=step_model.config.head_dim)
         runner_args = dict(max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
                            table_width=-(-longest // block_size), backend=self.options.attention_backend,
-                           mesh=self.mesh, max_logprobs=self.options.max_logprobs)
+                           kernels=base, mesh=self.mesh, max_logprobs=self.options.max_logprobs)
         if instances > 1:
+            # Every instance runs the base kernels (the tuner chooses per step on one instance).
             self.runner = InstanceRunner(step_model, kv_cache, instances=instances, blocks_per_instance=num_blocks,
                                          **runner_args)
             self.scheduler = InstanceSchedulers(instances, num_blocks, block_size, max_tokens_per_step=max_step,
@@ -149,7 +171,8 @@ class LLM:
                                                 hosts=instance_hosts(self.mesh))
             self.allocator = self.scheduler.allocator
         else:
-            self.runner = Runner(step_model, kv_cache, **runner_args)
+            self.runner = Runner(step_model, kv_cache, **runner_args, tuner=self._tuner(
+                base, step_model.config, jnp.dtype(kv_dtype(pool_dtype)).name, progress))
             self.allocator = BlockAllocator(num_blocks)
             self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
                                        max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
@@ -159,6 +182,19 @@ class LLM:
                                     vocab_size=self.config.vocab_size, max_logprobs=self.options.max_logprobs)
         self.core = EngineCore(self.scheduler, self.runner, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)
+
+    def _tuner(self, base, config, pool_dtype, progress: bool):
+        """The StepTuner EngineOptions.tuner names, over the backend's default kernels `base`."""
+        if self.options.tuner == "fixed":
+            return FixedTuner(base)
+        from jaxllm.tuner import load_tuner  # tunerml's: FixedTuner(base) where no model was trained
+
+        device_kind = jax.devices()[0].device_kind
+        tuner = load_tuner(base, device_kind=device_kind, config=config, kv_dtype=pool_dtype)
+        if isinstance(tuner, FixedTuner) and progress:
+            print(f"[jaxllm] tuner: no trained cost model for {device_kind!r}; every step runs the default kernels",
+                  file=sys.stderr, flush=True)
+        return tuner
 
     def _placed_model(self):
         """The loaded model ready for the mesh: KV heads replicated where the tensor axis exceeds them

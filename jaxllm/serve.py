@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-only", action="store_true", help="serve the HTTP API only, no gRPC (needs --http-port)")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
                    help="HTTP API: require 'Authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: no key)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR", help="JAX's persistent compilation cache in DIR, "
+                   "so a restart compiles nothing (default: $JAXLLM_COMPILE_CACHE; unset: off)")
+    p.add_argument("--tuner", choices=("auto", "fixed"), default="auto", help="each step's kernels: auto (the "
+                   "learned cost model where one was trained for this GPU, else fixed) or fixed (the backend's own kernels) "
+                   "(default: auto)")
     add_mesh_flags(p)
     return p
 
@@ -90,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         check_model_name(args.model)
         options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                                 max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
-                                prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel, lending=not args.no_lending,
-                                instances=args.instances, max_logprobs=args.max_logprobs)
+                                prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
+                                lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
+                                tuner=args.tuner, compile_cache_dir=args.compile_cache)
         start_processes(args)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -62,7 +62,8 @@ class _Metric:
 
 
 class Counter(_Metric):
-    """A value that only goes up; `fn` (no labels) reads it from elsewhere at scrape time."""
+    """A value that only goes up; `fn` reads it from elsewhere at scrape time: a number, or with labels a
+    {label values tuple: number} dict (one sample each)."""
 
     kind = "counter"
 
@@ -79,6 +80,10 @@ class Counter(_Metric):
             self._values[key] = self._values.get(key, 0.0) + amount
 
     def render(self) -> list[str]:
+        if self._fn is not None and self.label_names:
+            values = self._fn() or {}
+            return self.header() + [f"{self.name}{_labels(self.label_names, k)} {_format_value(v)}"
+                                    for k, v in sorted(values.items())]
         if self._fn is not None:
             return self.header() + [f"{self.name} {_format_value(self._fn())}"]
         with self._lock:
@@ -220,6 +225,16 @@ def register_engine_metrics(registry: Registry, engine) -> None:
     r.counter("jaxllm_engine_steps_total", "engine steps run", fn=read(lambda e: e.stats().steps_total))
     r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
               fn=read(lambda e: e.stats().compile_count))
+    r.counter("jaxllm_xla_compiles_total", "executables XLA compiled for engine steps (not persistent-cache reads)",
+              fn=read(lambda e: e.stats().xla_compiles))
+    r.counter("jaxllm_persistent_cache_hits_total", "step executables read from the persistent compilation cache",
+              fn=read(lambda e: e.stats().persistent_cache_hits))
+    r.counter("jaxllm_bucket_steps_total", "steps served per shape bucket (kind decode|prefill, padded size)",
+              ("kind", "size"), fn=read(lambda e: {(k, s): n for k, s, n in e.stats().bucket_steps}))
+    r.counter("jaxllm_padding_tokens_total", "padding tokens run: padded minus real tokens, over served steps",
+              fn=read(lambda e: e.stats().padding_tokens_total))
+    r.counter("jaxllm_tuner_events_total", "the step tuner's counters (stat: predictions, cache_hits, ...)",
+              ("stat",), fn=read(lambda e: {(name,): v for name, v in e.stats().tuner}))
     r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=read(lambda e: e.stats().queue_depth))
     r.gauge("jaxllm_running_requests", "requests in the running batch", fn=read(lambda e: e.stats().running))
     r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use", fn=read(lambda e: e.stats().pool_usage))

@@ -103,6 +103,10 @@ class EngineStats:
     """A snapshot of counters since start-up and of the current load.
 
     ttft/tpot: count and sum of per-request samples (seconds); their mean is sum / count.
+    compile_count: step-function traces (each a compile); xla_compiles: the XLA compiles behind them (a
+    read from the persistent compilation cache is a persistent_cache_hit instead). bucket_steps: served
+    steps per bucket, ((kind "decode" | "prefill", padded size, steps), ...); padding_tokens_total:
+    padded minus real tokens over those steps; tuner: the StepTuner's stats(), ((name, value), ...).
     """
 
     requests_total: int = 0
@@ -130,6 +134,11 @@ class EngineStats:
     recalled_blocks_total: int = 0
     swapped_pairs_total: int = 0
     dist_steps_total: int = 0
+    xla_compiles: int = 0
+    persistent_cache_hits: int = 0
+    bucket_steps: tuple[tuple[str, int, int], ...] = ()
+    padding_tokens_total: int = 0
+    tuner: tuple[tuple[str, int], ...] = ()
     ttft_count: int = 0
     ttft_sum_s: float = 0.0
     tpot_count: int = 0
@@ -340,7 +349,7 @@ class EngineCore:
                            running=len(self.scheduler.running), pool_blocks=allocator.num_blocks,
                            pool_blocks_free=allocator.num_free, prefix_cache_hit_tokens=self.scheduler.cached_tokens,
                            prefix_cache_blocks=allocator.num_cached, preemptions_total=self.scheduler.preemptions,
-                           compile_count=self.runner.compile_count, **self._lending_stats())
+                           compile_count=self.runner.compile_count, **self._compile_stats(), **self._lending_stats())
 
     def _lending_stats(self) -> dict:
         ledger = self.scheduler.lending_stats()
@@ -351,3 +360,12 @@ class EngineCore:
                     lending_instances=sum(1 for n in ledger["lent"].values() if n), loans_total=ledger["loans"],
                     recalled_blocks_total=ledger["recalled"], swapped_pairs_total=ledger["swapped"],
                     dist_steps_total=self.runner.borrowed_steps)
+
+    def _compile_stats(self) -> dict:
+        """The runner's compile, bucket and tuner counters as EngineStats fields."""
+        runner = self.runner
+        steps = sorted(list(runner.bucket_steps.items()))  # one C-level copy: safe beside the engine thread
+        return dict(xla_compiles=runner.xla_compiles, persistent_cache_hits=runner.persistent_cache_hits,
+                    bucket_steps=tuple(("decode" if decode else "prefill", size, n) for (decode, size), n in steps),
+                    padding_tokens_total=runner.padding_tokens,
+                    tuner=tuple(sorted((str(k), int(v)) for k, v in runner.tuner.stats().items())))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jaxllm.engine.instance_inputs import inert_instance_inputs, instance_step_i
 from jaxllm.engine.runner import InFlight, Runner, host_array
 from jaxllm.engine.scheduler import StepPlan
 from jaxllm.engine.step import StepInputs, bucket
+from jaxllm.tuner.compile_cache import compile_events
 from sharding import multihost
 from sharding.mesh import INSTANCE, tensor_size
 
@@ -73,20 +75,25 @@ class InstanceRunner(Runner):
 
     # ----- steps -----
 
-    def kernels_for(self, decode: bool, padded_size: int, borrowed: bool = False):
-        return self.dist_kernels if borrowed else super().kernels_for(decode, padded_size)
+    def kernels_for(self, decode: bool, padded_size: int, variant: int = 0, *, borrowed: bool = False):
+        """Every instance runs the tuner's fallback variant; a borrowed step the DistAttention kernels."""
+        return self.dist_kernels if borrowed else super().kernels_for(decode, padded_size, 0)
 
-    def run_step(self, decode: bool, inputs: StepInputs, *, greedy: bool = False, logprobs: bool = False):
+    def run_step(self, decode: bool, inputs: StepInputs, *, greedy: bool = False, logprobs: bool = False,
+                 variant: int = 0):
+        del variant  # one variant a bucket on several instances
         borrowed = inputs.parts is not None
         self.borrowed_steps += borrowed
         size = inputs.num_seqs if decode else inputs.num_tokens
-        kernels = self.kernels_for(decode, size, borrowed)
+        kernels = self.kernels_for(decode, size, borrowed=borrowed)
         extra = {"logprobs": self.max_logprobs} if logprobs else {}
+        before = compile_events()
         if decode:
             tokens, self.kv_cache = self.decode_step(self.state, self.kv_cache, inputs, kernels=kernels,
                                                      greedy=greedy, **extra)
         else:
             tokens, self.kv_cache = self.prefill_step(self.state, self.kv_cache, inputs, kernels=kernels, **extra)
+        self._count_compiles(before)
         return tokens
 
     def instance_inputs(self, plan: StepPlan):
@@ -106,6 +113,9 @@ class InstanceRunner(Runner):
             raise ValueError("an engine of several instances runs joined plans (StepPlan.instances set)")
         built = self.instance_inputs(plan)
         inputs, decode = built.inputs, plan.is_decode
+        size = inputs.num_seqs if decode else inputs.num_tokens
+        self.bucket_steps[(decode, size)] = self.bucket_steps.get((decode, size), 0) + 1
+        self.padding_tokens += self.instances * inputs.num_tokens - plan.num_tokens
         greedy = decode and not np.any(plan.temperature > 0)
         if self.broadcast is not None:
             self._announce(_DECODE if decode else _PREFILL, inputs, greedy, 0, plan.wants_logprobs)
@@ -165,10 +175,19 @@ class InstanceRunner(Runner):
         """Every (decode, size, greedy, logprobs, borrowed) a step can take: Runner's, each in both variants."""
         return [shape + (borrowed,) for borrowed in (False, True) for shape in super().bucket_shapes()]
 
+    def warm_up_plan(self):
+        """Every (decode, size, greedy, logprobs, variant, borrowed) warm-up compiles: each bucket shape in
+        its plain and its borrowed variant (one tuner variant a bucket)."""
+        return [(decode, size, greedy, logprobs, 0, borrowed)
+                for decode, size, greedy, logprobs, borrowed in self.bucket_shapes()]
+
     def warm_up(self, progress: bool = True) -> None:
         from jaxllm.progress import Progress
 
         shapes = self.bucket_shapes()
+        if progress:
+            print(f"[jaxllm] warm-up: {len(shapes) + 1} step compiles (every bucket plain and with borrowed rBlocks, "
+                  "and the recall copy)", file=sys.stderr, flush=True)
         with Progress(len(shapes), "warm-up compiles", enabled=progress) as bar:
             for decode, size, greedy, logprobs, borrowed in shapes:
                 t_pad, s_pad = self.padded_sizes(decode, size)

@@ -4,14 +4,17 @@ Shapes come from a small set of buckets, so a long-running server compiles a bou
 step functions, all of them at warm-up: a decode step is shaped by its sequence count alone (a
 power of two), a prefill/mixed step by its token count alone (a power of two; its sequence axis
 padded to the same size, capped at max_seqs), and the rBlock-table width is fixed by the context
-limit. A decode step whose sequences are all greedy has its own variant that takes the argmax and
-skips sampling's full-vocabulary sort (the sort costs tens to hundreds of microseconds a step, the argmax
+limit (jaxllm.tuner.buckets.Buckets owns the rule and states the padding waste it accepts). A decode
+step whose sequences are all greedy has its own variant that takes the argmax and skips sampling's
+full-vocabulary sort (the sort costs tens to hundreds of microseconds a step, the argmax
 a few: scripts/bench_sampling.py, benchmarks/NOTES.md); prefill steps always carry the sampler, so warm-up compiles one more
 function per decode bucket only. A step in which some sequence wants log-probabilities runs a variant
 of its step that also returns them (the top `max_logprobs`), so the plain variants, and decode speed,
 are untouched; with max_logprobs > 0 warm-up compiles those variants of every bucket too. Every trace of a step function (a cache miss, hence a compile) is
-counted in `compile_count`. Each bucket's step runs the `Kernels` that `kernels_for` names (today
-one resolved from the backend name at construction; a tuner will choose per bucket).
+counted in `compile_count`; the XLA compiles behind them (a persistent-cache read is not one) in
+`xla_compiles`. Each bucket has the variants (`Kernels`) its StepTuner lists (jaxllm/tuner/protocol.py;
+FixedTuner, one variant, unless a tuner is given): warm-up compiles every bucket x variant
+(`warm_up_plan`), and each step runs the variant the tuner's `choose` picks on the host.
 
 `dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode step can
 take its input tokens straight from the previous step's device output, so the host can queue step
@@ -31,8 +34,12 @@ from flax import nnx
 from jaxllm.engine.kv_cache import KVCache
 from jaxllm.engine.scheduler import StepPlan
 from jaxllm.engine.step import (StepInputs, bucket, decode_step, inert_step_inputs, logits_step, make_step_inputs,
-                                padded_sizes, prefill_step)
+                                prefill_step)
 from jaxllm.model.llama import Llama
+from jaxllm.tuner.buckets import Buckets
+from jaxllm.tuner.compile_cache import compile_events
+from jaxllm.tuner.fixed import FixedTuner
+from jaxllm.tuner.protocol import StepTuner
 from pallas_kernels import compat
 from pallas_kernels.dispatch import Kernels, default_kernels
 from sharding import multihost
@@ -41,7 +48,8 @@ from sharding.tensor_parallel import tensor_parallel_kernels
 
 __all__ = ["InFlight", "Runner", "bucket", "host_array"]
 
-# A multi-process run's call word [op, greedy, mode]: which jitted step, and where its inputs come from.
+# A multi-process run's call word [op, greedy, mode, logprobs, variant]: which jitted step, where its inputs
+# come from, and which of the bucket's tuner variants runs it.
 _DECODE, _PREFILL, _LOGITS = 0, 1, 2
 _FRESH, _CONTINUED, _AS_SENT = 0, 1, 2  # sampling arrays put on the devices / the previous step's / warm-up's
 
@@ -104,6 +112,10 @@ class Runner:
     and out (the pool donated), the inputs and the sampled tokens / logits replicated, and the kernels
     wrapped for the mesh (sharding.tensor_parallel.tensor_parallel_kernels).
 
+    tuner: the StepTuner that lists each bucket's Kernels variants and picks one per step (default
+    FixedTuner(kernels): one variant, the backend's kernels); its Kernels are unwrapped, the runner
+    wraps them for the mesh. Set it before warm-up: each bucket's variants are asked once.
+
     On a multi-process mesh every process holds a Runner over the same mesh and runs the same jitted
     calls (../shared/DESIGN.md decision 6): process 0's runner sends each call (which step, the greedy
     flag, its StepInputs) through sharding.multihost.StepBroadcast before running it, and every other
@@ -113,16 +125,18 @@ class Runner:
 
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int,
                  table_width: int, backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None,
-                 mesh=None, max_logprobs: int = 0):
+                 mesh=None, max_logprobs: int = 0, tuner: StepTuner | None = None):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.kv_cache = kv_cache
         self.backend = backend
         # Resolved once, here: inside the trace no backend name is read and no device is asked.
-        self.kernels = kernels or default_kernels(backend, head_dim=model.config.head_dim)
+        base = kernels or default_kernels(backend, head_dim=model.config.head_dim)
         self.mesh = mesh
-        if mesh is not None:
-            self.kernels = tensor_parallel_kernels(self.kernels, mesh)
+        self.kernels = base if mesh is None else tensor_parallel_kernels(base, mesh)
+        # Lists each bucket's variants (unwrapped: `variants` wraps them for the mesh) and picks one per step.
+        self.tuner = tuner if tuner is not None else FixedTuner(base)
+        self._variants: dict[tuple[bool, int], tuple[Kernels, ...]] = {}
         # Where dispatch puts the sampling arrays (None: the default device, as without a mesh).
         self._input_sharding = None if mesh is None else replicated(mesh)
         # Every call mirrored to the other processes (process 0) or received from process 0 (the others).
@@ -131,9 +145,17 @@ class Runner:
         self.min_tokens = min_tokens
         self.max_seqs = max_seqs
         self.max_tokens_per_step = max_tokens_per_step
-        self.seq_cap = bucket(max_seqs, 1)
+        self.buckets = Buckets(max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, table_width=table_width,
+                               min_tokens=min_tokens)
+        self.seq_cap = self.buckets.seq_cap
         self.table_width = table_width
         self.compile_count = 0
+        self.xla_compiles = 0  # executables XLA compiled for this runner's steps (compile_cache.CompileEvents)
+        self.persistent_cache_hits = 0  # ... and those read from the persistent compilation cache instead
+        # Served steps (warm-up's not counted) per bucket, (decode, padded size) -> steps, and the padding
+        # they carried: padded minus real tokens, summed.
+        self.bucket_steps: dict[tuple[bool, int], int] = {}
+        self.padding_tokens = 0
         if not 0 <= max_logprobs <= model.config.vocab_size:
             raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
         self.max_logprobs = max_logprobs  # top tokens the logprob variants return (0: never run)
@@ -167,35 +189,70 @@ class Runner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
-    def kernels_for(self, decode: bool, padded_size: int) -> Kernels:
-        """The kernels a step of this bucket runs (`padded_size`: sequences for decode, tokens for prefill)."""
-        del decode, padded_size  # one choice for every bucket until the tuner supplies them
-        return self.kernels
+    def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
+        """The tuner's variants of this bucket, wrapped for the mesh (memoised: asked once per bucket)."""
+        key = (decode, padded_size)
+        if key not in self._variants:
+            listed = tuple(self.tuner.variants(decode, padded_size))
+            if not listed:
+                raise ValueError(f"the tuner lists no variant for the {'decode' if decode else 'prefill'} bucket "
+                                 f"{padded_size}: it must list at least one (variants()[0] is the fallback)")
+            self._variants[key] = listed if self.mesh is None else tuple(
+                tensor_parallel_kernels(k, self.mesh) for k in listed)
+        return self._variants[key]
+
+    def kernels_for(self, decode: bool, padded_size: int, variant: int = 0) -> Kernels:
+        """The kernels a step of this bucket runs (`padded_size`: sequences for decode, tokens for prefill):
+        the bucket's variant number `variant` (0: the tuner's fallback)."""
+        listed = self.variants(decode, padded_size)
+        if not 0 <= variant < len(listed):
+            raise ValueError(f"variant {variant} of the {'decode' if decode else 'prefill'} bucket {padded_size} "
+                             f"does not exist: the tuner lists {len(listed)}")
+        return listed[variant]
 
     def padded_sizes(self, decode: bool, size: int) -> tuple[int, int]:
         """(tokens, sequences) a step of `size` (sequences for decode, tokens for prefill) is padded to:
-        make_step_inputs follows it, and bucket_shapes lists the sizes it rounds to, so warm-up compiles
-        exactly the shapes serving meets."""
-        return padded_sizes(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
+        Buckets.padded (ValueError past the largest bucket), so warm-up compiles exactly the shapes serving meets."""
+        return self.buckets.padded(decode, size)
 
     def step_inputs(self, plan: StepPlan) -> StepInputs:
         """The plan padded to this runner's bucket for it (host arrays)."""
+        self.padded_sizes(plan.is_decode, plan.num_seqs if plan.is_decode else plan.num_tokens)  # in a bucket
         return make_step_inputs(plan, min_tokens=self.min_tokens, seq_cap=self.seq_cap, table_width=self.table_width)
 
-    def run_step(self, decode: bool, inputs: StepInputs, *, greedy: bool = False, logprobs: bool = False):
+    def _choose(self, plan: StepPlan, inputs: StepInputs) -> int:
+        """The tuner's variant for this step (host-side), counting the step in its bucket."""
+        decode = plan.is_decode
+        size = inputs.num_seqs if decode else inputs.num_tokens
+        self.bucket_steps[(decode, size)] = self.bucket_steps.get((decode, size), 0) + 1
+        self.padding_tokens += inputs.num_tokens - plan.num_tokens
+        return int(self.tuner.choose(plan, decode, size))
+
+    def run_step(self, decode: bool, inputs: StepInputs, *, greedy: bool = False, logprobs: bool = False,
+                 variant: int = 0):
         """Run one jitted step on padded inputs, updating the KV pool; returns the sampled tokens
         [padded sequences] int32 on the device (not waited for). logprobs: run the logprob variant and
-        return (tokens, (token logprob [S], top ids [S, max_logprobs], top logprobs [S, max_logprobs]))."""
+        return (tokens, (token logprob [S], top ids [S, max_logprobs], top logprobs [S, max_logprobs])).
+        variant: which of the bucket's tuner variants runs it."""
         size = inputs.num_seqs if decode else inputs.num_tokens
-        kernels = self.kernels_for(decode, size)
+        kernels = self.kernels_for(decode, size, variant)
         extra = {"logprobs": self.max_logprobs} if logprobs else {}  # absent: the plain variant, as before
+        before = compile_events()
         if decode:
             tokens, self.kv_cache = self.decode_step(self.state, self.kv_cache, inputs,
                                                      kernels=kernels, greedy=greedy, **extra)
         else:
             tokens, self.kv_cache = self.prefill_step(self.state, self.kv_cache, inputs,
                                                       kernels=kernels, **extra)
+        self._count_compiles(before)
         return tokens
+
+    def _count_compiles(self, before) -> None:
+        """Add the XLA compiles and persistent-cache reads since `before` (a compile happens inside the call
+        that needs it, on this thread)."""
+        delta = compile_events() - before
+        self.xla_compiles += delta.xla_compiles
+        self.persistent_cache_hits += delta.cache_hits
 
     # ----- public -----
 
@@ -209,6 +266,7 @@ class Runner:
         """
         decode = plan.is_decode
         inputs = self.step_inputs(plan)
+        variant = self._choose(plan, inputs)
         if token_source is not None:
             src = token_source.plan
             if not (decode and src.is_decode and np.array_equal(src.seq_ids, plan.seq_ids)):
@@ -218,7 +276,7 @@ class Runner:
                 if token_source is not self._last:
                     raise ValueError("on a multi-process run a continuation must follow the step it continues: the "
                                      "other processes keep only their last step's tokens")
-                self._announce(_DECODE, inputs, token_source.greedy, _CONTINUED, plan.wants_logprobs)
+                self._announce(_DECODE, inputs, token_source.greedy, _CONTINUED, plan.wants_logprobs, variant)
             inputs = _continued(inputs, token_source)
             greedy = token_source.greedy
         else:
@@ -227,13 +285,13 @@ class Runner:
             # Padding rows are greedy, so "no row samples" is "every sequence is greedy".
             greedy = decode and not np.any(plan.temperature > 0)
             if self.broadcast is not None:
-                self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _FRESH, plan.wants_logprobs)
+                self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _FRESH, plan.wants_logprobs, variant)
             inputs = self._sampling_on_device(inputs)
         if plan.wants_logprobs:  # a continuation has its source's sequences: the same wishes
-            next_tokens, logprobs = self.run_step(decode, inputs, greedy=greedy, logprobs=True)
+            next_tokens, logprobs = self.run_step(decode, inputs, greedy=greedy, logprobs=True, variant=variant)
             self._last = InFlight(plan, next_tokens, inputs, greedy, logprobs)
             return self._last
-        next_tokens = self.run_step(decode, inputs, greedy=greedy)
+        next_tokens = self.run_step(decode, inputs, greedy=greedy, variant=variant)
         self._last = InFlight(plan, next_tokens, inputs, greedy)
         return self._last
 
@@ -249,49 +307,67 @@ class Runner:
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
         inputs = self.step_inputs(plan)
+        variant = self._choose(plan, inputs)
         if self.broadcast is not None:
-            self._announce(_LOGITS, inputs, False, _AS_SENT)
-        return host_array(self._logits(inputs))[:plan.num_tokens]
+            self._announce(_LOGITS, inputs, False, _AS_SENT, False, variant)
+        return host_array(self._logits(inputs, variant))[:plan.num_tokens]
 
-    def _logits(self, inputs: StepInputs) -> jax.Array:
-        out, self.kv_cache = self.logits_step(self.state, self.kv_cache, inputs,
-                                              kernels=self.kernels_for(False, inputs.num_tokens))
+    def _logits(self, inputs: StepInputs, variant: int = 0) -> jax.Array:
+        kernels = self.kernels_for(False, inputs.num_tokens, variant)
+        before = compile_events()
+        out, self.kv_cache = self.logits_step(self.state, self.kv_cache, inputs, kernels=kernels)
+        self._count_compiles(before)
         return out
 
     def bucket_shapes(self) -> list[tuple[bool, int, bool, bool]]:
-        """Every (decode, size, greedy, logprobs) a step can take: sequences for decode, tokens for prefill;
-        decode steps in both variants (greedy only, or with the sampler); every shape also in its logprob
-        variant when max_logprobs > 0."""
-        shapes = [(True, 1 << i, greedy) for i in range(self.seq_cap.bit_length()) for greedy in (False, True)]
-        t = bucket(self.min_tokens, 1)
-        while True:
-            shapes.append((False, t, False))
-            if t >= self.max_tokens_per_step:
-                break
-            t *= 2
+        """Every (decode, size, greedy, logprobs) a step can take: sequences for decode, tokens for prefill
+        (Buckets.shapes); decode steps in both variants (greedy only, or with the sampler); every shape also
+        in its logprob variant when max_logprobs > 0."""
+        shapes = [(shape.decode, shape.size, greedy) for shape in self.buckets.shapes()
+                  for greedy in ((False, True) if shape.decode else (False,))]
         return [shape + (logprobs,) for logprobs in ((False, True) if self.max_logprobs else (False,))
                 for shape in shapes]
 
+    def warm_up_plan(self) -> list[tuple[bool, int, bool, bool, int]]:
+        """Every (decode, size, greedy, logprobs, variant) warm-up compiles, one compile each: bucket_shapes
+        x the tuner's variants of each bucket. A variant equal to an earlier one of its bucket is the same
+        jitted function (Kernels is the static argument), so it is listed once, at its first index."""
+        plan = []
+        for decode, size, greedy, logprobs in self.bucket_shapes():
+            listed = self.variants(decode, size)
+            plan += [(decode, size, greedy, logprobs, i) for i, k in enumerate(listed) if k not in listed[:i]]
+        return plan
+
     def warm_up(self, progress: bool = True) -> None:
-        """Compile every step shape now, so serving compiles nothing new."""
+        """Compile every step shape x tuner variant now (warm_up_plan, its total said first), so serving
+        compiles nothing new."""
+        import sys
+
         from jaxllm.progress import Progress
 
-        shapes = self.bucket_shapes()
-        with Progress(len(shapes), "warm-up compiles", enabled=progress) as bar:
-            for decode, size, greedy, logprobs in shapes:
+        plan = self.warm_up_plan()
+        if progress:
+            buckets = len(self.buckets.decode_sizes), len(self.buckets.prefill_sizes)
+            print(f"[jaxllm] warm-up: {len(plan)} step compiles ({buckets[0]} decode + {buckets[1]} prefill buckets"
+                  f" x tuner variants x greedy/logprob variants)", file=sys.stderr, flush=True)
+        with Progress(len(plan), "warm-up compiles", enabled=progress) as bar:
+            for decode, size, greedy, logprobs, variant in plan:
                 t_pad, s_pad = self.padded_sizes(decode, size)  # size is a bucket already: t_pad == size
                 inputs = inert_step_inputs(decode, t_pad, s_pad, self.table_width)
                 if self.broadcast is not None:
-                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _AS_SENT, logprobs)
-                jax.block_until_ready(self.run_step(decode, inputs, greedy=greedy, logprobs=logprobs))
+                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _AS_SENT, logprobs, variant)
+                jax.block_until_ready(self.run_step(decode, inputs, greedy=greedy, logprobs=logprobs,
+                                                    variant=variant))
                 bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}"
-                                     f"{' logprobs' if logprobs else ''}")
+                                     f"{' logprobs' if logprobs else ''}{f' variant {variant}' if variant else ''}")
 
     # ----- multi-process runs -----
 
-    def _announce(self, op: int, inputs: StepInputs, greedy: bool, mode: int, logprobs: bool = False) -> None:
-        """Process 0: hand one call to every other process (their follow() runs it too)."""
-        self.broadcast.send({"call": np.array([op, greedy, mode, logprobs], np.int32), "inputs": inputs})
+    def _announce(self, op: int, inputs: StepInputs, greedy: bool, mode: int, logprobs: bool = False,
+                  variant: int = 0) -> None:
+        """Process 0: hand one call to every other process (their follow() runs it too, with the same
+        tuner variant: every process must run the same program)."""
+        self.broadcast.send({"call": np.array([op, greedy, mode, logprobs, variant], np.int32), "inputs": inputs})
 
     def follow(self) -> int:
         """Processes other than 0: run every call process 0 sends, as it runs them, until it stops;
@@ -301,16 +377,17 @@ class Runner:
                              f"(this is process {jax.process_index()} of {jax.process_count()})")
         calls = 0
         while (message := self.broadcast.receive()) is not None:
-            op, greedy, mode, logprobs = (int(x) for x in message["call"])
+            op, greedy, mode, logprobs, variant = (int(x) for x in message["call"])
             inputs = message["inputs"]
             if op == _LOGITS:
-                self._logits(inputs)
+                self._logits(inputs, variant)
             else:
                 if mode == _CONTINUED:
                     inputs = _continued(inputs, self._last)
                 elif mode == _FRESH:
                     inputs = self._sampling_on_device(inputs)
-                out = self.run_step(op == _DECODE, inputs, greedy=bool(greedy), logprobs=bool(logprobs))
+                out = self.run_step(op == _DECODE, inputs, greedy=bool(greedy), logprobs=bool(logprobs),
+                                    variant=variant)
                 tokens = out[0] if logprobs else out  # the logprob variant also returns its (unread) arrays
                 self._last = InFlight(None, tokens, inputs, bool(greedy))
             calls += 1

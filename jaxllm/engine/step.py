@@ -19,6 +19,7 @@ from flax import nnx
 from jaxllm.engine.kv_cache import AttentionBatch, KVCache
 from jaxllm.engine.sampling import greedy_tokens, sample_tokens, token_logprobs
 from jaxllm.engine.scheduler import StepPlan
+from jaxllm.tuner.buckets import pad_to_bucket, pow2_at_least
 from pallas_kernels.dispatch import Kernels
 
 
@@ -56,23 +57,13 @@ class StepInputs:
 
 
 def bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum, 1)
-    return 1 << (n - 1).bit_length()
+    """The smallest power of two >= max(n, minimum) (jaxllm.tuner.buckets owns the rule)."""
+    return pow2_at_least(n, minimum)
 
 
 def padded_sizes(decode: bool, size: int, *, min_tokens: int, seq_cap: int) -> tuple[int, int]:
-    """(tokens, sequences) a step is padded to: `size` is its sequence count (decode) or token count.
-
-    The one bucket rule: a decode step is shaped by its sequence count alone (a power of two), a
-    prefill step by its token count alone (a power of two >= min_tokens; its sequence axis padded to
-    the same size, capped at seq_cap).
-    """
-    if decode:
-        s_pad = bucket(size, 1)
-        return s_pad, s_pad
-    t_pad = bucket(size, min_tokens)
-    return t_pad, min(t_pad, seq_cap)
+    """(tokens, sequences) a step is padded to: jaxllm.tuner.buckets.pad_to_bucket, the one bucket rule."""
+    return pad_to_bucket(decode, size, min_tokens=min_tokens, seq_cap=seq_cap)
 
 
 def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int) -> StepInputs:

@@ -45,7 +45,8 @@ def test_greedy_step_variant_changes_no_token(llm, monkeypatch):
     calls = []
     run_step = llm.runner.run_step
     monkeypatch.setattr(llm.runner, "run_step",
-                        lambda decode, inputs, *, greedy=False: calls.append(greedy) or run_step(decode, inputs, greedy=greedy))
+                        lambda decode, inputs, *, greedy=False, **kw: calls.append(greedy) or run_step(
+                            decode, inputs, greedy=greedy, **kw))
     try:
         alone = llm.generate([PROMPTS[1]], max_new_tokens=8)[0].token_ids
         assert True in calls  # the greedy variant ran

@@ -355,6 +355,10 @@ def test_metrics_count_a_request(server):
     assert after['jaxllm_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[
         "jaxllm_time_to_first_token_seconds_count"]
     assert after["jaxllm_compiles_total"] >= 2 and after["jaxllm_ready"] == 1
+    # The engine's bucket counters move with its steps (prefill and decode buckets both).
+    bucket_steps = {k: v for k, v in delta.items() if k.startswith("jaxllm_bucket_steps_total{")}
+    assert sum(bucket_steps.values()) >= 9 and any('kind="decode"' in k and v for k, v in bucket_steps.items())
+    assert after["jaxllm_xla_compiles_total"] + after["jaxllm_persistent_cache_hits_total"] >= 2
     assert after["jaxllm_queue_depth"] == 0 and after["jaxllm_kv_pool_usage_ratio"] == 0
 
 

@@ -55,10 +55,10 @@ class Plan:
     max_prefix: int = 128 * K
     decode_layers: int = 4
     prefill_layers: int = 1
-    reps: int = 5
+    reps: int = 7
     rep_s: float = 0.003  # timed seconds per rep and candidate
     max_shapes: int = 80  # per group
-    budget_s: float = 250.0  # wall seconds from the start for everything
+    budget_s: float = 300.0  # wall seconds from the start for everything
 
 
 SMOKE = Plan(heads=((4, 2, 128),), block=64, pool_gb=0.002, max_len=1 * K, decode_buckets=(1, 4),
@@ -132,6 +132,7 @@ class Collector:
         self.plan, self.base, self.interpret = plan, base, interpret
         self.rng = np.random.default_rng(seed)
         self.t0 = time.time()
+        self.compile_seconds: list[float] = []  # per group so far: the estimate for the groups left
 
     def left(self) -> float:
         return self.plan.budget_s - (time.time() - self.t0)
@@ -155,9 +156,39 @@ class Collector:
                 times[i].append(harness.time_batch(step, args, calls=calls[i], per=per))
         return [round(float(np.median(t)) * 1e6, 2) for t in times]
 
-    def group(self, op, heads, bucket, pools, schedules, groups_left):
-        """Compiles each candidate for this bucket, then times shapes until the group's share of the budget
-        is spent. Returns the dataset rows."""
+    def compile(self, fns, schedules, args, layers):
+        """[(compiled step, layers)] and {name: compile seconds or None (failed)}: traced and lowered one at a
+        time, compiled in threads (XLA's compile is C++, so candidates of a group compile side by side)."""
+        import concurrent.futures
+
+        import jax
+
+        t0, lowered, steps, compile_s = time.perf_counter(), [], [], {}
+        for sched, fn in zip(schedules, fns):
+            try:
+                lowered.append(fn.lower(*args))
+            except Exception as exc:  # a candidate that cannot take these shapes is left out
+                print(f"  {sched.name}: lowering failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                lowered.append(None)
+        with concurrent.futures.ThreadPoolExecutor(max(len(fns), 1)) as pool:
+            futures = [None if low is None else pool.submit(low.compile) for low in lowered]
+        for sched, fut in zip(schedules, futures):
+            step = None
+            if fut is not None:
+                try:
+                    step = fut.result(timeout=120)  # a stuck compile costs one candidate, not the run
+                    jax.block_until_ready(step(*args))
+                except Exception as exc:
+                    print(f"  {sched.name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    step = None
+            compile_s[sched.name] = None if step is None else round(time.perf_counter() - t0, 2)
+            steps.append((step, layers))
+        self.compile_seconds.append(time.perf_counter() - t0)
+        return steps, compile_s
+
+    def group(self, op, heads, bucket, pools, schedules, groups_left, est_compile):
+        """Compiles each candidate for this bucket, then times shapes until the group's share of what the
+        budget leaves after est_compile (the later groups' compiles) is spent. Returns the dataset rows."""
         import jax
         import jax.numpy as jnp
 
@@ -168,14 +199,12 @@ class Collector:
         k_pool, v_pool = pools
         pool_blocks = k_pool.shape[0]
         width = plan.max_len // plan.block
-        share = self.left() / max(groups_left, 1)
-        g0 = time.time()
         decode = op == "decode"
         layers = plan.decode_layers if decode else plan.prefill_layers
         tokens = bucket
         seq_pad = bucket if decode else min(bucket, 256)
         q = jax.random.normal(jax.random.key(bucket), (tokens, hq, d), jnp.bfloat16)
-        steps, compile_s = [], {}
+        fns = []
         for sched in schedules:
             kernels = sched.apply(self.base)
 
@@ -183,10 +212,9 @@ class Collector:
                 return [ragged_attention(q, kp, vp, tables[i], lens, cu, decode=decode, kernels=kernels)
                         for i in range(layers)]
 
-            step = jax.jit(fn)
-            steps.append((step, layers))
+            fns.append(jax.jit(fn))
         rows, first = [], True
-        while len(rows) < plan.max_shapes and (first or (time.time() - g0 < share and self.left() > 0)):
+        while len(rows) < plan.max_shapes and (first or (time.time() - m0 < share and self.left() > 0)):
             cap = pool_blocks * plan.block
             if decode:
                 n = 1 if bucket == 1 else int(self.rng.integers(bucket // 2 + 1, bucket + 1))
@@ -205,17 +233,11 @@ class Collector:
             tables = _tables(kv_lens, plan.block, width, layers, pool_blocks, seq_pad)
             args = (q, k_pool, v_pool, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(cu))
             if first:
-                for sched, (step, _) in zip(schedules, steps):
-                    start = time.perf_counter()
-                    try:
-                        jax.block_until_ready(step(*args))
-                    except Exception as exc:  # a candidate that cannot run these shapes is left out
-                        print(f"  {op} {bucket} {sched.name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                        compile_s[sched.name] = None
-                        continue
-                    compile_s[sched.name] = round(time.perf_counter() - start, 2)
+                steps, compile_s = self.compile(fns, schedules, args, layers)
                 live = [i for i, s in enumerate(schedules) if compile_s[s.name] is not None]
                 first = False
+                m0 = time.time()
+                share = max((self.left() - est_compile) / max(groups_left, 1), 0.0)
             us = self.time_shape([steps[i] for i in live], args)
             rows.append(dict(op=op, heads=list(heads), block=plan.block, dtype="bfloat16", bucket=bucket, kind=kind,
                              kv_lens=kv_lens.tolist(), q_lens=None if decode else q_lens.tolist(),
@@ -278,7 +300,10 @@ def main(argv=None) -> int:
             print(f"budget spent: {op} heads {heads} bucket {bucket} and later groups skipped", flush=True)
             continue
         schedules = candidates(op, base, bucket, block_size=plan.block)
-        rows += collector.group(op, heads, bucket, pools, schedules, len(groups) - gi)
+        seen = collector.compile_seconds
+        per_group = max(seen) if seen else 10.0
+        rows += collector.group(op, heads, bucket, pools, schedules, len(groups) - gi,
+                                est_compile=per_group * (len(groups) - gi - 1))
         header["elapsed_s"] = round(time.time() - collector.t0, 1)
         header["candidates"] = {o: [dict(name=s.name, features=s.features, fields=repr(s.fields), backend=s.backend)
                                     for s in candidates(o, base, max(plan.prefill_buckets), block_size=plan.block)]

@@ -170,8 +170,9 @@ class Collector:
             except Exception as exc:  # a candidate that cannot take these shapes is left out
                 print(f"  {sched.name}: lowering failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 lowered.append(None)
-        with concurrent.futures.ThreadPoolExecutor(max(len(fns), 1)) as pool:
-            futures = [None if low is None else pool.submit(low.compile) for low in lowered]
+        pool = concurrent.futures.ThreadPoolExecutor(max(len(fns), 1))
+        futures = [None if low is None else pool.submit(low.compile) for low in lowered]
+        pool.shutdown(wait=False)  # results are awaited below, each with a timeout
         for sched, fut in zip(schedules, futures):
             step = None
             if fut is not None:
@@ -318,4 +319,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # not sys.exit: a compile thread stuck past its timeout must not hold the exit

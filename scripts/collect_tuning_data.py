@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 
 import numpy as np
@@ -159,8 +160,6 @@ class Collector:
     def compile(self, fns, schedules, args, layers):
         """[(compiled step, layers)] and {name: compile seconds or None (failed)}: traced and lowered one at a
         time, compiled in threads (XLA's compile is C++, so candidates of a group compile side by side)."""
-        import concurrent.futures
-
         import jax
 
         t0, lowered, steps, compile_s = time.perf_counter(), [], [], {}
@@ -170,14 +169,31 @@ class Collector:
             except Exception as exc:  # a candidate that cannot take these shapes is left out
                 print(f"  {sched.name}: lowering failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 lowered.append(None)
-        pool = concurrent.futures.ThreadPoolExecutor(max(len(fns), 1))
-        futures = [None if low is None else pool.submit(low.compile) for low in lowered]
-        pool.shutdown(wait=False)  # results are awaited below, each with a timeout
-        for sched, fut in zip(schedules, futures):
+        # Daemon threads: a compile stuck past its timeout costs one candidate and never holds the exit.
+        results: list[dict] = [{} for _ in lowered]
+
+        def run(low, out):
+            try:
+                out["step"] = low.compile()
+            except Exception as exc:  # reported below, with the candidate's name
+                out["error"] = exc
+
+        threads = []
+        for low, out in zip(lowered, results):
+            t = None if low is None else threading.Thread(target=run, args=(low, out), daemon=True)
+            if t is not None:
+                t.start()
+            threads.append(t)
+        for sched, t, out in zip(schedules, threads, results):
             step = None
-            if fut is not None:
+            if t is not None:
+                t.join(timeout=max(120 - (time.perf_counter() - t0), 1))
                 try:
-                    step = fut.result(timeout=120)  # a stuck compile costs one candidate, not the run
+                    if "error" in out:
+                        raise out["error"]
+                    if "step" not in out:
+                        raise TimeoutError("compile still running after 120 s")
+                    step = out["step"]
                     jax.block_until_ready(step(*args))
                 except Exception as exc:
                     print(f"  {sched.name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -319,6 +335,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # not sys.exit: a compile thread stuck past its timeout must not hold the exit
+    sys.exit(main())

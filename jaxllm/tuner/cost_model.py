@@ -79,6 +79,7 @@ class OpRanker:
     names: tuple[str, ...]
     w1_shape: np.ndarray  # [Fv, H], rows of W1 for the shape features, scaled by 1 / x_std
     pre: np.ndarray  # [C, H]
+    w3: np.ndarray  # [H], W3 as a vector
 
     @classmethod
     def build(cls, weights: MlpWeights, names, sched: np.ndarray) -> "OpRanker":
@@ -91,7 +92,16 @@ class OpRanker:
         w1_shape = (weights.w1[:fv] / weights.x_std[:fv, None]).astype(np.float32)
         # The shape features' mean shift is a constant row: folded into pre with b1.
         pre = xs @ weights.w1[fv:] + weights.b1 - (weights.x_mean[:fv] / weights.x_std[:fv]) @ weights.w1[:fv]
-        return cls(weights, tuple(names), w1_shape, pre.astype(np.float32))
+        return cls(weights, tuple(names), w1_shape, pre.astype(np.float32), weights.w3[:, 0].astype(np.float32))
+
+    def best(self, shape_vec: np.ndarray) -> int:
+        """Index of the candidate predicted fastest (predict's argmin, without its scaling: y_std > 0)."""
+        h = self.pre + shape_vec @ self.w1_shape
+        np.tanh(h, out=h)
+        h2 = h @ self.weights.w2
+        h2 += self.weights.b2
+        np.tanh(h2, out=h2)
+        return int((h2 @ self.w3).argmin())
 
     def predict(self, shape_vec: np.ndarray) -> np.ndarray:
         """log(us) [C] of every candidate for one step's shape features [Fv]: one batched pass."""

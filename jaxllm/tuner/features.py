@@ -59,46 +59,66 @@ class StepFeatures:
         return cls(decode, padded_size, np.asarray(plan.kv_lens), np.diff(np.asarray(plan.cu_q_lens)), heads,
                    dtype_bytes)
 
+    def stats(self) -> tuple:
+        """length_stats of this step's lengths."""
+        return length_stats(self.kv_lens, None if self.decode else self.q_lens)
+
     def key(self) -> tuple:
-        """The cache key: op, bucket, sequences, and quarter-octave total KV, longest KV, query tokens
-        and (prefill) causal work."""
-        return feature_key(self.decode, self.bucket, self.kv_lens, self.q_lens, self.heads)
+        """The cache key: op, bucket, sequences, and quarter-octave total KV, longest KV and (prefill) query
+        tokens."""
+        st = self.stats()
+        return stats_key(self.decode, self.bucket, self.heads, st[0], st[1], st[2], st[5], st[6])
 
     def vector(self) -> np.ndarray:
         """[NUM_SHAPE_FEATURES] float32 shape features (log2 scale where a length)."""
-        kv = self.kv_lens.astype(np.float64)
-        q = self.q_lens.astype(np.float64)
-        n = len(kv)
-        mean = kv.sum() / n
-        hq, hkv, d = self.heads
-        # Causal work: query i of a sequence with L keys and Q new tokens sees L - Q + i + 1 keys.
-        pairs = float(np.dot(q, kv - q) + np.dot(q, q + 1) / 2)
-        return np.array([
-            1.0 if self.decode else 0.0,
-            math.log2(self.bucket),
-            math.log2(n),
-            math.log2(1 + q.sum()),
-            math.log2(1 + q.max()),
-            math.log2(1 + kv.sum()),
-            math.log2(1 + kv.max()),
-            math.log2(1 + mean),
-            float(kv.std() / mean) if mean > 0 else 0.0,  # spread: coefficient of variation
-            math.log2(1 + pairs),
-            math.log2(hq / hkv),
-            math.log2(hkv * d * self.dtype_bytes),  # bytes per token per K (or V) row
-            math.log2(1 + kv.min()),
-        ], np.float32)
+        return shape_vector(self.decode, self.bucket, self.heads, self.dtype_bytes, self.stats())
+
+
+def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
+    """(n, kv sum, kv max, kv min, sum kv^2, q sum, q max, sum q*kv, sum q^2) as Python numbers, in as few
+    NumPy calls as give them (this runs per step); q_lens None: decode, one query token each."""
+    kv = kv_lens.astype(np.float64)  # int32 squares of 512K overflow
+    n = len(kv)
+    s, m, mn, sq = float(np.add.reduce(kv)), float(np.maximum.reduce(kv)), float(np.minimum.reduce(kv)), float(kv @ kv)
+    if q_lens is None:
+        return n, s, m, mn, sq, float(n), 1.0, s, float(n)
+    q = q_lens.astype(np.float64)
+    return n, s, m, mn, sq, float(np.add.reduce(q)), float(np.maximum.reduce(q)), float(q @ kv), float(q @ q)
+
+
+def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple) -> np.ndarray:
+    """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers)."""
+    n, s, m, mn, sq, qs, qm, qk, qq = stats
+    mean = s / n
+    cv = math.sqrt(max(sq / n - mean * mean, 0.0)) / mean if mean > 0 else 0.0  # spread of the lengths
+    # Causal work: query i (of Q new tokens) of a sequence of L keys sees L - Q + i + 1 keys.
+    pairs = qk - qq + (qq + qs) / 2
+    hq, hkv, d = heads
+    log2 = math.log2
+    return np.array([1.0 if decode else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s),
+                     log2(1 + m), log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes),
+                     log2(1 + mn)], np.float32)
 
 
 def _q(x: float) -> int:
     return round(KEY_STEPS * math.log2(1 + x))
 
 
-def feature_key(decode: bool, bucket: int, kv_lens: np.ndarray, q_lens: np.ndarray | None,
+def stats_key(decode: bool, bucket: int, heads: tuple[int, int, int], n: int, kv_sum: float, kv_max: float,
+              q_sum: float = 0.0, q_max: float = 0.0) -> tuple:
+    """The cache key: near-equal steps (within a quarter octave of total and longest KV, and of query
+    tokens for prefill) share it."""
+    if decode:
+        return (True, bucket, n, _q(kv_sum), _q(kv_max), heads)
+    return (False, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum), _q(q_max), heads)
+
+
+def feature_key(decode: bool, bucket: int, kv_lens: np.ndarray, cu_q_lens: np.ndarray | None,
                 heads: tuple[int, int, int]) -> tuple:
-    """StepFeatures.key without building the features (the per-step fast path)."""
-    kv_sum, kv_max = int(kv_lens.sum()), int(kv_lens.max())
+    """The cache key of a step straight from its plan's kv_lens and cu_q_lens (the per-step fast path:
+    two or three reductions; cu_q_lens is not read for decode)."""
+    kv_sum, kv_max = int(np.add.reduce(kv_lens, dtype=np.int64)), int(np.maximum.reduce(kv_lens))
     if decode:
         return (True, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), heads)
-    q_sum, q_max = int(q_lens.sum()), int(q_lens.max())
+    q_sum, q_max = int(cu_q_lens[-1] - cu_q_lens[0]), int(np.maximum.reduce(np.diff(cu_q_lens)))
     return (False, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), _q(q_sum), _q(q_max), heads)

@@ -110,3 +110,33 @@ def train_op(x: np.ndarray, y: np.ndarray, mask: np.ndarray, *, hidden: int = 32
     p = {k: np.asarray(v, np.float32) for k, v in params.items()}
     return MlpWeights(**p, x_mean=x_mean.astype(np.float32), x_std=x_std, y_mean=np.float32(y_mean),
                       y_std=np.float32(y_std))
+
+
+def ensemble(members: list[MlpWeights]) -> MlpWeights:
+    """One MLP computing the mean of members' outputs exactly (block-diagonal hidden layers), so an
+    ensemble costs one forward pass. Members must share their normalisation (trained on the same data)."""
+    if not members:
+        raise ValueError("ensemble of no members")
+    first = members[0]
+    for m in members[1:]:
+        if not (np.array_equal(m.x_mean, first.x_mean) and np.array_equal(m.x_std, first.x_std)
+                and m.y_mean == first.y_mean and m.y_std == first.y_std):
+            raise ValueError("ensemble members were normalised differently (trained on different data)")
+    h = [m.w1.shape[1] for m in members]
+    w2 = np.zeros((sum(h), sum(h)), np.float32)
+    at = 0
+    for m, n in zip(members, h):
+        w2[at:at + n, at:at + n] = m.w2
+        at += n
+    k = len(members)
+    return MlpWeights(w1=np.concatenate([m.w1 for m in members], 1), b1=np.concatenate([m.b1 for m in members]),
+                      w2=w2, b2=np.concatenate([m.b2 for m in members]),
+                      w3=np.concatenate([m.w3 for m in members], 0) / k,
+                      b3=np.array([sum(float(m.b3[0]) for m in members) / k], np.float32),
+                      x_mean=first.x_mean, x_std=first.x_std, y_mean=first.y_mean, y_std=first.y_std)
+
+
+def train_ensemble(x, y, mask, *, members: int = 3, **kw) -> MlpWeights:
+    """train_op `members` times (seeds 0..members-1), merged by ensemble()."""
+    seed = kw.pop("seed", 0)
+    return ensemble([train_op(x, y, mask, seed=seed + i, **kw) for i in range(members)])

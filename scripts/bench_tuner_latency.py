@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     result = dict(script="scripts/bench_tuner_latency.py", argv=sys.argv[1:], device="cpu", cpu=cpu,
                   python=platform.python_version(), numpy=np.__version__, model=os.path.relpath(path),
                   affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                  cpu_count=os.cpu_count(), load_average_1_5_15=[round(x, 2) for x in os.getloadavg()],
                   rows=rows, definitions=dict(
                       new_key_us="LearnedTuner.choose on a shape whose key is not cached: features, one batched "
                                  "MLP pass over the bucket's variants, argmin, cache insert",

@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--members", type=int, default=3, help="ensemble members (merged into one MLP)")
+    parser.add_argument("--listwise", type=float, default=0.0, help="weight of a listwise (soft choice) loss term")
     args = parser.parse_args(argv)
 
     from jaxllm.tuner.cost_model import CostModel
@@ -133,14 +134,15 @@ def main(argv=None) -> int:
         train_idx, test_idx = _split(len(op_rows), args.holdout, rng)
         x, y, mask, op_names = op_arrays([op_rows[i] for i in train_idx], op)
         weights[op] = train_ensemble(x, y, mask, members=args.members, hidden=args.hidden, steps=args.steps,
-                                     seed=args.seed)
+                                     listwise_weight=args.listwise, seed=args.seed)
         names[op] = op_names
         held += [op_rows[i] for i in test_idx]
         print(f"{op}: trained on {len(train_idx)} shapes, {len(test_idx)} held out ({time.time() - t0:.1f} s)",
               flush=True)
     train_s = time.time() - t0
     meta = dict(device=device, datasets=headers, trained=harness.today(), holdout=args.holdout, seed=args.seed,
-                hidden=args.hidden, steps=args.steps, members=args.members, script="scripts/train_tuner.py")
+                hidden=args.hidden, steps=args.steps, members=args.members, listwise=args.listwise,
+                script="scripts/train_tuner.py")
     model = CostModel(weights, names, meta)
     model_out = args.model_out or os.path.join(ROOT, "jaxllm", "tuner", "models", args.device + ".npz")
     os.makedirs(os.path.dirname(model_out), exist_ok=True)

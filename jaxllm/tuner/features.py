@@ -65,9 +65,9 @@ class StepFeatures:
 
     def key(self) -> tuple:
         """The cache key: op, bucket, sequences, and quarter-octave total KV, longest KV and (prefill) query
-        tokens."""
+        tokens: near-equal steps share one cached choice."""
         st = self.stats()
-        return stats_key(self.decode, self.bucket, self.heads, st[0], st[1], st[2], st[5], st[6])
+        return stats_key(self.decode, self.bucket, self.heads, st[0], st[1], st[2], st[5])
 
     def vector(self) -> np.ndarray:
         """[NUM_SHAPE_FEATURES] float32 shape features (log2 scale where a length)."""
@@ -76,14 +76,17 @@ class StepFeatures:
 
 def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
     """(n, kv sum, kv max, kv min, sum kv^2, q sum, q max, sum q*kv, sum q^2) as Python numbers, in as few
-    NumPy calls as give them (this runs per step); q_lens None: decode, one query token each."""
+    NumPy calls as give them (this runs on every new key); q_lens None: decode, one query token each."""
+    n = len(kv_lens)
+    if q_lens is not None:
+        lens = np.array((kv_lens, q_lens), np.float64)  # [2, n]: every sum in two products
+        gram = lens @ lens.T  # [[sum kv^2, sum q*kv], [sum q*kv, sum q^2]]
+        sums, tops = lens.sum(1), lens.max(1)
+        return (n, float(sums[0]), float(tops[0]), float(lens[0].min()), float(gram[0, 0]), float(sums[1]),
+                float(tops[1]), float(gram[0, 1]), float(gram[1, 1]))
     kv = kv_lens.astype(np.float64)  # int32 squares of 512K overflow
-    n = len(kv)
     s, m, mn, sq = float(np.add.reduce(kv)), float(np.maximum.reduce(kv)), float(np.minimum.reduce(kv)), float(kv @ kv)
-    if q_lens is None:
-        return n, s, m, mn, sq, float(n), 1.0, s, float(n)
-    q = q_lens.astype(np.float64)
-    return n, s, m, mn, sq, float(np.add.reduce(q)), float(np.maximum.reduce(q)), float(q @ kv), float(q @ q)
+    return n, s, m, mn, sq, float(n), 1.0, s, float(n)
 
 
 def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple) -> np.ndarray:
@@ -105,20 +108,19 @@ def _q(x: float) -> int:
 
 
 def stats_key(decode: bool, bucket: int, heads: tuple[int, int, int], n: int, kv_sum: float, kv_max: float,
-              q_sum: float = 0.0, q_max: float = 0.0) -> tuple:
+              q_sum: float = 0.0) -> tuple:
     """The cache key: near-equal steps (within a quarter octave of total and longest KV, and of query
     tokens for prefill) share it."""
     if decode:
         return (True, bucket, n, _q(kv_sum), _q(kv_max), heads)
-    return (False, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum), _q(q_max), heads)
+    return (False, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum), heads)
 
 
 def feature_key(decode: bool, bucket: int, kv_lens: np.ndarray, cu_q_lens: np.ndarray | None,
                 heads: tuple[int, int, int]) -> tuple:
     """The cache key of a step straight from its plan's kv_lens and cu_q_lens (the per-step fast path:
-    two or three reductions; cu_q_lens is not read for decode)."""
+    two reductions over kv_lens; of cu_q_lens, prefill reads the ends)."""
     kv_sum, kv_max = int(np.add.reduce(kv_lens, dtype=np.int64)), int(np.maximum.reduce(kv_lens))
     if decode:
         return (True, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), heads)
-    q_sum, q_max = int(cu_q_lens[-1] - cu_q_lens[0]), int(np.maximum.reduce(np.diff(cu_q_lens)))
-    return (False, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), _q(q_sum), _q(q_max), heads)
+    return (False, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), _q(int(cu_q_lens[-1]) - int(cu_q_lens[0])), heads)

@@ -68,7 +68,8 @@ def op_arrays(rows: list[dict], op: str) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 def train_op(x: np.ndarray, y: np.ndarray, mask: np.ndarray, *, hidden: int = 32, steps: int = 3000,
-             lr: float = 3e-3, weight_decay: float = 1e-4, relative_weight: float = 4.0, seed: int = 0) -> MlpWeights:
+             lr: float = 3e-3, weight_decay: float = 1e-4, relative_weight: float = 4.0, listwise_weight: float = 0.0,
+             temperature: float = 0.05, seed: int = 0) -> MlpWeights:
     """Fits MlpWeights to x [S, C, F] -> log us y [S, C] (mask [S, C]: measured cells), full batch, AdamW."""
     import jax
     import jax.numpy as jnp
@@ -97,7 +98,16 @@ def train_op(x: np.ndarray, y: np.ndarray, mask: np.ndarray, *, hidden: int = 32
         err = (pred - yn) * m
         n = jnp.maximum(m.sum(1, keepdims=True), 1.0)
         rel = err - err.sum(1, keepdims=True) / n  # the part that changes the order within a shape
-        return ((err ** 2).sum() + relative_weight * ((rel * m) ** 2).sum()) / m.sum()
+        loss = ((err ** 2).sum() + relative_weight * ((rel * m) ** 2).sum()) / m.sum()
+        if listwise_weight:
+            # Cross-entropy between the measured and the predicted soft choice (softmax of -log time /
+            # temperature, in log-time units: 0.05 ~ 5%): it weighs the near-best candidates' order most.
+            t = temperature / y_std
+            neg = jnp.where(m > 0, 0.0, -1e9)
+            target = jax.nn.softmax(-yn / t + neg, axis=1)
+            logp = jax.nn.log_softmax(-pred / t + neg, axis=1)
+            loss = loss + listwise_weight * -(target * jnp.where(m > 0, logp, 0.0)).sum() / x.shape[0]
+        return loss
 
     @jax.jit
     def update(p, s):

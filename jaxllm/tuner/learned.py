@@ -110,7 +110,8 @@ class LearnedTuner:
         if index is not None:
             self._hits += 1
             return index
-        stats = length_stats(plan.kv_lens, None if decode else np.diff(plan.cu_q_lens))
+        cu = plan.cu_q_lens
+        stats = length_stats(plan.kv_lens, None if decode else cu[1:] - cu[:-1])  # np.diff costs 3x this
         index = b.ranker.best(shape_vector(decode, padded_size, self.heads, self.dtype_bytes, stats))
         self._predictions += 1
         if len(self._cache) >= MAX_CACHE:

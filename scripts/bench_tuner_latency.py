@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             tuner.choose(p, decode, bucket)
         hit_us = _per_call_us(lambda p: tuner.choose(p, decode, bucket), plans, args.passes)
         key_us = _per_call_us(lambda p: feature_key(decode, bucket, p.kv_lens, p.cu_q_lens, heads), plans, args.passes)
-        feats = [StepFeatures(decode, bucket, p.kv_lens, np.diff(p.cu_q_lens), heads).vector() for p in plans]
+        feats = [np.append(StepFeatures(decode, bucket, p.kv_lens, np.diff(p.cu_q_lens), heads).vector(), np.float32(1))
+                 for p in plans]
         from jaxllm.tuner.cost_model import OpRanker
         from jaxllm.tuner.train import schedule_matrix
 

@@ -80,6 +80,9 @@ class OpRanker:
     w1_shape: np.ndarray  # [Fv, H], rows of W1 for the shape features, scaled by 1 / x_std
     pre: np.ndarray  # [C, H]
     w3: np.ndarray  # [H], W3 as a vector
+    m1: np.ndarray  # [Fv + 1, C * H]: w1_shape per candidate, then pre (for a shape vector ending in 1)
+    w2b: np.ndarray  # [H + 1, H]: W2, then b2 (for a hidden row ending in 1)
+    hbuf: np.ndarray  # [C, H + 1] scratch, last column 1: best() writes the first layer here
 
     @classmethod
     def build(cls, weights: MlpWeights, names, sched: np.ndarray) -> "OpRanker":
@@ -92,14 +95,20 @@ class OpRanker:
         w1_shape = (weights.w1[:fv] / weights.x_std[:fv, None]).astype(np.float32)
         # The shape features' mean shift is a constant row: folded into pre with b1.
         pre = xs @ weights.w1[fv:] + weights.b1 - (weights.x_mean[:fv] / weights.x_std[:fv]) @ weights.w1[:fv]
-        return cls(weights, tuple(names), w1_shape, pre.astype(np.float32), weights.w3[:, 0].astype(np.float32))
+        c, h = pre.shape
+        m1 = np.concatenate([np.tile(w1_shape, (1, c)), pre.reshape(1, -1)]).astype(np.float32)
+        w2b = np.concatenate([weights.w2, weights.b2[None]]).astype(np.float32)
+        hbuf = np.ones((c, h + 1), np.float32)
+        return cls(weights, tuple(names), w1_shape, pre.astype(np.float32), weights.w3[:, 0].astype(np.float32),
+                   m1, w2b, hbuf)
 
-    def best(self, shape_vec: np.ndarray) -> int:
-        """Index of the candidate predicted fastest (predict's argmin, without its scaling: y_std > 0)."""
-        h = self.pre + shape_vec @ self.w1_shape
-        np.tanh(h, out=h)
-        h2 = h @ self.weights.w2
-        h2 += self.weights.b2
+    def best(self, shape_vec1: np.ndarray) -> int:
+        """Index of the candidate predicted fastest (predict's argmin, without its scaling: y_std > 0), for
+        shape features with a trailing 1 ([Fv + 1], features.shape_vector(..., one=True)): the biases ride
+        in the products, so the pass is five NumPy calls. Uses a scratch buffer: one thread per ranker."""
+        c, h = self.pre.shape
+        np.tanh((shape_vec1 @ self.m1).reshape(c, h), out=self.hbuf[:, :h])
+        h2 = self.hbuf @ self.w2b
         np.tanh(h2, out=h2)
         return int((h2 @ self.w3).argmin())
 

@@ -89,8 +89,10 @@ def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
     return n, s, m, mn, sq, float(n), 1.0, s, float(n)
 
 
-def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple) -> np.ndarray:
-    """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers)."""
+def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple,
+                 *, one: bool = False) -> np.ndarray:
+    """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers); one: a trailing 1.0
+    (OpRanker.best's input)."""
     n, s, m, mn, sq, qs, qm, qk, qq = stats
     mean = s / n
     cv = math.sqrt(max(sq / n - mean * mean, 0.0)) / mean if mean > 0 else 0.0  # spread of the lengths
@@ -100,7 +102,7 @@ def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_b
     log2 = math.log2
     return np.array([1.0 if decode else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s),
                      log2(1 + m), log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes),
-                     log2(1 + mn)], np.float32)
+                     log2(1 + mn)] + ([1.0] if one else []), np.float32)
 
 
 def _q(x: float) -> int:

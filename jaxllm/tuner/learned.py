@@ -112,7 +112,7 @@ class LearnedTuner:
             return index
         cu = plan.cu_q_lens
         stats = length_stats(plan.kv_lens, None if decode else cu[1:] - cu[:-1])  # np.diff costs 3x this
-        index = b.ranker.best(shape_vector(decode, padded_size, self.heads, self.dtype_bytes, stats))
+        index = b.ranker.best(shape_vector(decode, padded_size, self.heads, self.dtype_bytes, stats, one=True))
         self._predictions += 1
         if len(self._cache) >= MAX_CACHE:
             self._cache.clear()

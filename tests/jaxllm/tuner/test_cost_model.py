@@ -33,7 +33,7 @@ def test_ranker_folds_the_schedule_half_exactly():
         shape = rng.normal(size=6).astype(np.float32)
         full = forward_np(w, np.concatenate([np.repeat(shape[None], 4, 0), sched], 1))
         np.testing.assert_allclose(ranker.predict(shape), full, rtol=1e-4, atol=1e-4)
-        assert ranker.best(shape) == int(np.argmin(full))
+        assert ranker.best(np.append(shape, np.float32(1))) == int(np.argmin(full))
     with pytest.raises(ValueError, match="model takes 9 features"):
         OpRanker.build(w, ["a"], np.zeros((1, 9), np.float32))
 

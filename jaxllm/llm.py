@@ -172,7 +172,7 @@ class LLM:
             self.allocator = self.scheduler.allocator
         else:
             self.runner = Runner(step_model, kv_cache, **runner_args, tuner=self._tuner(
-                base, step_model.config, jnp.dtype(kv_dtype(pool_dtype)).name, progress))
+                base, step_model.config, jnp.dtype(kv_dtype(pool_dtype)).name, block_size, progress))
             self.allocator = BlockAllocator(num_blocks)
             self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
                                        max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
@@ -183,14 +183,15 @@ class LLM:
         self.core = EngineCore(self.scheduler, self.runner, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)
 
-    def _tuner(self, base, config, pool_dtype, progress: bool):
+    def _tuner(self, base, config, pool_dtype, block_size: int, progress: bool):
         """The StepTuner EngineOptions.tuner names, over the backend's default kernels `base`."""
         if self.options.tuner == "fixed":
             return FixedTuner(base)
         from jaxllm.tuner import load_tuner  # tunerml's: FixedTuner(base) where no model was trained
 
         device_kind = jax.devices()[0].device_kind
-        tuner = load_tuner(base, device_kind=device_kind, config=config, kv_dtype=pool_dtype)
+        tuner = load_tuner(base, device_kind=device_kind, config=config, kv_dtype=pool_dtype, block_size=block_size,
+                           tensor_parallel=self.options.tensor_parallel, max_context=self.max_context)
         if isinstance(tuner, FixedTuner) and progress:
             print(f"[jaxllm] tuner: no trained cost model for {device_kind!r}; every step runs the default kernels",
                   file=sys.stderr, flush=True)

@@ -1,0 +1,128 @@
+"""A step's features for the cost model, and the key its choice is cached under.
+
+The same code reads a StepPlan (serving) and a dataset row (training), so the model sees at run time
+exactly the numbers it was trained on. Lengths enter in log2 (times scale with them over six decades);
+the key quantises the few numbers that decide the choice to quarter octaves, so steps that differ by a
+few tokens (a decode batch one step later) share one cached choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+# Quantisation of the cache key: steps of 2**(1/KEY_STEPS) in total and longest KV length.
+KEY_STEPS = 4
+NUM_SHAPE_FEATURES = 13
+
+
+def device_slug(device_kind: str) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `nvidia-h100-80gb-hbm3`: the file name of a device's model and dataset."""
+    s = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
+    if not s:
+        raise ValueError(f"device kind {device_kind!r} has no letters or digits to name a model by")
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFeatures:
+    """What the cost model knows of one attention call of a step (one layer; every layer is alike).
+
+    decode: one query token per sequence. bucket: padded sequences (decode) or tokens (prefill).
+    kv_lens, q_lens: [num_seqs] int arrays of the real sequences (KV lengths include this step's
+    tokens). heads: (q heads, kv heads, head_dim) on one device. dtype_bytes: bytes per KV element.
+    """
+
+    decode: bool
+    bucket: int
+    kv_lens: np.ndarray
+    q_lens: np.ndarray
+    heads: tuple[int, int, int]
+    dtype_bytes: int = 2
+
+    def __post_init__(self):
+        if self.bucket < 1:
+            raise ValueError(f"StepFeatures.bucket {self.bucket} must be >= 1")
+        if len(self.kv_lens) != len(self.q_lens) or len(self.kv_lens) == 0:
+            raise ValueError(f"StepFeatures: {len(self.kv_lens)} kv_lens and {len(self.q_lens)} q_lens; "
+                             "want the same number, at least one")
+        if len(self.heads) != 3 or min(self.heads) < 1:
+            raise ValueError(f"StepFeatures.heads {self.heads} must be (q heads, kv heads, head_dim), all >= 1")
+
+    @classmethod
+    def from_plan(cls, plan, decode: bool, padded_size: int, *, heads: tuple[int, int, int],
+                  dtype_bytes: int = 2) -> "StepFeatures":
+        """The features of a jaxllm.engine.scheduler.StepPlan in a bucket of padded_size."""
+        return cls(decode, padded_size, np.asarray(plan.kv_lens), np.diff(np.asarray(plan.cu_q_lens)), heads,
+                   dtype_bytes)
+
+    def stats(self) -> tuple:
+        """length_stats of this step's lengths."""
+        return length_stats(self.kv_lens, None if self.decode else self.q_lens)
+
+    def key(self) -> tuple:
+        """The cache key: op, bucket, sequences, and quarter-octave total KV, longest KV and (prefill) query
+        tokens: near-equal steps share one cached choice."""
+        st = self.stats()
+        return stats_key(self.decode, self.bucket, self.heads, st[0], st[1], st[2], st[5])
+
+    def vector(self) -> np.ndarray:
+        """[NUM_SHAPE_FEATURES] float32 shape features (log2 scale where a length)."""
+        return shape_vector(self.decode, self.bucket, self.heads, self.dtype_bytes, self.stats())
+
+
+def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
+    """(n, kv sum, kv max, kv min, sum kv^2, q sum, q max, sum q*kv, sum q^2) as Python numbers, in as few
+    NumPy calls as give them (this runs on every new key); q_lens None: decode, one query token each."""
+    n = len(kv_lens)
+    if q_lens is not None:
+        lens = np.array((kv_lens, q_lens), np.float64)  # [2, n]: every sum in two products
+        gram = lens @ lens.T  # [[sum kv^2, sum q*kv], [sum q*kv, sum q^2]]
+        sums, tops = lens.sum(1), lens.max(1)
+        return (n, float(sums[0]), float(tops[0]), float(lens[0].min()), float(gram[0, 0]), float(sums[1]),
+                float(tops[1]), float(gram[0, 1]), float(gram[1, 1]))
+    kv = kv_lens.astype(np.float64)  # int32 squares of 512K overflow
+    s, m, mn, sq = float(np.add.reduce(kv)), float(np.maximum.reduce(kv)), float(np.minimum.reduce(kv)), float(kv @ kv)
+    return n, s, m, mn, sq, float(n), 1.0, s, float(n)
+
+
+def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple,
+                 *, one: bool = False) -> np.ndarray:
+    """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers); one: a trailing 1.0
+    (OpRanker.best's input)."""
+    n, s, m, mn, sq, qs, qm, qk, qq = stats
+    mean = s / n
+    cv = math.sqrt(max(sq / n - mean * mean, 0.0)) / mean if mean > 0 else 0.0  # spread of the lengths
+    # Causal work: query i (of Q new tokens) of a sequence of L keys sees L - Q + i + 1 keys.
+    pairs = qk - qq + (qq + qs) / 2
+    hq, hkv, d = heads
+    log2 = math.log2
+    return np.array([1.0 if decode else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s),
+                     log2(1 + m), log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes),
+                     log2(1 + mn)] + ([1.0] if one else []), np.float32)
+
+
+def _q(x: float) -> int:
+    return round(KEY_STEPS * math.log2(1 + x))
+
+
+def stats_key(decode: bool, bucket: int, heads: tuple[int, int, int], n: int, kv_sum: float, kv_max: float,
+              q_sum: float = 0.0) -> tuple:
+    """The cache key: near-equal steps (within a quarter octave of total and longest KV, and of query
+    tokens for prefill) share it."""
+    if decode:
+        return (True, bucket, n, _q(kv_sum), _q(kv_max), heads)
+    return (False, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum), heads)
+
+
+def feature_key(decode: bool, bucket: int, kv_lens: np.ndarray, cu_q_lens: np.ndarray | None,
+                heads: tuple[int, int, int]) -> tuple:
+    """The cache key of a step straight from its plan's kv_lens and cu_q_lens (the per-step fast path:
+    two reductions over kv_lens; of cu_q_lens, prefill reads the ends)."""
+    kv_sum, kv_max = int(np.add.reduce(kv_lens, dtype=np.int64)), int(np.maximum.reduce(kv_lens))
+    if decode:
+        return (True, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), heads)
+    return (False, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), _q(int(cu_q_lens[-1]) - int(cu_q_lens[0])), heads)

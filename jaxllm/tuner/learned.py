@@ -1,0 +1,160 @@
+"""`LearnedTuner`: per bucket the candidate schedules the cost model says can win, per step the predicted fastest.
+
+A StepTuner (jaxllm/tuner/protocol.py). `variants(decode, padded_size)` is the base Kernels first (the
+fallback, today's schedule), then the candidates of the op (jaxllm/tuner/candidates.py) that the model
+predicts fastest for some shape the bucket can hold (sampled over the bucket's range: sequence counts,
+lengths equal, ragged or few-long up to max_context); the rest are never compiled. `choose` computes the
+step's cache key (a few reductions over kv_lens), returns the cached index on a hit, and otherwise ranks
+the bucket's variants in one batched NumPy pass and caches the result. Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxllm.tuner.candidates import candidates
+from jaxllm.tuner.cost_model import CostModel, OpRanker
+from jaxllm.tuner.features import StepFeatures, feature_key, length_stats, shape_vector
+from jaxllm.tuner.train import schedule_matrix
+from pallas_kernels.dispatch import Kernels
+
+# Shapes sampled per bucket to decide which candidates can win there, and the most variants kept.
+PRUNE_SAMPLES = 96
+MAX_VARIANTS = 4
+# Cached choices kept before the cache starts over (keys are quantised: serving reaches far fewer).
+MAX_CACHE = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """One bucket's compiled variants and the ranker over them (None: a single variant, nothing to rank)."""
+
+    kernels: tuple[Kernels, ...]
+    names: tuple[str, ...]
+    ranker: OpRanker | None
+
+
+def sample_shapes(decode: bool, bucket: int, *, heads: tuple[int, int, int], max_context: int, count: int,
+                  seed: int = 0, dtype_bytes: int = 2) -> list[StepFeatures]:
+    """count StepFeatures a bucket can hold, spread as the tuning data is (scripts/collect_tuning_data.py):
+    decode: bucket / 2 + 1 .. bucket sequences, lengths equal, log-uniform or few-long up to max_context;
+    prefill: bucket / 2 + 1 .. bucket tokens from 1..8 sequences, half after a cached prefix."""
+    rng = np.random.default_rng(seed + bucket * 2 + int(decode))
+    out = []
+    for _ in range(count):
+        lo = 1 if bucket == 1 else bucket // 2 + 1
+        if decode:
+            n = int(rng.integers(lo, bucket + 1))
+            top = int(np.exp(rng.uniform(0, math.log(max_context))))
+            kind = rng.integers(3)
+            lens = (np.full(n, top) if kind == 0 else np.exp(rng.uniform(0, math.log(top), n)))
+            if kind == 2:
+                lens = np.exp(rng.uniform(0, math.log(min(top, 2048)), n))
+            lens[0] = top
+            kv = np.maximum(lens.astype(np.int64), 1)
+            q = np.ones(n, np.int64)
+        else:
+            t = int(rng.integers(lo, bucket + 1))
+            n = int(rng.integers(1, min(8, t) + 1))
+            cuts = np.sort(rng.choice(np.arange(1, t), n - 1, replace=False)) if n > 1 else np.array([], np.int64)
+            q = np.diff(np.concatenate([[0], cuts, [t]])).astype(np.int64)
+            prefix = np.where(rng.random(n) < 0.5, 0, np.exp(rng.uniform(0, math.log(max_context), n)))
+            kv = np.minimum(q + prefix.astype(np.int64), max_context)
+            q = np.minimum(q, kv)
+        out.append(StepFeatures(decode, bucket, kv, q, heads, dtype_bytes))
+    return out
+
+
+class LearnedTuner:
+    """A StepTuner choosing each step's schedule with a trained CostModel.
+
+    base: the engine's Kernels (variants()[0] of every bucket; unwrapped for the mesh: the runner wraps
+    each variant). heads: (q heads, kv heads, head_dim) on one device. block_size: the rBlock size (the
+    Mosaic candidates need it a multiple of their KV tile; None: not checked). max_context: the longest
+    sequence the engine admits (the range pruning samples). prune: False compiles every candidate.
+    """
+
+    def __init__(self, base: Kernels, model: CostModel, *, heads: tuple[int, int, int], dtype_bytes: int = 2,
+                 block_size: int | None = None, max_context: int = 512 * 1024, prune: bool = True,
+                 max_variants: int = MAX_VARIANTS):
+        if not isinstance(base, Kernels):
+            raise ValueError(f"LearnedTuner needs a pallas_kernels.dispatch.Kernels, got {type(base).__name__}")
+        if len(heads) != 3 or min(heads) < 1:
+            raise ValueError(f"LearnedTuner heads {heads} must be (q heads, kv heads, head_dim), all >= 1")
+        if max_variants < 1:
+            raise ValueError(f"LearnedTuner max_variants {max_variants} must be >= 1")
+        self.base, self.model, self.heads = base, model, tuple(heads)
+        self.dtype_bytes, self.block_size, self.max_context = dtype_bytes, block_size, max_context
+        self.prune, self.max_variants = prune, max_variants
+        self._buckets: dict[tuple[bool, int], _Bucket] = {}
+        self._cache: dict[tuple, int] = {}
+        self._predictions = 0
+        self._hits = 0
+
+    # ---- StepTuner ----
+
+    def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
+        """The base Kernels, then the candidates the model says can win in this bucket (at most max_variants)."""
+        return self._bucket(decode, padded_size).kernels
+
+    def choose(self, plan, decode: bool, padded_size: int) -> int:
+        """Index into variants(decode, padded_size): the cached choice for the step's key, else the model's."""
+        b = self._buckets.get((decode, padded_size)) or self._bucket(decode, padded_size)
+        if b.ranker is None:
+            return 0
+        key = feature_key(decode, padded_size, plan.kv_lens, plan.cu_q_lens, self.heads)
+        index = self._cache.get(key)
+        if index is not None:
+            self._hits += 1
+            return index
+        cu = plan.cu_q_lens
+        stats = length_stats(plan.kv_lens, None if decode else cu[1:] - cu[:-1])  # np.diff costs 3x this
+        index = b.ranker.best(shape_vector(decode, padded_size, self.heads, self.dtype_bytes, stats, one=True))
+        self._predictions += 1
+        if len(self._cache) >= MAX_CACHE:
+            self._cache.clear()
+        self._cache[key] = index
+        return index
+
+    def stats(self) -> dict[str, int]:
+        """predictions (model runs), cache_hits, cache_keys (distinct keys held)."""
+        return {"predictions": self._predictions, "cache_hits": self._hits, "cache_keys": len(self._cache)}
+
+    # ---- buckets ----
+
+    def variant_names(self, decode: bool, padded_size: int) -> tuple[str, ...]:
+        """Candidate names of variants(decode, padded_size), in the same order."""
+        return self._bucket(decode, padded_size).names
+
+    def _bucket(self, decode: bool, padded_size: int) -> _Bucket:
+        if padded_size < 1:
+            raise ValueError(f"padded_size {padded_size} must be >= 1")
+        key = (decode, padded_size)
+        if key not in self._buckets:
+            self._buckets[key] = self._build(decode, padded_size)
+        return self._buckets[key]
+
+    def _build(self, decode: bool, padded_size: int) -> _Bucket:
+        op = "decode" if decode else "prefill"
+        known = set(self.model.names.get(op, ()))
+        scheds = [s for s in candidates(op, self.base, padded_size, block_size=self.block_size) if s.name in known]
+        default = candidates(op, self.base, padded_size, block_size=self.block_size)[0]
+        if op not in self.model.ops or len(scheds) <= 1 or default.name not in known:
+            return _Bucket((self.base,), (default.name,), None)
+        names = [s.name for s in scheds]
+        if self.prune and len(scheds) > 1:
+            ranker = OpRanker.build(self.model.ops[op], names, schedule_matrix(op, names))
+            wins = np.zeros(len(names), np.int64)
+            for f in sample_shapes(decode, padded_size, heads=self.heads, max_context=self.max_context,
+                                   count=PRUNE_SAMPLES, dtype_bytes=self.dtype_bytes):
+                wins[int(np.argmin(ranker.predict(f.vector())))] += 1
+            order = [i for i in np.argsort(-wins, kind="stable") if wins[i] > 0 and i != 0]
+            keep = [0] + sorted(order[: self.max_variants - 1])
+            scheds = [scheds[i] for i in keep]
+        names = tuple(s.name for s in scheds)
+        kernels = (self.base,) + tuple(s.apply(self.base) for s in scheds[1:])
+        ranker = OpRanker.build(self.model.ops[op], names, schedule_matrix(op, names)) if len(names) > 1 else None
+        return _Bucket(kernels, names, ranker)

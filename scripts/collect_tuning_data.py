@@ -1,0 +1,338 @@
+"""Tuning data for the AutoTuner (issue 22): every candidate schedule of each attention op, timed over shapes
+drawn from serving, one dataset per device.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/collect_tuning_data.py --out $OUT
+  PYTHONPATH=$PWD python scripts/collect_tuning_data.py --smoke --out /tmp   # tiny shapes, CPU interpret mode
+
+What is timed is exactly what a step runs: `dispatch.ragged_attention` under each candidate's Kernels
+(jaxllm.tuner.candidates), one jit per (head shape, op, bucket, candidate) compiled once, over a pool of
+one layer's rBlocks (K+V ~ --pool-gb) for Llama-2-7B heads (32 q / 32 kv x 128) and Llama-3-8B heads
+(32 / 8 x 128), bf16, rBlocks of 256. A bucket's static shapes are the engine's (decode: sequences padded
+to a power of two; prefill: tokens padded to a power of two, cu_q_lens padded with the last count); the
+lengths are data, so one compile serves every shape of a bucket, as in serving.
+ - decode: 1..256 sequences, KV lengths 1..512K: equal, log-uniform ragged, or mostly short with a few
+   long ones; total KV per shape capped by the pool. Each timed call runs `layers` attention calls
+   whose rBlock tables sit at different places in the pool (like a step's layers), so small shapes are
+   not timed out of L2.
+ - prefill: chunks of 16..8192 tokens packed from 1..8 sequences, half of them after a cached prefix
+   (log-uniform up to 128K).
+Per shape every candidate is timed in turns (rep r starts at candidate r mod n: drift is shared), each
+rep one harness.time_batch of back-to-back calls; the median per candidate is recorded. The shape
+budget is spread over the (head shape, op, bucket) groups so a run ends inside --budget-s whatever the
+compile times, and the dataset is rewritten after every group (a killed run keeps what it measured).
+Writes `<device-slug>.jsonl.gz` (format: benchmarks/tuning/README.md) and prints progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+
+import harness
+
+K = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Sizes of one run; SMOKE shrinks it to CPU interpret-mode size."""
+
+    heads: tuple[tuple[int, int, int], ...] = ((32, 32, 128), (32, 8, 128))  # (q heads, kv heads, head_dim)
+    block: int = 256
+    pool_gb: float = 24.0  # K + V bytes of the one-layer pool per head shape
+    max_len: int = 512 * K
+    decode_buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
+    prefill_buckets: tuple[int, ...] = (16, 128, 512, 2048, 8192)
+    max_prefill_seqs: int = 8
+    max_prefix: int = 128 * K
+    decode_layers: int = 4
+    prefill_layers: int = 1
+    reps: int = 7
+    rep_s: float = 0.003  # timed seconds per rep and candidate
+    max_shapes: int = 80  # per group
+    budget_s: float = 300.0  # wall seconds from the start for everything
+
+
+SMOKE = Plan(heads=((4, 2, 128),), block=64, pool_gb=0.002, max_len=1 * K, decode_buckets=(1, 4),
+             prefill_buckets=(16, 128), max_prefill_seqs=3, max_prefix=256, decode_layers=2, reps=1, rep_s=0.0,
+             max_shapes=2, budget_s=1e9)
+
+
+def slug(device: str) -> str:
+    """File-name form of a device kind: `NVIDIA H200` -> `nvidia-h200` (what jaxllm.tuner looks models up by)."""
+    from jaxllm.tuner.features import device_slug
+
+    return device_slug(device)
+
+
+def _pool(jnp, jax, num_blocks, hkv, block, d, seed):
+    """[num_blocks, hkv, block, d] bf16: a small random slab tiled (no full-size float32 temporary)."""
+    tile = min(num_blocks, 64)
+    slab = jax.random.normal(jax.random.key(seed), (tile, hkv, block, d), jnp.bfloat16)
+    reps = -(-num_blocks // tile)
+    return jax.jit(lambda s: jnp.tile(s, (reps, 1, 1, 1))[:num_blocks])(slab)
+
+
+def _decode_lens(rng, n: int, cap_total: int, max_len: int) -> tuple[np.ndarray, str]:
+    """n KV lengths in 1..max_len, sum <= cap_total: equal, ragged (log-uniform) or few-long."""
+    kind = rng.choice(["equal", "ragged", "few_long"])
+    top = int(np.exp(rng.uniform(np.log(1), np.log(min(max_len, cap_total)))))
+    if kind == "equal":
+        lens = np.full(n, top)
+    elif kind == "ragged":
+        lens = np.exp(rng.uniform(0, np.log(max(top, 1)), n))
+        lens[0] = top
+    else:
+        lens = np.exp(rng.uniform(0, np.log(max(min(top, 2 * K), 1)), n))
+        lens[: max(1, n // 16)] = top
+    lens = np.maximum(lens.astype(np.int64), 1)
+    if lens.sum() > cap_total:
+        lens = np.maximum((lens * (cap_total / lens.sum())).astype(np.int64), 1)
+    return np.minimum(lens, max_len).astype(np.int32), str(kind)
+
+
+def _prefill_shape(rng, bucket: int, plan: Plan, cap_total: int):
+    """(q_lens, prefixes): t real tokens in (bucket / 2, bucket] packed from 1..max_prefill_seqs sequences."""
+    t = int(rng.integers(bucket // 2 + 1, bucket + 1))
+    n = int(rng.integers(1, min(plan.max_prefill_seqs, t) + 1))
+    cuts = np.sort(rng.choice(np.arange(1, t), n - 1, replace=False)) if n > 1 else np.array([], np.int64)
+    q_lens = np.diff(np.concatenate([[0], cuts, [t]])).astype(np.int64)
+    prefixes = np.where(rng.random(n) < 0.5, 0, np.exp(rng.uniform(0, np.log(plan.max_prefix), n))).astype(np.int64)
+    room = max(cap_total - int(q_lens.sum()), 0)
+    if prefixes.sum() > room:
+        prefixes = (prefixes * (room / max(prefixes.sum(), 1))).astype(np.int64)
+    return q_lens.astype(np.int32), prefixes.astype(np.int32)
+
+
+def _tables(kv_lens, block: int, width: int, layers: int, pool_blocks: int, seq_pad: int) -> np.ndarray:
+    """[layers, seq_pad, width] int32: each sequence's rBlocks consecutive, each layer's run at another
+    place in the pool (disjoint where the pool holds them all, overlapping otherwise)."""
+    nb = -(-np.asarray(kv_lens, np.int64) // block)
+    total = int(nb.sum())
+    stride = total if layers * total <= pool_blocks else max(pool_blocks - total, 0) // max(layers - 1, 1)
+    out = np.zeros((layers, seq_pad, width), np.int32)
+    for layer in range(layers):
+        at = layer * stride
+        for s, n in enumerate(nb):
+            out[layer, s, :n] = np.arange(at, at + n)
+            at += n
+    return out
+
+
+class Collector:
+    def __init__(self, plan: Plan, base, interpret: bool, seed: int):
+        self.plan, self.base, self.interpret = plan, base, interpret
+        self.rng = np.random.default_rng(seed)
+        self.t0 = time.time()
+        self.compile_seconds: list[float] = []  # per group so far: the estimate for the groups left
+
+    def left(self) -> float:
+        return self.plan.budget_s - (time.time() - self.t0)
+
+    def time_shape(self, steps, args):
+        """Median us per layer call for each compiled step, timed in turns."""
+        import jax
+
+        calls = []
+        for step, per in steps:
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            once = time.perf_counter() - start
+            calls.append(int(np.clip(self.plan.rep_s / max(once, 1e-6), 1, 64)))
+        times = [[] for _ in steps]
+        n = len(steps)
+        for rep in range(self.plan.reps):
+            for j in range(n):
+                i = (rep + j) % n
+                step, per = steps[i]
+                times[i].append(harness.time_batch(step, args, calls=calls[i], per=per))
+        return [round(float(np.median(t)) * 1e6, 2) for t in times]
+
+    def compile(self, fns, schedules, args, layers):
+        """[(compiled step, layers)] and {name: compile seconds or None (failed)}: traced and lowered one at a
+        time, compiled in threads (XLA's compile is C++, so candidates of a group compile side by side)."""
+        import jax
+
+        t0, lowered, steps, compile_s = time.perf_counter(), [], [], {}
+        for sched, fn in zip(schedules, fns):
+            try:
+                lowered.append(fn.lower(*args))
+            except Exception as exc:  # a candidate that cannot take these shapes is left out
+                print(f"  {sched.name}: lowering failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                lowered.append(None)
+        # Daemon threads: a compile stuck past its timeout costs one candidate and never holds the exit.
+        results: list[dict] = [{} for _ in lowered]
+
+        def run(low, out):
+            try:
+                out["step"] = low.compile()
+            except Exception as exc:  # reported below, with the candidate's name
+                out["error"] = exc
+
+        threads = []
+        for low, out in zip(lowered, results):
+            t = None if low is None else threading.Thread(target=run, args=(low, out), daemon=True)
+            if t is not None:
+                t.start()
+            threads.append(t)
+        for sched, t, out in zip(schedules, threads, results):
+            step = None
+            if t is not None:
+                t.join(timeout=max(120 - (time.perf_counter() - t0), 1))
+                try:
+                    if "error" in out:
+                        raise out["error"]
+                    if "step" not in out:
+                        raise TimeoutError("compile still running after 120 s")
+                    step = out["step"]
+                    jax.block_until_ready(step(*args))
+                except Exception as exc:
+                    print(f"  {sched.name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    step = None
+            compile_s[sched.name] = None if step is None else round(time.perf_counter() - t0, 2)
+            steps.append((step, layers))
+        self.compile_seconds.append(time.perf_counter() - t0)
+        return steps, compile_s
+
+    def group(self, op, heads, bucket, pools, schedules, groups_left, est_compile):
+        """Compiles each candidate for this bucket, then times shapes until the group's share of what the
+        budget leaves after est_compile (the later groups' compiles) is spent. Returns the dataset rows."""
+        import jax
+        import jax.numpy as jnp
+
+        from pallas_kernels.dispatch import ragged_attention
+
+        plan = self.plan
+        hq, hkv, d = heads
+        k_pool, v_pool = pools
+        pool_blocks = k_pool.shape[0]
+        width = plan.max_len // plan.block
+        decode = op == "decode"
+        layers = plan.decode_layers if decode else plan.prefill_layers
+        tokens = bucket
+        seq_pad = bucket if decode else min(bucket, 256)
+        q = jax.random.normal(jax.random.key(bucket), (tokens, hq, d), jnp.bfloat16)
+        fns = []
+        for sched in schedules:
+            kernels = sched.apply(self.base)
+
+            def fn(q, kp, vp, tables, lens, cu, kernels=kernels):
+                return [ragged_attention(q, kp, vp, tables[i], lens, cu, decode=decode, kernels=kernels)
+                        for i in range(layers)]
+
+            fns.append(jax.jit(fn))
+        rows, first = [], True
+        while len(rows) < plan.max_shapes and (first or (time.time() - m0 < share and self.left() > 0)):
+            cap = pool_blocks * plan.block
+            if decode:
+                n = 1 if bucket == 1 else int(self.rng.integers(bucket // 2 + 1, bucket + 1))
+                kv_lens, kind = _decode_lens(self.rng, n, cap, plan.max_len)
+                q_lens, prefixes = np.ones(n, np.int32), kv_lens - 1
+            else:
+                q_lens, prefixes = _prefill_shape(self.rng, bucket, plan, min(cap, plan.max_len))
+                kv_lens, kind = (q_lens + prefixes).astype(np.int32), "prefill"
+                n = len(q_lens)
+            lens = np.zeros(seq_pad, np.int32)
+            lens[:n] = kv_lens
+            cu = np.full(seq_pad + 1, int(q_lens.sum()), np.int32)
+            cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+            if decode:
+                cu = np.arange(seq_pad + 1, dtype=np.int32)
+            tables = _tables(kv_lens, plan.block, width, layers, pool_blocks, seq_pad)
+            args = (q, k_pool, v_pool, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(cu))
+            if first:
+                steps, compile_s = self.compile(fns, schedules, args, layers)
+                live = [i for i, s in enumerate(schedules) if compile_s[s.name] is not None]
+                first = False
+                m0 = time.time()
+                share = max((self.left() - est_compile) / max(groups_left, 1), 0.0)
+            us = self.time_shape([steps[i] for i in live], args)
+            rows.append(dict(op=op, heads=list(heads), block=plan.block, dtype="bfloat16", bucket=bucket, kind=kind,
+                             kv_lens=kv_lens.tolist(), q_lens=None if decode else q_lens.tolist(),
+                             us={schedules[i].name: t for i, t in zip(live, us)}))
+        best = [min(r["us"], key=r["us"].get) for r in rows]
+        print(f"[{time.time() - self.t0:6.1f}s] {op} heads {heads} bucket {bucket}: {len(rows)} shapes, compile "
+              f"{compile_s}, best counts {dict((b, best.count(b)) for b in sorted(set(best)))}", flush=True)
+        return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(harness.RESULTS_DIR), "tuning"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; on a CPU the kernels run interpreted")
+    parser.add_argument("--budget-s", type=float, default=None, help="wall seconds for the whole run")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from jaxllm.tuner.candidates import candidates
+    from pallas_kernels import compat
+    from pallas_kernels.dispatch import Kernels, default_kernels
+
+    compat.silence_triton_deprecation()
+    plan = SMOKE if args.smoke else Plan()
+    if args.budget_s is not None:
+        plan = dataclasses.replace(plan, budget_s=args.budget_s)
+    interpret = not compat.on_gpu()
+    if interpret:  # the CPU: every Triton candidate in interpret mode (Mosaic needs a Hopper)
+        base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
+    else:
+        base = default_kernels("auto", head_dim=128)
+    device = harness.device_kind()
+    seed = int(time.time()) if args.seed is None else args.seed
+    print(f"jax {jax.__version__}, {jax.devices()}, interpret={interpret}, base {base}", flush=True)
+    collector = Collector(plan, base, interpret, seed)
+    header = dict(format="jaxllm-tuning-v1", script="scripts/collect_tuning_data.py", argv=sys.argv[1:],
+                  device=device, date=harness.today(), jax=jax.__version__, python=platform.python_version(),
+                  seed=seed, smoke=args.smoke, plan=dataclasses.asdict(plan), base=repr(base),
+                  definitions=dict(us="median over reps of (elapsed / calls / layers): one attention call over one "
+                                      "layer's pool, microseconds", kv_lens="real sequences' KV lengths, query "
+                                      "tokens included", q_lens="prefill: query tokens per sequence"))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, slug(device) + (".smoke" if args.smoke else "") + ".jsonl.gz")
+    groups = [(heads, op, b) for heads in plan.heads for op in ("decode", "prefill")
+              for b in (plan.decode_buckets if op == "decode" else plan.prefill_buckets)]
+    rows = []
+    for gi, (heads, op, bucket) in enumerate(groups):
+        if gi == 0 or groups[gi - 1][0] != heads:
+            pools = None
+            hq, hkv, d = heads
+            per_block = 2 * hkv * plan.block * d * 2  # K + V bytes of one rBlock
+            num_blocks = max(int(plan.pool_gb * 1e9 // per_block), plan.max_len // plan.block)
+            pools = (_pool(jax.numpy, jax, num_blocks, hkv, plan.block, d, 0),
+                     _pool(jax.numpy, jax, num_blocks, hkv, plan.block, d, 1))
+            print(f"pool {heads}: {num_blocks} rBlocks of {plan.block} ({num_blocks * per_block / 1e9:.1f} GB K+V)",
+                  flush=True)
+        if collector.left() <= 0:
+            print(f"budget spent: {op} heads {heads} bucket {bucket} and later groups skipped", flush=True)
+            continue
+        schedules = candidates(op, base, bucket, block_size=plan.block)
+        seen = collector.compile_seconds
+        per_group = max(seen) if seen else 10.0
+        rows += collector.group(op, heads, bucket, pools, schedules, len(groups) - gi,
+                                est_compile=per_group * (len(groups) - gi - 1))
+        header["elapsed_s"] = round(time.time() - collector.t0, 1)
+        header["candidates"] = {o: [dict(name=s.name, features=s.features, fields=repr(s.fields), backend=s.backend)
+                                    for s in candidates(o, base, max(plan.prefill_buckets), block_size=plan.block)]
+                                for o in ("decode", "prefill")}
+        with gzip.open(path + ".tmp", "wt") as f:
+            f.write(json.dumps(header) + "\n")
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(path + ".tmp", path)
+    print(f"wrote {path}: {len(rows)} shapes in {time.time() - collector.t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

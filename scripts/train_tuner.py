@@ -1,0 +1,181 @@
+"""Trains the AutoTuner's cost model for a device and evaluates it on held-out shapes (issue 22), on the CPU.
+
+  PYTHONPATH=$PWD python scripts/train_tuner.py --device nvidia-h100-80gb-hbm3
+
+Reads every `benchmarks/tuning/<device>*.jsonl.gz` (scripts/collect_tuning_data.py), splits the measured
+shapes of each op at random into training and held-out shapes (a held-out shape is never trained on),
+trains the per-op MLP (jaxllm.tuner.train: optax, a few seconds) on the training shapes and writes it to
+`jaxllm/tuner/models/<device>.npz`, the model that ships (the one evaluated). On each held-out shape the
+choice is made as in serving: a LearnedTuner (pruned variants per bucket, cached choices per feature key)
+over the base Kernels of a Hopper (decode on Triton, prefill on Mosaic); its measured time is compared
+with the exhaustively measured best over every candidate of that shape. Also reported: the fixed default
+(variants()[0]); top-1 (the chosen one is the measured best) and top-3 (the measured best is among the
+model's three fastest of all candidates) accuracy. Writes `<device>-<date>-<HHMM>-tuner.json` and `.md`
+under --out (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import sys
+import time
+import types
+
+import numpy as np
+
+import harness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _split(n: int, holdout: float, rng) -> tuple[np.ndarray, np.ndarray]:
+    idx = rng.permutation(n)
+    k = max(1, int(round(n * holdout)))
+    return np.sort(idx[k:]), np.sort(idx[:k])
+
+
+def _plan_of(row):
+    """The parts of a StepPlan the tuner reads, for a dataset row."""
+    q = np.ones(len(row["kv_lens"]), np.int64) if row["op"] == "decode" else np.asarray(row["q_lens"], np.int64)
+    return types.SimpleNamespace(kv_lens=np.asarray(row["kv_lens"], np.int64),
+                                 cu_q_lens=np.concatenate([[0], np.cumsum(q)]))
+
+
+def evaluate(model, rows, base, block: int) -> list[dict]:
+    """Per held-out row: chosen, default and best candidate with their measured times, and model ranks."""
+    from jaxllm.tuner import LearnedTuner
+    from jaxllm.tuner.cost_model import OpRanker
+    from jaxllm.tuner.train import row_features, schedule_matrix
+
+    tuners, out = {}, []
+    for r in rows:
+        heads = tuple(r["heads"])
+        if heads not in tuners:
+            tuners[heads] = LearnedTuner(base, model, heads=heads, block_size=block)
+        tuner = tuners[heads]
+        decode = r["op"] == "decode"
+        names = tuner.variant_names(decode, r["bucket"])
+        chosen = names[tuner.choose(_plan_of(r), decode, r["bucket"])]
+        us = r["us"]
+        measured = [n for n in model.names[r["op"]] if n in us]
+        ranker = OpRanker.build(model.ops[r["op"]], measured, schedule_matrix(r["op"], measured))
+        pred = ranker.predict(row_features(r).vector())
+        order = [measured[i] for i in np.argsort(pred)]
+        best = min(us, key=us.get)
+        out.append(dict(op=r["op"], bucket=r["bucket"], heads=list(heads), kind=r["kind"], variants=list(names),
+                        chosen=chosen, default=names[0], best=best, chosen_us=us.get(chosen),
+                        default_us=us[names[0]], best_us=us[best], top1=chosen == best, top3=best in order[:3],
+                        unpruned_choice=order[0]))
+    return out
+
+
+def summarize(ev: list[dict]) -> dict:
+    """Fractions of the measured best (best time / time) for the tuner's choice and the default."""
+    if not ev:
+        return {}
+    tuned = np.array([e["best_us"] / e["chosen_us"] for e in ev])
+    fixed = np.array([e["best_us"] / e["default_us"] for e in ev])
+    return dict(shapes=len(ev), tuned_avg=float(tuned.mean()), tuned_worst=float(tuned.min()),
+                fixed_avg=float(fixed.mean()), fixed_worst=float(fixed.min()),
+                tuned_below_85=int((tuned < 0.85).sum()), top1=float(np.mean([e["top1"] for e in ev])),
+                top3=float(np.mean([e["top3"] for e in ev])),
+                mean_variants=float(np.mean([len(e["variants"]) for e in ev])))
+
+
+def table(summary: dict) -> str:
+    rows = []
+    for name, s in summary.items():
+        rows.append([name, s["shapes"], f"{s['tuned_avg']:.1%}", f"{s['tuned_worst']:.1%}", f"{s['fixed_avg']:.1%}",
+                     f"{s['fixed_worst']:.1%}", f"{s['top1']:.0%}", f"{s['top3']:.0%}", f"{s['mean_variants']:.1f}",
+                     s["tuned_below_85"]])
+    return harness.markdown_table(["held-out shapes", "n", "tuned avg", "tuned worst", "fixed avg", "fixed worst",
+                                   "top-1", "top-3", "variants/bucket", "tuned < 85%"], rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", required=True, help="device slug, e.g. nvidia-h100-80gb-hbm3")
+    parser.add_argument("--datasets", nargs="*", default=None, help="default: benchmarks/tuning/<device>*.jsonl.gz")
+    parser.add_argument("--model-out", default=None, help="default: jaxllm/tuner/models/<device>.npz")
+    parser.add_argument("--out", default=harness.RESULTS_DIR)
+    parser.add_argument("--holdout", type=float, default=0.25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--members", type=int, default=3, help="ensemble members (merged into one MLP)")
+    parser.add_argument("--listwise", type=float, default=0.0, help="weight of a listwise (soft choice) loss term")
+    args = parser.parse_args(argv)
+
+    from jaxllm.tuner.cost_model import CostModel
+    from jaxllm.tuner.train import op_arrays, read_dataset, train_ensemble
+    from pallas_kernels.dispatch import Kernels
+
+    paths = args.datasets or sorted(glob.glob(os.path.join(ROOT, "benchmarks", "tuning", args.device + "*.jsonl.gz")))
+    paths = [p for p in paths if ".smoke." not in p]
+    if not paths:
+        parser.error(f"no dataset for {args.device!r} under benchmarks/tuning/")
+    headers, rows = [], []
+    for p in paths:
+        h, r = read_dataset(p)
+        headers.append(dict(path=os.path.relpath(p, ROOT), device=h["device"], date=h["date"], shapes=len(r),
+                            jax=h["jax"]))
+        rows += r
+    device = headers[0]["device"]
+    rng = np.random.default_rng(args.seed)
+    t0 = time.time()
+    weights, names, held = {}, {}, []
+    for op in ("decode", "prefill"):
+        op_rows = [r for r in rows if r["op"] == op]
+        if not op_rows:
+            continue
+        train_idx, test_idx = _split(len(op_rows), args.holdout, rng)
+        x, y, mask, op_names = op_arrays([op_rows[i] for i in train_idx], op)
+        weights[op] = train_ensemble(x, y, mask, members=args.members, hidden=args.hidden, steps=args.steps,
+                                     listwise_weight=args.listwise, seed=args.seed)
+        names[op] = op_names
+        held += [op_rows[i] for i in test_idx]
+        print(f"{op}: trained on {len(train_idx)} shapes, {len(test_idx)} held out ({time.time() - t0:.1f} s)",
+              flush=True)
+    train_s = time.time() - t0
+    meta = dict(device=device, datasets=headers, trained=harness.today(), holdout=args.holdout, seed=args.seed,
+                hidden=args.hidden, steps=args.steps, members=args.members, listwise=args.listwise,
+                script="scripts/train_tuner.py")
+    model = CostModel(weights, names, meta)
+    model_out = args.model_out or os.path.join(ROOT, "jaxllm", "tuner", "models", args.device + ".npz")
+    os.makedirs(os.path.dirname(model_out), exist_ok=True)
+    model.save(model_out)
+    model = CostModel.load(model_out)  # evaluate exactly what ships
+    base = Kernels(decode_attention="triton", prefill_attention="mosaic", rope_kv_write="pallas",
+                   decode_layer="pallas")
+    ev = evaluate(model, held, base, block=int(rows[0]["block"]))
+    summary = {"all": summarize(ev)}
+    for op in ("decode", "prefill"):
+        summary[op] = summarize([e for e in ev if e["op"] == op])
+        for b in sorted({e["bucket"] for e in ev if e["op"] == op}):
+            summary[f"{op} bucket {b}"] = summarize([e for e in ev if e["op"] == op and e["bucket"] == b])
+    summary = {k: v for k, v in summary.items() if v}
+    md = table(summary)
+    print(md, flush=True)
+    date = headers[-1]["date"]
+    stem = harness.result_stem(device, "tuner", date)
+    result = dict(script="scripts/train_tuner.py", argv=sys.argv[1:], device=device, date=date,
+                  command="PYTHONPATH=$PWD python scripts/train_tuner.py " + " ".join(sys.argv[1:]),
+                  datasets=headers, model=os.path.relpath(model_out, ROOT), model_bytes=os.path.getsize(model_out),
+                  train_s=round(train_s, 1), meta=meta, summary=summary, held_out=ev,
+                  definitions=dict(tuned="measured best time / measured time of the tuner's choice (LearnedTuner."
+                                         "choose over its pruned variants, cached per feature key)",
+                                   fixed="measured best time / measured time of variants()[0] (today's default)",
+                                   top1="the tuner's choice is the measured best",
+                                   top3="the measured best is among the model's three fastest of all candidates"))
+    harness.write_json(os.path.join(args.out, stem + ".json"), result)
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+        f.write(md)
+    print(f"wrote {model_out} ({os.path.getsize(model_out)} bytes) and {os.path.join(args.out, stem)}.json", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

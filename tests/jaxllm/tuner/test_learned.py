@@ -1,0 +1,121 @@
+"""LearnedTuner over a StepPlan: the base first, cached choices, the model's ranking; features of a plan;
+load_tuner and its fallback (logged once, naming the device)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import jaxllm.tuner as tuner_pkg
+from jaxllm.engine.allocator import BlockAllocator
+from jaxllm.engine.sampling import SamplingParams
+from jaxllm.engine.scheduler import Scheduler, StepPlan
+from jaxllm.model.config import LlamaConfig
+from jaxllm.tuner import FixedTuner, LearnedTuner, StepFeatures, load_tuner
+from jaxllm.tuner.candidates import all_schedules
+from jaxllm.tuner.cost_model import CostModel, MlpWeights, OpRanker
+from jaxllm.tuner.features import NUM_SHAPE_FEATURES, feature_key
+from jaxllm.tuner.learned import MAX_VARIANTS
+from jaxllm.tuner.protocol import StepTuner
+from jaxllm.tuner.train import schedule_matrix
+from pallas_kernels.dispatch import Kernels
+
+HOPPER = Kernels(decode_attention="triton", prefill_attention="mosaic", rope_kv_write="pallas", decode_layer="pallas")
+HEADS = (32, 8, 128)
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _model(seed=0) -> CostModel:
+    rng = np.random.default_rng(seed)
+    ops, names = {}, {}
+    for op in ("decode", "prefill"):
+        scheds = all_schedules(op)
+        f = NUM_SHAPE_FEATURES + len(scheds[0].features)
+        r = lambda *s: rng.normal(size=s).astype(np.float32)
+        ops[op] = MlpWeights(w1=r(f, 8), b1=r(8), w2=r(8, 8), b2=r(8), w3=r(8, 1), b3=r(1),
+                             x_mean=np.zeros(f, np.float32), x_std=np.full(f, 4.0, np.float32),
+                             y_mean=np.float32(4.0), y_std=np.float32(1.0))
+        names[op] = tuple(s.name for s in scheds)
+    return CostModel(ops, names, {"device": "test"})
+
+
+def _plan(kv_lens, q_lens) -> StepPlan:
+    """A StepPlan built by hand (the fields the tuner reads are kv_lens and cu_q_lens)."""
+    s, t = len(kv_lens), int(sum(q_lens))
+    z = lambda n, dt=np.int32: np.zeros(n, dt)
+    return StepPlan(seq_ids=np.arange(s, dtype=np.int64), token_ids=z(t), positions=z(t), slot_mapping=z(t),
+                    cu_q_lens=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                    kv_lens=np.asarray(kv_lens, np.int32), block_tables=np.zeros((s, 4), np.int32),
+                    sample=np.ones(s, bool), temperature=z(s, np.float32), top_k=z(s), top_p=np.ones(s, np.float32),
+                    seed=z(s))
+
+
+def test_learned_tuner_is_a_step_tuner_with_the_base_first():
+    tuner = LearnedTuner(HOPPER, _model(), heads=HEADS, block_size=256)
+    assert isinstance(tuner, StepTuner)
+    for decode, size in ((True, 1), (True, 64), (False, 16), (False, 2048)):
+        variants = tuner.variants(decode, size)
+        assert variants[0] is HOPPER and 1 <= len(variants) <= MAX_VARIANTS
+        assert len(set(variants)) == len(variants) == len(tuner.variant_names(decode, size))
+        assert tuner.variants(decode, size) is variants  # built once per bucket
+    everything = LearnedTuner(HOPPER, _model(), heads=HEADS, block_size=256, prune=False, max_variants=99)
+    assert everything.variant_names(True, 4) == tuple(s.name for s in all_schedules("decode"))
+
+
+def test_choose_ranks_with_the_model_and_caches_per_key():
+    model = _model()
+    tuner = LearnedTuner(HOPPER, model, heads=HEADS, block_size=256, prune=False, max_variants=99)
+    plan = _plan([3000, 17, 250_000, 9], [1, 1, 1, 1])
+    index = tuner.choose(plan, True, 4)
+    names = tuner.variant_names(True, 4)
+    ranker = OpRanker.build(model.ops["decode"], names, schedule_matrix("decode", names))
+    want = int(np.argmin(ranker.predict(StepFeatures.from_plan(plan, True, 4, heads=HEADS).vector())))
+    assert index == want
+    assert tuner.stats() == {"predictions": 1, "cache_hits": 0, "cache_keys": 1}
+    near = _plan([3001, 18, 250_001, 10], [1, 1, 1, 1])  # one decode step later: the same key
+    assert tuner.choose(near, True, 4) == tuner.choose(plan, True, 4) == index
+    assert tuner.stats() == {"predictions": 1, "cache_hits": 2, "cache_keys": 1}
+    prefill = _plan([700, 64], [300, 64])
+    assert 0 <= tuner.choose(prefill, False, 512) < len(tuner.variants(False, 512))
+    assert tuner.stats()["predictions"] == 2
+
+
+def test_features_of_a_scheduler_plan():
+    sched = Scheduler(BlockAllocator(32), 4, max_tokens_per_step=64, max_seqs=4)
+    for n in (2, 5, 4):
+        sched.add(list(range(1, n + 1)), SamplingParams(max_new_tokens=5), max_len=64)
+    prefill = sched.plan()
+    f = StepFeatures.from_plan(prefill, False, 16, heads=HEADS)
+    assert f.q_lens.tolist() == [2, 5, 4] and f.kv_lens.tolist() == [2, 5, 4]
+    v = f.vector()
+    assert v.shape == (NUM_SHAPE_FEATURES,) and np.all(np.isfinite(v))
+    assert v[0] == 0 and v[1] == 4 and v[3] == pytest.approx(np.log2(12))  # prefill, bucket 2^4, 11 tokens
+    assert f.key() == feature_key(False, 16, prefill.kv_lens, prefill.cu_q_lens, HEADS)
+    sched.update(prefill, np.array([9, 9, 9]), eos_id=0)
+    decode = sched.plan()
+    d = StepFeatures.from_plan(decode, True, 4, heads=HEADS)
+    assert d.q_lens.tolist() == [1, 1, 1] and d.vector()[0] == 1
+    far = StepFeatures(True, 4, d.kv_lens * 2, d.q_lens, HEADS)
+    assert far.key() != d.key()
+    with pytest.raises(ValueError, match="heads"):
+        StepFeatures(True, 4, d.kv_lens, d.q_lens, (32, 8))
+
+
+def test_load_tuner_falls_back_to_fixed_and_says_so_once(caplog):
+    config = LlamaConfig.tiny()
+    with caplog.at_level(logging.INFO, logger="jaxllm.tuner"):
+        a = load_tuner(HOPPER, device_kind="Imaginary GPU 9000", config=config, kv_dtype="bfloat16")
+        b = load_tuner(HOPPER, device_kind="Imaginary GPU 9000", config=config, kv_dtype="bfloat16")
+    assert isinstance(a, FixedTuner) and isinstance(b, FixedTuner) and a.variants(True, 8) == (HOPPER,)
+    said = [r.getMessage() for r in caplog.records if r.name == "jaxllm.tuner"]
+    assert len(said) == 1 and "Imaginary GPU 9000" in said[0]
+
+
+def test_load_tuner_finds_the_shipped_model():
+    config = LlamaConfig.tiny()
+    assert tuner_pkg.model_path(H100).endswith("nvidia-h100-80gb-hbm3.npz")
+    tuner = load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="bfloat16", block_size=256)
+    assert isinstance(tuner, LearnedTuner) and tuner.variants(True, 8)[0] is HOPPER
+    assert isinstance(load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="int8"), FixedTuner)

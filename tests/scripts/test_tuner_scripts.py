@@ -1,0 +1,87 @@
+"""The AutoTuner's scripts on the CPU: tuning-data collection on tiny shapes in interpret mode, and training +
+held-out evaluation on a small synthetic dataset (the GPU runs must not fail on a typo)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+
+import collect_tuning_data as collect  # noqa: E402
+import train_tuner  # noqa: E402
+
+
+def test_shapes_stay_inside_the_bucket_and_the_pool():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lens, kind = collect._decode_lens(rng, 7, 5000, 4096)
+        assert len(lens) == 7 and lens.min() >= 1 and lens.max() <= 4096 and lens.sum() <= 5000 + 7
+        assert kind in ("equal", "ragged", "few_long")
+        q, prefix = collect._prefill_shape(rng, 128, collect.SMOKE, 10_000)
+        assert 64 < q.sum() <= 128 and q.min() >= 1 and len(q) <= collect.SMOKE.max_prefill_seqs
+        assert (prefix >= 0).all() and q.sum() + prefix.sum() <= 10_000
+    tables = collect._tables([5, 64, 1], block=4, width=16, layers=2, pool_blocks=100, seq_pad=4)
+    assert tables.shape == (2, 4, 16)
+    assert tables[0, 0, :2].tolist() == [0, 1] and tables[0, 1, :16].tolist() == list(range(2, 18))
+    assert tables[1, 0, 0] == 19  # the second layer's rBlocks follow the first's
+
+
+def test_one_group_is_timed_in_interpret_mode():
+    import jax
+
+    from jaxllm.tuner.candidates import decode_candidates
+    from pallas_kernels.dispatch import Kernels
+
+    plan = dataclasses.replace(collect.SMOKE, max_len=256, decode_layers=1, max_shapes=2)
+    base = Kernels(decode_attention="triton", interpret=True)
+    pools = tuple(collect._pool(jax.numpy, jax, 8, 2, plan.block, 128, s) for s in (0, 1))
+    rows = collect.Collector(plan, base, True, 0).group("decode", (4, 2, 128), 2, pools, decode_candidates(base)[:1],
+                                                         groups_left=1, est_compile=0.0)
+    assert len(rows) == 2 and all(set(r["us"]) == {"default"} and r["us"]["default"] > 0 for r in rows)
+    assert all(1 <= len(r["kv_lens"]) <= 2 and r["op"] == "decode" for r in rows)
+
+
+def _synthetic_dataset(path):
+    """Decode rows where split_coarse wins long contexts and default wins short ones; prefill rows where
+    triton_q64_k64_w4 always wins."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(160):
+        bucket = int(rng.choice([1, 4, 16]))
+        n = bucket if bucket == 1 else int(rng.integers(bucket // 2 + 1, bucket + 1))
+        lens = np.exp(rng.uniform(0, np.log(200_000), n)).astype(int) + 1
+        long = lens.sum() > 20_000
+        base = 20 + lens.sum() / 1e3
+        us = {"default": base * (1.3 if long else 1.0), "bk128": base * 1.2, "stages2": base * 1.25,
+              "split_fine": base * 1.4, "split_coarse": base * (1.0 if long else 1.3), "bk128_w8": base * 1.5}
+        rows.append(dict(op="decode", heads=[32, 8, 128], block=256, dtype="bfloat16", bucket=bucket, kind="ragged",
+                         kv_lens=lens.tolist(), q_lens=None, us=us))
+    for i in range(60):
+        q = [int(rng.integers(9, 16))]
+        kv = [q[0] + int(rng.integers(0, 1000))]
+        us = {"triton_default": 30.0, "triton_q64_k64_w4": 20.0, "triton_q128_k64_w8": 40.0}
+        rows.append(dict(op="prefill", heads=[32, 8, 128], block=256, dtype="bfloat16", bucket=16, kind="prefill",
+                         kv_lens=kv, q_lens=q, us=us))
+    header = dict(format="jaxllm-tuning-v1", device="Test GPU", date="2026-01-01", jax="0", plan={})
+    with gzip.open(path, "wt") as f:
+        for line in [header] + rows:
+            f.write(json.dumps(line) + "\n")
+
+
+def test_train_and_evaluate_on_held_out_shapes(tmp_path):
+    data = tmp_path / "test-gpu.jsonl.gz"
+    _synthetic_dataset(data)
+    assert train_tuner.main(["--device", "test-gpu", "--datasets", str(data), "--model-out", str(tmp_path / "m.npz"),
+                             "--out", str(tmp_path), "--steps", "400", "--members", "1"]) == 0
+    result = json.load(open(next(tmp_path.glob("test-gpu-*-tuner.json"))))
+    assert result["device"] == "Test GPU" and result["summary"]["all"]["shapes"] == 55
+    assert result["summary"]["prefill"]["tuned_avg"] == 1.0  # one candidate always wins: found every time
+    assert result["summary"]["decode"]["tuned_avg"] > result["summary"]["decode"]["fixed_avg"]
+    assert all(e["variants"][0] == ("default" if e["op"] == "decode" else "triton_default")
+               for e in result["held_out"])

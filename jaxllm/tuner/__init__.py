@@ -56,4 +56,4 @@ def load_tuner(base, *, device_kind: str, config, kv_dtype, block_size: int | No
         raise ValueError(f"tensor_parallel {tensor_parallel} must divide num_kv_heads {config.num_kv_heads}")
     heads = (config.num_heads // tensor_parallel, config.num_kv_heads // tensor_parallel, config.head_dim)
     return LearnedTuner(base, CostModel.load(path), heads=heads, dtype_bytes=dtype.itemsize, block_size=block_size,
-                        max_context=max_context or config.max_position_embeddings)
+                        max_context=max_context or config.max_context)

@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from jaxllm.mesh_flags import add_mesh_flags, is_leader, start_processes
+from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,11 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock (default: 256 on a GPU, 16 on the CPU)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV rBlocks per layer of each instance's pool (default: from memory)")
-    p.add_argument("--compile-cache", default=None, metavar="DIR", help="JAX's persistent compilation cache in DIR, "
-                   "so a restart compiles nothing (default: $JAXLLM_COMPILE_CACHE; unset: off)")
-    p.add_argument("--tuner", choices=("auto", "fixed"), default="auto", help="each step's kernels: auto (the "
-                   "learned cost model where one was trained for this GPU, else fixed) or fixed (the backend's own kernels) "
-                   "(default: auto)")
+    add_compile_flags(p)
     add_mesh_flags(p)
     return p
 

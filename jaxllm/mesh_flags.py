@@ -44,3 +44,13 @@ def is_leader() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def add_compile_flags(parser: argparse.ArgumentParser) -> None:
+    """--compile-cache and --tuner: how steps are compiled and which kernels they run (generate and serve)."""
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="JAX's persistent compilation cache in DIR, so a restart compiles nothing "
+                             "(default: $JAXLLM_COMPILE_CACHE; unset: off)")
+    parser.add_argument("--tuner", choices=("auto", "fixed"), default="auto",
+                        help="each step's kernels: auto (the learned cost model where one was trained for this GPU, "
+                             "else fixed) or fixed (the backend's own kernels) (default: auto)")

@@ -26,7 +26,7 @@ import time
 from jaxllm.engine.threaded import Engine
 from jaxllm.engine.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
-from jaxllm.mesh_flags import add_mesh_flags, is_leader, start_processes
+from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
 from jaxllm.model.checkpoints import MODEL_DTYPES
 from jaxllm.model.config import PRESETS
 
@@ -75,11 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-only", action="store_true", help="serve the HTTP API only, no gRPC (needs --http-port)")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
                    help="HTTP API: require 'Authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: no key)")
-    p.add_argument("--compile-cache", default=None, metavar="DIR", help="JAX's persistent compilation cache in DIR, "
-                   "so a restart compiles nothing (default: $JAXLLM_COMPILE_CACHE; unset: off)")
-    p.add_argument("--tuner", choices=("auto", "fixed"), default="auto", help="each step's kernels: auto (the "
-                   "learned cost model where one was trained for this GPU, else fixed) or fixed (the backend's own kernels) "
-                   "(default: auto)")
+    add_compile_flags(p)
     add_mesh_flags(p)
     return p
 

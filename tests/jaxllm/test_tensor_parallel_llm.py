@@ -5,17 +5,12 @@ tp_llm_worker.py runs every case in one subprocess (the device count must be set
 imported, which this shared pytest process cannot do) and reports JSON; the tests below assert on it.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.workers import run_json_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jaxllm_tp")]
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = ["mha/tp2", "mha/tp4", "mha/tp8", "gqa/tp2", "gqa/tp4", "gqa/tp8", "gqa_wide/tp2", "gqa_wide/tp4",
          "gqa_wide/tp8", "70b/tp8"]
 SPLIT = ("attention/qkv", "attention/o", "mlp/gate_up", "mlp/down", "lm_head", "embedding")
@@ -24,12 +19,7 @@ REPLICATED = ("norm/weight", "inv_freq")
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/jaxllm/tp_llm_worker.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_worker("tests/jaxllm/tp_llm_worker.py")
 
 
 def _tp(case: str) -> int:

@@ -4,17 +4,12 @@ tp_worker.py runs every case in one subprocess (the device count must be set bef
 which this shared pytest process cannot do) and reports JSON; the tests below assert on it.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.workers import run_json_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharding_tp")]
 
-ROOT = Path(__file__).resolve().parents[2]
 SPLIT = ("attention/qkv", "attention/o", "mlp/gate_up", "mlp/down", "lm_head", "embedding")
 REPLICATED = ("norm/weight", "inv_freq")
 TP_CASES = ["mha/tp2", "mha/tp4", "mha/tp8", "gqa/tp2", "gqa/tp8", "gqa_wide/tp8", "70b/tp8", "gqa/tp4x2",
@@ -23,12 +18,7 @@ TP_CASES = ["mha/tp2", "mha/tp4", "mha/tp8", "gqa/tp2", "gqa/tp8", "gqa_wide/tp8
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/sharding/tp_worker.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_worker("tests/sharding/tp_worker.py")
 
 
 def _tensor_parallel(case: str) -> int:

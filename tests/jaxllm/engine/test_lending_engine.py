@@ -7,28 +7,18 @@ lending_worker.py runs every case in one subprocess (the device count must be se
 with a fresh seed, printed on failure, and reports JSON.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.workers import run_json_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jaxllm_lending")]
 
-ROOT = Path(__file__).resolve().parents[3]
 LONG = ["long/2/bfloat16", "long/2/int8", "long/4/bfloat16", "long/8/int8"]
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/jaxllm/engine/lending_worker.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_worker("tests/jaxllm/engine/lending_worker.py")
 
 
 def _done(r):

@@ -259,10 +259,11 @@ def _weight_bytes(llm) -> int:
 
 
 def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256,
-              pipeline: bool = True):
+              pipeline: bool = True, tuner: str = "auto"):
     from jaxllm import LLM, EngineOptions
 
-    options = EngineOptions(kv_dtype=kv_dtype, kv_memory_fraction=fraction, max_seqs=max_seqs, pipeline=pipeline)
+    options = EngineOptions(kv_dtype=kv_dtype, kv_memory_fraction=fraction, max_seqs=max_seqs, pipeline=pipeline,
+                            tuner=tuner)
     return LLM(model, dtype="bfloat16", max_context=max_context, options=options)
 
 
@@ -287,6 +288,9 @@ def main(argv=None) -> int:
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync", action="store_true", help="wait for every step's tokens before the next dispatch "
                                                         "(no pipelining), for comparison")
+    p.add_argument("--tuner", choices=("auto", "fixed"), default="auto",
+                   help="each step's kernels: the learned tuner where a model exists for the GPU, or the fixed defaults "
+                        "(run both, one after the other, for the tuner's end-to-end A/B)")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
 
@@ -297,7 +301,7 @@ def main(argv=None) -> int:
         print(json.dumps(child))
         return 0
     result = {"script": "scripts/bench_generate.py", "argv": sys.argv[1:], "date": harness.today(),
-              "pipeline": not args.sync}
+              "pipeline": not args.sync, "tuner": args.tuner}
     if args.hf or (args.hf_mixed and args.mixed):
         _log(f"[hf] transformers at {args.hf}{' and on the mixed workload' if args.hf_mixed else ''} in a child process")
         command = [sys.executable, __file__, "--hf-child", "--hf", *map(str, args.hf)]
@@ -333,7 +337,8 @@ def main(argv=None) -> int:
     max_context = max(args.contexts + [args.mixed_max_prompt if args.mixed else 0, shared_len]) + max(
         args.mixed_new_tokens, args.shared_new_tokens) + 64
     if args.contexts or args.mixed or args.shared_prefix:
-        llm = build_llm(args.model, "bfloat16", max_context, 0.9, pipeline=not args.sync)
+        llm = build_llm(args.model, "bfloat16", max_context, 0.9, pipeline=not args.sync, tuner=args.tuner)
+        result["tuner_class"] = type(llm.runner.tuner).__name__
         config = llm.config
         weight_bytes = _weight_bytes(llm)
         kv_per_token = kv_bytes_per_block(config, 1, "bfloat16")
@@ -356,6 +361,7 @@ def main(argv=None) -> int:
             _log(f"[jaxllm] shared prefix {json.dumps(result['shared_prefix'])}")
             save()
         result["compiles"] = llm.compile_count
+        result["tuner_stats"] = {str(k): int(v) for k, v in llm.runner.tuner.stats().items()}
         del llm
         gc.collect()  # the next pool is sized from free memory: this one must be gone first
         save()

@@ -12,7 +12,8 @@ step in which some sequence has borrowed rBlocks carries `DistParts` and each la
    its rBlock lives; the KV already in the pools never moves.
 2. Each instance attends, for every instance's sequences, over the rBlocks it holds of them (`rows`: one row
    per part; a decode step has one row per gathered sequence, a prefill step one row per run of consecutive
-   rBlocks, with the run's start as the kernel's `query_starts`), with the kernels' residuals (row max, sum
+   rBlocks holding the query tokens that can see it (sharding.prefill_parts), the run's start placed by the
+   kernel's `query_starts`), with the kernels' residuals (row max, sum
    of exponentials). Several rows of one sequence on one instance are merged there (segment max / sum).
 3. The parts are merged exactly, on their home instances: a `pmax` of the row maxima, then each instance's
    rescaled numerators and denominators summed and scattered home (`psum_scatter`): residuals.merge_partials'

@@ -18,6 +18,7 @@ import numpy as np
 from jaxllm.engine.scheduler import StepPlan
 from jaxllm.engine.step import StepInputs, bucket, inert_step_inputs, padded_sizes
 from sharding.dist_step import DistParts
+from sharding.prefill_parts import prefill_parts_from_global
 
 __all__ = ["InstanceInputs", "inert_instance_inputs", "instance_step_inputs", "is_borrowed"]
 
@@ -130,37 +131,22 @@ def _with_parts(inputs: StepInputs, plan: StepPlan, used, instances: int, nb: in
                 lens[h, g] = tokens[holder[r, entries] == h].sum()
         parts = DistParts(write_slots=write_slots, row_tables=tables, row_lens=lens)
         return _replace_parts(inputs, parts)
-    # Prefill: one row per run of consecutive table entries on one instance, with all the sequence's queries.
-    runs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(instances)]  # (plan row, entry0, entry1, h)
-    for r in range(plan.num_seqs):
-        entries = np.flatnonzero(used[r])
-        if not len(entries):
-            continue
-        owners = holder[r, entries]
-        cuts = np.flatnonzero(np.diff(owners)) + 1
-        for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(entries)]])):
-            runs[int(owners[a])].append((r, int(entries[a]), int(entries[b - 1]) + 1, int(owners[a])))
-    num_rows = max(instances * s_pad, bucket(max(len(x) for x in runs), 1))
-    num_queries = max(instances * t_pad, bucket(max(sum(int(q_lens[r]) for r, *_ in x) for x in runs), 1))
+    # Prefill: one row per run of consecutive table entries on one instance, holding the sequence's query
+    # tokens that can see it (sharding.prefill_parts), padded to buckets shared by every instance.
+    rows = prefill_parts_from_global(plan.block_tables, plan.kv_lens, q_lens, block_size=bs, blocks_per_instance=nb,
+                                     instances=instances)
+    num_rows = max(instances * s_pad, bucket(rows.tables.shape[1], 1))
+    num_queries = max(instances * t_pad, bucket(rows.token_index.shape[1], 1))
+    grow = lambda x, n, fill=0: np.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=fill)  # noqa: E731
     tables = np.zeros((instances, num_rows, width), np.int32)
-    lens = np.zeros((instances, num_rows), np.int32)
-    starts = np.zeros((instances, num_rows), np.int32)
-    cu = np.zeros((instances, num_rows + 1), np.int32)
-    row_tokens = np.zeros((instances, num_queries), np.int32)
-    for h in range(instances):
-        filled = 0
-        for j, (r, e0, e1, _) in enumerate(runs[h]):
-            kv, q = int(plan.kv_lens[r]), int(q_lens[r])
-            tables[h, j, :e1 - e0] = plan.block_tables[r, e0:e1] - h * nb
-            lens[h, j] = min(e1 * bs, kv) - e0 * bs
-            starts[h, j] = kv - q - e0 * bs  # the first query's position, relative to the run's first key
-            t0 = int(plan.cu_q_lens[r])
-            row_tokens[h, filled:filled + q] = token_gathered[t0:t0 + q]
-            filled += q
-            cu[h, j + 1] = filled
-        cu[h, len(runs[h]) + 1:] = filled
-    parts = DistParts(write_slots=write_slots, row_tables=tables, row_lens=lens, row_query_starts=starts,
-                      row_cu_q_lens=cu, row_tokens=row_tokens)
+    tables[:, :rows.tables.shape[1], :rows.tables.shape[2]] = rows.tables
+    cu = grow(rows.cu_q_lens, num_rows + 1)
+    cu[:, rows.cu_q_lens.shape[1]:] = rows.cu_q_lens[:, -1:]  # unused rows hold no query token
+    token_index = grow(rows.token_index, num_queries, -1)
+    parts = DistParts(write_slots=write_slots, row_tables=tables, row_lens=grow(rows.kv_lens, num_rows),
+                      row_query_starts=grow(rows.query_starts, num_rows), row_cu_q_lens=cu.astype(np.int32),
+                      row_tokens=np.where(token_index >= 0, token_gathered[np.maximum(token_index, 0)], 0)
+                      .astype(np.int32))
     return _replace_parts(inputs, parts)
 
 

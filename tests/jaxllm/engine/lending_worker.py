@@ -45,8 +45,10 @@ reference = {kv: engine(kv, num_blocks=160) for kv in ("bfloat16", "int8")}
 # A sequence longer than one instance's pool (64 tokens an instance at 8, 128 at 4, 192 at 2), beside short
 # ones, greedy: borrowed prefill and decode, the same tokens as one big pool. The mesh holds them all, so
 # nothing may be preempted.
-CASES = ((2, 12, "bfloat16"), (2, 12, "int8"), (4, 8, "bfloat16"), (8, 4, "int8"))
-for case, (instances, per_instance, kv) in enumerate(CASES):
+# (instances, rBlocks an instance, KV dtype, prefill tokens a step: 48 cuts the long prompt into chunks that
+# start and end inside runs held by different instances)
+CASES = ((2, 12, "bfloat16", None), (2, 12, "int8", None), (4, 8, "bfloat16", 48), (8, 4, "int8", None))
+for case, (instances, per_instance, kv, step_tokens) in enumerate(CASES):
     if os.environ.get("LENDING_CASES") and str(case) not in os.environ["LENDING_CASES"]:
         continue
     rng = np.random.default_rng([SEED, case])
@@ -54,7 +56,7 @@ for case, (instances, per_instance, kv) in enumerate(CASES):
     requests = [Request(prompt(long_len), SamplingParams(max_new_tokens=12, ignore_eos=True)),
                 Request(prompt(int(rng.integers(5, 30))), SamplingParams(max_new_tokens=9, ignore_eos=True)),
                 Request(prompt(int(rng.integers(5, 30))), SamplingParams(max_new_tokens=7, ignore_eos=True))]
-    llm = engine(kv, num_blocks=per_instance, instances=instances)
+    llm = engine(kv, num_blocks=per_instance, instances=instances, max_tokens_per_step=step_tokens)
     got = tokens(llm, requests)
     want = tokens(reference[kv], requests)
     results[f"long/{instances}/{kv}"] = dict(equal=got == want, got=got, want=want, long_len=long_len,

@@ -173,7 +173,8 @@ class InstanceRunner(Runner):
 
     def bucket_shapes(self):
         """Every (decode, size, greedy, logprobs, borrowed) a step can take: Runner's, each in both variants."""
-        return [shape + (borrowed,) for borrowed in (False, True) for shape in super().bucket_shapes()]
+        shapes = super().bucket_shapes()  # (zero-argument super() does not work inside the comprehension)
+        return [shape + (borrowed,) for borrowed in (False, True) for shape in shapes]
 
     def warm_up_plan(self):
         """Every (decode, size, greedy, logprobs, variant, borrowed) warm-up compiles: each bucket shape in
@@ -193,7 +194,8 @@ class InstanceRunner(Runner):
                 t_pad, s_pad = self.padded_sizes(decode, size)
                 inputs = inert_instance_inputs(decode, t_pad, s_pad, self.table_width, self.instances, borrowed)
                 if self.broadcast is not None:
-                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, 2, logprobs)
+                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, 0, logprobs)
+                inputs = self._sampling_on_device(inputs)  # as dispatch places them (Runner.warm_up says why)
                 jax.block_until_ready(self.run_step(decode, inputs, greedy=greedy, logprobs=logprobs))
                 bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}"
                                      f"{' logprobs' if logprobs else ''}{' borrowed' if borrowed else ''}")

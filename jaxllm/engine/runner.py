@@ -296,9 +296,12 @@ class Runner:
         return self._last
 
     def _sampling_on_device(self, inputs: StepInputs) -> StepInputs:
-        """On the device once, so the continuation steps that reuse them transfer nothing."""
-        return dataclasses.replace(inputs, **dict(zip(("temperature", "top_k", "top_p", "seed"), jax.device_put(
-            (inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed), self._input_sharding))))
+        """On the device once, so the continuation steps that reuse them transfer nothing. On a mesh the token
+        ids too: a continuation's tokens are the last step's output, committed to the mesh, and jit traces a
+        committed argument and a host array of one shape apart, so every step passes them committed."""
+        names = ("temperature", "top_k", "top_p", "seed") + (("tokens",) if self.mesh is not None else ())
+        placed = jax.device_put(tuple(getattr(inputs, name) for name in names), self._input_sharding)
+        return dataclasses.replace(inputs, **dict(zip(names, placed)))
 
     def step(self, plan: StepPlan) -> np.ndarray:
         """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
@@ -355,7 +358,10 @@ class Runner:
                 t_pad, s_pad = self.padded_sizes(decode, size)  # size is a bucket already: t_pad == size
                 inputs = inert_step_inputs(decode, t_pad, s_pad, self.table_width)
                 if self.broadcast is not None:
-                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _AS_SENT, logprobs, variant)
+                    self._announce(_DECODE if decode else _PREFILL, inputs, greedy, _FRESH, logprobs, variant)
+                # Sampling arrays placed as dispatch places them: on a mesh, host arrays and arrays committed to
+                # the mesh are different arguments to jit, and serving would trace every step again.
+                inputs = self._sampling_on_device(inputs)
                 jax.block_until_ready(self.run_step(decode, inputs, greedy=greedy, logprobs=logprobs,
                                                     variant=variant))
                 bar.update(1, detail=f"{'decode' if decode else 'prefill'} {size}{' greedy' if greedy else ''}"

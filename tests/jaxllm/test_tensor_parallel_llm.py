@@ -79,3 +79,8 @@ def test_hf_checkpoint_loads_straight_into_its_shards(results):
 def test_pallas_kernels_run_per_shard(results):
     r = results["tiny/tp2/triton"]
     assert r["per_shard"] and r["error"] < 1e-5, r
+
+
+def test_nothing_compiles_after_warm_up_on_a_mesh(results):
+    r = results["warm/tp2"]
+    assert r["warm_up_compiles"] > 0 and r["after"] == 0, r

@@ -113,6 +113,13 @@ def main():
     got = kernels.logits(PROMPTS[0][:9])
     out["tiny/tp2/triton"] = dict(error=float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))),
                                   per_shard=kernels.runner.kernels.per_shard is not None)
+
+    # Warm-up on a mesh compiles what serving meets, continuations (tokens from the last step's output) included.
+    warm = LLM("tiny", progress=False, options=_options(2))
+    warm.warm_up(progress=False)
+    before = warm.compile_count
+    warm.generate(["hello there", "abc"], max_new_tokens=5)
+    out["warm/tp2"] = dict(warm_up_compiles=before, after=warm.compile_count - before)
     for case in out.values():
         if isinstance(case, dict):
             case.pop("logits", None)

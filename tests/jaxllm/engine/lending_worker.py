@@ -97,6 +97,16 @@ want = tokens(reference["bfloat16"], [Request(long_ids, SamplingParams(max_new_t
 results["recall"] = dict(equal=[a.output_ids, c.output_ids] == want, recalled_while_running=recalled_while_running,
                          **stats(llm))
 
+# Warm-up compiles every shape a run of several instances meets, plain and borrowed: none after it.
+rng = np.random.default_rng([SEED, 200])
+llm = engine("bfloat16", num_blocks=12, instances=2, max_tokens_per_step=64)
+llm.warm_up(progress=False)
+warm = llm.compile_count
+requests = [Request(prompt(int(rng.integers(200, 260))), SamplingParams(max_new_tokens=8, ignore_eos=True)),
+            Request(prompt(int(rng.integers(5, 40))), SamplingParams(max_new_tokens=5, ignore_eos=True))]
+tokens(llm, requests)
+results["warm"] = dict(warm_up_compiles=warm, after=llm.compile_count - warm, **stats(llm))
+
 # Lending off: one instance's pool is the longest context; a longer prompt is refused, naming the limit.
 llm = engine("bfloat16", num_blocks=10, instances=2, lending=False)
 try:

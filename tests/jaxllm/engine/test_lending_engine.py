@@ -53,3 +53,9 @@ def test_recall_copies_lent_rblocks_home_and_outputs_do_not_change(results):
 def test_lending_off_limits_a_sequence_to_its_instance_pool(results):
     assert results["lending_off_context_limit"] == 160
     assert "context limit 160" in results["refused"]
+
+
+def test_nothing_compiles_after_warm_up(results):
+    r = results["warm"]
+    assert r["warm_up_compiles"] > 0 and r["dist_steps"] > 0, r  # the run borrowed
+    assert r["after"] == 0, r

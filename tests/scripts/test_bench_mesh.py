@@ -27,7 +27,7 @@ def test_bench_mesh_dry_run_on_8_host_devices(tmp_path):
     longest = r["longest"]
     # One sequence as long as all 8 instances' pools together, prefilled and decoded by borrowing.
     assert longest["ratio_to_one_pool"] == 8.0 and longest["rblocks_lent"] > 0 and longest["preemptions"] == 0
-    assert longest["generated"] == 6 and longest["decode_ms_per_token"] > 0
+    assert longest["generated"] == 4 and longest["decode_ms_per_token"] > 0
     tensor = r["tensor"]
     assert tensor["tensor_parallel"] == 4 and tensor["rows"][0]["decode_ms_per_token"] > 0
     skew = r["skew"]

@@ -99,7 +99,7 @@ results["recall"] = dict(equal=[a.output_ids, c.output_ids] == want, recalled_wh
 
 # Warm-up compiles every shape a run of several instances meets, plain and borrowed: none after it.
 rng = np.random.default_rng([SEED, 200])
-llm = engine("bfloat16", num_blocks=12, instances=2, max_tokens_per_step=64)
+llm = engine("bfloat16", num_blocks=12, instances=2, max_tokens_per_step=32, max_seqs=2)
 llm.warm_up(progress=False)
 warm = llm.compile_count
 requests = [Request(prompt(int(rng.integers(200, 260))), SamplingParams(max_new_tokens=8, ignore_eos=True)),

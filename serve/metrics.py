@@ -243,19 +243,21 @@ def register_engine_metrics(registry: Registry, engine) -> None:
               fn=read(lambda e: e.stats().prefix_cache_hit_tokens))
     r.gauge("jaxllm_prefix_cache_blocks", "full KV rBlocks registered in the prefix cache (held or evictable)",
             fn=read(lambda e: e.stats().prefix_cache_blocks))
-    r.gauge("jaxllm_kv_borrowed_blocks", "KV rBlocks instances hold on other instances now (DistKV lending)",
-            fn=read(lambda e: e.stats().borrowed_blocks))
-    r.gauge("jaxllm_kv_lending_instances", "instances lending rBlocks to others now",
-            fn=read(lambda e: e.stats().lending_instances))
-    r.counter("jaxllm_kv_loans_total", "rBlocks lent between instances", fn=read(lambda e: e.stats().loans_total))
-    r.counter("jaxllm_kv_recalled_blocks_total", "lent rBlocks copied home when their debtor had room again",
-              fn=read(lambda e: e.stats().recalled_blocks_total))
-    r.counter("jaxllm_kv_swapped_pairs_total", "circular debts broken by swapping two rBlocks",
-              fn=read(lambda e: e.stats().swapped_pairs_total))
-    r.counter("jaxllm_dist_attention_steps_total", "steps that ran DistAttention (some sequence had borrowed rBlocks)",
-              fn=read(lambda e: e.stats().dist_steps_total))
-    r.counter("jaxllm_preemptions_total", "sequences preempted (rBlocks freed, recomputed later)",
-              fn=read(lambda e: e.stats().preemptions_total))
+    # Lending between instances (DistKV) and preemptions: (register, name, help, EngineStats field).
+    for register, name, what, field in (
+            (r.gauge, "jaxllm_kv_borrowed_blocks", "KV rBlocks instances hold on other instances now (DistKV lending)",
+             "borrowed_blocks"),
+            (r.gauge, "jaxllm_kv_lending_instances", "instances lending rBlocks to others now", "lending_instances"),
+            (r.counter, "jaxllm_kv_loans_total", "rBlocks lent between instances", "loans_total"),
+            (r.counter, "jaxllm_kv_recalled_blocks_total", "lent rBlocks copied home when their debtor had room again",
+             "recalled_blocks_total"),
+            (r.counter, "jaxllm_kv_swapped_pairs_total", "circular debts broken by swapping two rBlocks",
+             "swapped_pairs_total"),
+            (r.counter, "jaxllm_dist_attention_steps_total",
+             "steps that ran DistAttention (some sequence had borrowed rBlocks)", "dist_steps_total"),
+            (r.counter, "jaxllm_preemptions_total", "sequences preempted (rBlocks freed, recomputed later)",
+             "preemptions_total")):
+        register(name, what, fn=read(lambda e, field=field: getattr(e.stats(), field)))
     for field, what in (("tensor_parallel", "devices one model is split over"),
                         ("instances", "serving instances on the mesh's instance axis"),
                         ("processes", "JAX processes (hosts) running the program"),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.engine.instance_inputs import inert_instance_inputs, instance_step_inputs, is_borrowed
+from jaxllm.engine.instance_inputs import inert_instance_inputs, instance_step_inputs
 from jaxllm.engine.runner import InFlight, Runner, host_array
 from jaxllm.engine.scheduler import StepPlan
 from jaxllm.engine.step import StepInputs, bucket
@@ -100,9 +100,6 @@ class InstanceRunner(Runner):
         return instance_step_inputs(plan, instances=self.instances, blocks_per_instance=self.blocks_per_instance,
                                     block_size=self.block_size, min_tokens=self.min_tokens, seq_cap=self.seq_cap,
                                     table_width=self.table_width)
-
-    def is_borrowed(self, plan: StepPlan) -> bool:
-        return is_borrowed(plan, self.blocks_per_instance, self.block_size)
 
     def dispatch(self, plan: StepPlan, *, token_source: InFlight | None = None) -> InFlight:
         """Start one step of every instance's rows (a joined plan); no continuations (the heartbeat and the

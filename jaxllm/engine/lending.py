@@ -59,12 +59,6 @@ class LendingAllocator:
             return []
         return [self.global_id(p) for p in self.rmanager.table(seq_id).table]
 
-    def borrowed(self, seq_id: int) -> int:
-        """rBlocks of seq_id's table that live on other instances."""
-        if seq_id not in self.rmanager.requests():
-            return 0
-        return sum(p.instance != self.instance for p in self.rmanager.table(seq_id).table)
-
     # ----- what the scheduler changes -----
 
     def grow(self, seq_id: int, num_blocks_total: int) -> list[int]:

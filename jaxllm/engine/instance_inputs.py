@@ -118,17 +118,17 @@ def _with_parts(inputs: StepInputs, plan: StepPlan, used, instances: int, nb: in
         write_slots[h, token_gathered[here]] = plan.slot_mapping[here] - h * nb * bs
     holder = np.where(used, plan.block_tables // nb, -1)
     if decode:
+        # Per holder, each sequence's rBlocks there in table order (the partial last one stays last): no loop
+        # over sequences, one over instances.
         tables = np.zeros((instances, instances * s_pad, width), np.int32)
         lens = np.zeros((instances, instances * s_pad), np.int32)
-        for r in range(plan.num_seqs):
-            kv = int(plan.kv_lens[r])
-            entries = np.flatnonzero(used[r])
-            tokens = np.minimum(bs, kv - entries * bs)  # the last entry holds the partial rBlock
-            for h in np.unique(holder[r, entries]):
-                mine = entries[holder[r, entries] == h]  # table order: the partial last rBlock stays last
-                g = row_gathered[r]
-                tables[h, g, :len(mine)] = plan.block_tables[r, mine] - h * nb
-                lens[h, g] = tokens[holder[r, entries] == h].sum()
+        entry_tokens = np.clip(plan.kv_lens[:, None].astype(np.int64) - np.arange(holder.shape[1]) * bs, 0, bs)
+        for h in range(instances):
+            mine = holder == h  # [S, W]
+            rows, entries = np.nonzero(mine)
+            columns = (np.cumsum(mine, axis=1) - 1)[rows, entries]
+            tables[h, row_gathered[rows], columns] = plan.block_tables[rows, entries] - h * nb
+            lens[h, row_gathered] = (entry_tokens * mine).sum(axis=1)
         parts = DistParts(write_slots=write_slots, row_tables=tables, row_lens=lens)
         return _replace_parts(inputs, parts)
     # Prefill: one row per run of consecutive table entries on one instance, holding the sequence's query

@@ -11,15 +11,20 @@ one layer's rBlocks (K+V ~ --pool-gb) for Llama-2-7B heads (32 q / 32 kv x 128) 
 to a power of two; prefill: tokens padded to a power of two, cu_q_lens padded with the last count); the
 lengths are data, so one compile serves every shape of a bucket, as in serving.
  - decode: 1..256 sequences, KV lengths 1..512K: equal, log-uniform ragged, or mostly short with a few
-   long ones; total KV per shape capped by the pool. Each timed call runs `layers` attention calls
-   whose rBlock tables sit at different places in the pool (like a step's layers), so small shapes are
-   not timed out of L2.
+   long ones; total KV per shape capped by the pool.
  - prefill: chunks of 16..8192 tokens packed from 1..8 sequences, half of them after a cached prefix
    (log-uniform up to 128K).
-Per shape every candidate is timed in turns (rep r starts at candidate r mod n: drift is shared), each
-rep one harness.time_batch of back-to-back calls; the median per candidate is recorded. The shape
-budget is spread over the (head shape, op, bucket) groups so a run ends inside --budget-s whatever the
-compile times, and the dataset is rewritten after every group (a killed run keeps what it measured).
+What is recorded is device time: the GPU kernels one attention call runs (the kernel and its split merge),
+summed from a jax.profiler trace (--timing kernel, the default). In a serving step the host runs ahead of
+the device (~300 kernels a step), so a kernel's cost is its device time; timing back-to-back calls from
+the host instead (--timing wall) floors every call at the host's launch cost (~50 us on an H200 for
+a 6 us kernel), which made short shapes a coin toss in the first datasets. Consecutive calls read their
+rBlocks from `placements` different places in the pool (like a step's layers), so a small shape is not
+timed out of L2. Per shape every candidate is timed in turns (rep r starts at candidate r mod n: drift is
+shared), each rep a batch of calls inside one trace annotation; the median per candidate is recorded,
+and the wall time per call beside it (`wall_us`). The shape budget is spread over the (head shape, op,
+bucket) groups so a run ends inside --budget-s whatever the compile times, and the dataset is rewritten
+after every group (a killed run keeps what it measured).
 Writes `<device-slug>.jsonl.gz` (format: benchmarks/tuning/README.md) and prints progress.
 """
 
@@ -37,6 +42,7 @@ import time
 
 import numpy as np
 
+import device_trace
 import harness
 
 K = 1024
@@ -54,17 +60,18 @@ class Plan:
     prefill_buckets: tuple[int, ...] = (16, 128, 512, 2048, 8192)
     max_prefill_seqs: int = 8
     max_prefix: int = 128 * K
-    decode_layers: int = 4
-    prefill_layers: int = 1
-    reps: int = 7
-    rep_s: float = 0.003  # timed seconds per rep and candidate
-    max_shapes: int = 80  # per group
+    placements: int = 8  # pool places a shape's rBlock tables rotate over, call to call
+    reps: int = 5
+    rep_s: float = 0.002  # wall seconds per rep and candidate (at most max_calls calls)
+    max_calls: int = 16
+    timing: str = "kernel"  # "kernel": GPU kernel time from a profiler trace; "wall": host clock per call
+    max_shapes: int = 120  # per group
     budget_s: float = 300.0  # wall seconds from the start for everything
 
 
 SMOKE = Plan(heads=((4, 2, 128),), block=64, pool_gb=0.002, max_len=1 * K, decode_buckets=(1, 4),
-             prefill_buckets=(16, 128), max_prefill_seqs=3, max_prefix=256, decode_layers=2, reps=1, rep_s=0.0,
-             max_shapes=2, budget_s=1e9)
+             prefill_buckets=(16, 128), max_prefill_seqs=3, max_prefix=256, placements=2, reps=1, rep_s=0.0,
+             max_shapes=2, budget_s=1e9, timing="wall")
 
 
 def slug(device: str) -> str:
@@ -114,8 +121,8 @@ def _prefill_shape(rng, bucket: int, plan: Plan, cap_total: int):
 
 
 def _tables(kv_lens, block: int, width: int, layers: int, pool_blocks: int, seq_pad: int) -> np.ndarray:
-    """[layers, seq_pad, width] int32: each sequence's rBlocks consecutive, each layer's run at another
-    place in the pool (disjoint where the pool holds them all, overlapping otherwise)."""
+    """[layers, seq_pad, width] int32: each sequence's rBlocks consecutive, each layer's (placement's) run at
+    another place in the pool (disjoint where the pool holds them all, overlapping otherwise)."""
     nb = -(-np.asarray(kv_lens, np.int64) // block)
     total = int(nb.sum())
     stride = total if layers * total <= pool_blocks else max(pool_blocks - total, 0) // max(layers - 1, 1)
@@ -138,31 +145,55 @@ class Collector:
     def left(self) -> float:
         return self.plan.budget_s - (time.time() - self.t0)
 
-    def time_shape(self, steps, args):
-        """Median us per layer call for each compiled step, timed in turns."""
+    def time_shape(self, steps, placements) -> tuple[list[float], list[float]]:
+        """(device us, wall us) per call for each (compiled step, hlo module name), timed in turns; call c
+        takes placements[c % len(placements)] (the same shape, its rBlocks elsewhere in the pool)."""
         import jax
 
+        plan, n = self.plan, len(steps)
         calls = []
-        for step, per in steps:
+        for step, _ in steps:  # the first call also warms up
             start = time.perf_counter()
-            jax.block_until_ready(step(*args))
+            jax.block_until_ready(step(*placements[0]))
             once = time.perf_counter() - start
-            calls.append(int(np.clip(self.plan.rep_s / max(once, 1e-6), 1, 64)))
-        times = [[] for _ in steps]
-        n = len(steps)
-        for rep in range(self.plan.reps):
-            for j in range(n):
-                i = (rep + j) % n
-                step, per = steps[i]
-                times[i].append(harness.time_batch(step, args, calls=calls[i], per=per))
-        return [round(float(np.median(t)) * 1e6, 2) for t in times]
+            calls.append(int(np.clip(plan.rep_s / max(once, 1e-6), 1, plan.max_calls)))
+        walls = [[] for _ in steps]
 
-    def compile(self, fns, schedules, args, layers):
-        """[(compiled step, layers)] and {name: compile seconds or None (failed)}: traced and lowered one at a
+        def batch(i):
+            def run():
+                step, start = steps[i][0], time.perf_counter()
+                for c in range(calls[i]):
+                    out = step(*placements[c % len(placements)])
+                jax.block_until_ready(out)
+                walls[i].append((time.perf_counter() - start) / calls[i])
+            return run
+
+        order = [(rep, (rep + j) % n) for rep in range(plan.reps) for j in range(n)]
+        batches = [(f"tune:{rep}:{i}", batch(i)) for rep, i in order]
+        wall_us = lambda: [round(float(np.median(w)) * 1e6, 2) for w in walls]  # noqa: E731
+        if plan.timing == "wall":
+            for _, run in batches:
+                run()
+            return wall_us(), wall_us()
+        found = device_trace.kernel_ns_per_batch(batches)
+        if not found:
+            raise RuntimeError("the profiler trace holds no GPU kernels: on this machine run with --timing wall")
+        device = [[] for _ in steps]
+        for rep, i in order:
+            label, module = f"tune:{rep}:{i}", steps[i][1]
+            ns, count = found[label].get(module, (0, 0))
+            if count == 0:
+                raise RuntimeError(f"no kernel of {module} in its trace window {label} (saw {sorted(found[label])})")
+            device[i].append(ns / calls[i] / 1e3)
+        return [round(float(np.median(t)), 2) for t in device], wall_us()
+
+    def compile(self, fns, schedules, args):
+        """[(compiled step, its hlo module name)] and {name: compile seconds or None (failed)}: traced and lowered one at a
         time, compiled in threads (XLA's compile is C++, so candidates of a group compile side by side)."""
         import jax
 
         t0, lowered, steps, compile_s = time.perf_counter(), [], [], {}
+        modules = [f"jit_{fn.__name__}" for fn in fns]
         for sched, fn in zip(schedules, fns):
             try:
                 lowered.append(fn.lower(*args))
@@ -199,7 +230,7 @@ class Collector:
                     print(f"  {sched.name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     step = None
             compile_s[sched.name] = None if step is None else round(time.perf_counter() - t0, 2)
-            steps.append((step, layers))
+            steps.append((step, modules[len(steps)]))
         self.compile_seconds.append(time.perf_counter() - t0)
         return steps, compile_s
 
@@ -217,7 +248,6 @@ class Collector:
         pool_blocks = k_pool.shape[0]
         width = plan.max_len // plan.block
         decode = op == "decode"
-        layers = plan.decode_layers if decode else plan.prefill_layers
         tokens = bucket
         seq_pad = bucket if decode else min(bucket, 256)
         q = jax.random.normal(jax.random.key(bucket), (tokens, hq, d), jnp.bfloat16)
@@ -226,9 +256,9 @@ class Collector:
             kernels = sched.apply(self.base)
 
             def fn(q, kp, vp, tables, lens, cu, kernels=kernels):
-                return [ragged_attention(q, kp, vp, tables[i], lens, cu, decode=decode, kernels=kernels)
-                        for i in range(layers)]
+                return ragged_attention(q, kp, vp, tables, lens, cu, decode=decode, kernels=kernels)
 
+            fn.__name__ = f"tune_{op}_{sched.name}"  # its hlo module's name: how the trace tells candidates apart
             fns.append(jax.jit(fn))
         rows, first = [], True
         while len(rows) < plan.max_shapes and (first or (time.time() - m0 < share and self.left() > 0)):
@@ -247,18 +277,20 @@ class Collector:
             cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
             if decode:
                 cu = np.arange(seq_pad + 1, dtype=np.int32)
-            tables = _tables(kv_lens, plan.block, width, layers, pool_blocks, seq_pad)
-            args = (q, k_pool, v_pool, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(cu))
+            tables = _tables(kv_lens, plan.block, width, plan.placements, pool_blocks, seq_pad)
+            lens, cu = jnp.asarray(lens), jnp.asarray(cu)
+            placements = [(q, k_pool, v_pool, jnp.asarray(t), lens, cu) for t in tables]
             if first:
-                steps, compile_s = self.compile(fns, schedules, args, layers)
+                steps, compile_s = self.compile(fns, schedules, placements[0])
                 live = [i for i, s in enumerate(schedules) if compile_s[s.name] is not None]
                 first = False
                 m0 = time.time()
                 share = max((self.left() - est_compile) / max(groups_left, 1), 0.0)
-            us = self.time_shape([steps[i] for i in live], args)
+            us, wall = self.time_shape([steps[i] for i in live], placements)
             rows.append(dict(op=op, heads=list(heads), block=plan.block, dtype="bfloat16", bucket=bucket, kind=kind,
                              kv_lens=kv_lens.tolist(), q_lens=None if decode else q_lens.tolist(),
-                             us={schedules[i].name: t for i, t in zip(live, us)}))
+                             us={schedules[i].name: t for i, t in zip(live, us)},
+                             wall_us={schedules[i].name: t for i, t in zip(live, wall)}))
         best = [min(r["us"], key=r["us"].get) for r in rows]
         print(f"[{time.time() - self.t0:6.1f}s] {op} heads {heads} bucket {bucket}: {len(rows)} shapes, compile "
               f"{compile_s}, best counts {dict((b, best.count(b)) for b in sorted(set(best)))}", flush=True)
@@ -271,6 +303,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; on a CPU the kernels run interpreted")
     parser.add_argument("--budget-s", type=float, default=None, help="wall seconds for the whole run")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--timing", choices=("kernel", "wall"), default=None,
+                        help="kernel: GPU kernel time from a profiler trace (default on a GPU); wall: host clock")
     args = parser.parse_args(argv)
 
     import jax
@@ -283,6 +317,8 @@ def main(argv=None) -> int:
     plan = SMOKE if args.smoke else Plan()
     if args.budget_s is not None:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
+    if args.timing is not None:
+        plan = dataclasses.replace(plan, timing=args.timing)
     interpret = not compat.on_gpu()
     if interpret:  # the CPU: every Triton candidate in interpret mode (Mosaic needs a Hopper)
         base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
@@ -295,8 +331,10 @@ def main(argv=None) -> int:
     header = dict(format="jaxllm-tuning-v1", script="scripts/collect_tuning_data.py", argv=sys.argv[1:],
                   device=device, date=harness.today(), jax=jax.__version__, python=platform.python_version(),
                   seed=seed, smoke=args.smoke, plan=dataclasses.asdict(plan), base=repr(base),
-                  definitions=dict(us="median over reps of (elapsed / calls / layers): one attention call over one "
-                                      "layer's pool, microseconds", kv_lens="real sequences' KV lengths, query "
+                  definitions=dict(us="median over reps of the GPU kernel time of one attention call over one layer's "
+                                      "pool, microseconds (plan.timing 'kernel': summed from a jax.profiler trace; "
+                                      "'wall': host clock over back-to-back calls)",
+                                 wall_us="median over reps of host wall time per call (back-to-back calls)", kv_lens="real sequences' KV lengths, query "
                                       "tokens included", q_lens="prefill: query tokens per sequence"))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, slug(device) + (".smoke" if args.smoke else "") + ".jsonl.gz")

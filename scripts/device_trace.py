@@ -5,6 +5,7 @@ jax.profiler.ProfileData parses the trace in-process, so no TensorBoard or xprof
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 import tempfile
@@ -51,3 +52,47 @@ def per_kernel_us(events: list[tuple[str, int, int]], reps: int) -> dict[str, fl
 def kernel_times(fn, reps: int) -> dict[str, float]:
     """us per call of fn spent in each GPU kernel (empty where no GPU trace was written)."""
     return per_kernel_us(gpu_kernel_events(fn, reps), reps)
+
+
+def kernel_ns_per_batch(batches) -> dict[str, dict[str, tuple[int, int]]]:
+    """Runs each (label, thunk) of batches in order under one trace, each inside a TraceAnnotation named by its
+    label; a thunk must wait for its own device work before it returns (so the windows never overlap).
+    Returns label -> {hlo module: (kernel ns, kernel count)} over every GPU kernel whose start lies in that
+    label's window (a jit's module is `jit_<its function's name>`). Labels must be unique. Empty where no trace
+    or no GPU plane was written."""
+    labels = [label for label, _ in batches]
+    if len(set(labels)) != len(labels):
+        raise ValueError("kernel_ns_per_batch: batch labels must be unique")
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for label, thunk in batches:
+                with jax.profiler.TraceAnnotation(label):
+                    thunk()
+        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return {}
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    wanted, windows, kernels = set(labels), [], []
+    for plane in data.planes:
+        for line in plane.lines:
+            if plane.name.startswith("/device:GPU"):
+                if line.name.startswith("Stream"):
+                    kernels += [(e.start_ns, e.duration_ns, dict(e.stats).get("hlo_module", "")) for e in line.events]
+            elif plane.name.startswith("/host"):
+                windows += [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events if e.name in wanted]
+    return assign_to_windows(kernels, windows, labels) if kernels else {}
+
+
+def assign_to_windows(kernels, windows, labels) -> dict[str, dict[str, tuple[int, int]]]:
+    """kernels [(start ns, duration ns, hlo module)], windows [(start ns, end ns, label)] (not overlapping) ->
+    label -> {module: (ns, count)} of the kernels that start inside each window (others are dropped)."""
+    windows = sorted(windows)
+    starts = [w[0] for w in windows]
+    out = {label: defaultdict(lambda: [0, 0]) for label in labels}
+    for start, duration, module in kernels:
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and start <= windows[i][1]:
+            acc = out[windows[i][2]][module]
+            acc[0] += duration
+            acc[1] += 1
+    return {label: {m: (int(ns), count) for m, (ns, count) in mods.items()} for label, mods in out.items()}

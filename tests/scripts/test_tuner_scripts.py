@@ -38,13 +38,25 @@ def test_one_group_is_timed_in_interpret_mode():
     from jaxllm.tuner.candidates import decode_candidates
     from pallas_kernels.dispatch import Kernels
 
-    plan = dataclasses.replace(collect.SMOKE, max_len=256, decode_layers=1, max_shapes=2)
+    plan = dataclasses.replace(collect.SMOKE, max_len=256, placements=1, max_shapes=2)
     base = Kernels(decode_attention="triton", interpret=True)
     pools = tuple(collect._pool(jax.numpy, jax, 8, 2, plan.block, 128, s) for s in (0, 1))
     rows = collect.Collector(plan, base, True, 0).group("decode", (4, 2, 128), 2, pools, decode_candidates(base)[:1],
                                                          groups_left=1, est_compile=0.0)
     assert len(rows) == 2 and all(set(r["us"]) == {"default"} and r["us"]["default"] > 0 for r in rows)
     assert all(1 <= len(r["kv_lens"]) <= 2 and r["op"] == "decode" for r in rows)
+    assert all(r["wall_us"] == r["us"] for r in rows)  # SMOKE times with the host clock
+
+
+def test_kernels_are_assigned_to_the_window_they_start_in():
+    import device_trace
+
+    kernels = [(100, 5, "jit_a"), (104, 3, "jit_a"), (150, 7, "jit_b"), (151, 2, "jit_x"), (99, 9, "jit_a"),
+               (205, 4, "jit_a"), (300, 1, "jit_b")]
+    windows = [(200, 260, "r1:a"), (100, 120, "r0:a"), (140, 199, "r0:b")]
+    got = device_trace.assign_to_windows(kernels, windows, ["r0:a", "r0:b", "r1:a", "r2:b"])
+    assert got == {"r0:a": {"jit_a": (8, 2)}, "r0:b": {"jit_b": (7, 1), "jit_x": (2, 1)}, "r1:a": {"jit_a": (4, 1)},
+                   "r2:b": {}}
 
 
 def _synthetic_dataset(path):

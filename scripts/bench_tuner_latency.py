@@ -2,12 +2,14 @@
 
   PYTHONPATH=$PWD taskset -c 0 python scripts/bench_tuner_latency.py --device nvidia-h100-80gb-hbm3
 
-Times LearnedTuner.choose, the call the runner makes per step, on StepPlan-like inputs (kv_lens, cu_q_lens)
-of decode and prefill buckets drawn as the tuning data is (learned.sample_shapes):
+Times LearnedTuner.choose, the call the runner makes per step, on StepPlan-like inputs (kv_lens, cu_q_lens,
+kv_extent, num_tokens) of decode and prefill buckets drawn as the tuning data is (learned.sample_shapes):
  - new key: a fresh tuner per pass over distinct shapes, so every call misses the cache: the features,
    one batched forward pass of the MLP over the bucket's variants, the argmin and the cache insert;
- - cached: the same shapes again on the warm tuner: the key (a few reductions over kv_lens) and a dict hit.
-Also the bare forward pass (OpRanker.predict) and the key alone. Median over passes of (elapsed / calls),
+ - cached: the same shapes again on the warm tuner: the key (from the plan's kv_extent) and a dict hit.
+Also the bare forward pass (OpRanker.best), the key alone, and `extent`: what a plan the scheduler builds
+afresh pays once, whatever the tuner, for its kv_extent (two reductions over kv_lens; a decode continuation,
+the steady state of serving, carries its source's forward for free). Median over passes of (elapsed / calls),
 microseconds. Writes `<host>-<date>-<HHMM>-tuner-latency.json` under --out (default benchmarks/results/).
 """
 
@@ -28,10 +30,13 @@ import harness
 def _plans(decode: bool, bucket: int, heads, count: int):
     from jaxllm.tuner.learned import sample_shapes
 
+    from jaxllm.engine.scheduler import kv_extent_of
+
     out = []
     for f in sample_shapes(decode, bucket, heads=heads, max_context=512 * 1024, count=count, seed=7):
-        out.append(types.SimpleNamespace(kv_lens=f.kv_lens.astype(np.int32),
-                                         cu_q_lens=np.concatenate([[0], np.cumsum(f.q_lens)]).astype(np.int32)))
+        kv = f.kv_lens.astype(np.int32)
+        out.append(types.SimpleNamespace(kv_lens=kv, cu_q_lens=np.concatenate([[0], np.cumsum(f.q_lens)]).astype(np.int32),
+                                         kv_extent=kv_extent_of(kv), num_tokens=int(f.q_lens.sum())))
     return out
 
 
@@ -55,7 +60,8 @@ def main(argv=None) -> int:
 
     from jaxllm.tuner import LearnedTuner, model_path
     from jaxllm.tuner.cost_model import CostModel
-    from jaxllm.tuner.features import StepFeatures, feature_key
+    from jaxllm.engine.scheduler import kv_extent_of
+    from jaxllm.tuner.features import StepFeatures, plan_key
     from pallas_kernels.dispatch import Kernels
 
     path = model_path(args.device) if not args.device.endswith(".npz") else args.device
@@ -66,7 +72,7 @@ def main(argv=None) -> int:
     for decode, bucket in ((True, 1), (True, 16), (True, 256), (False, 16), (False, 512), (False, 8192)):
         plans, seen = [], set()
         for p in _plans(decode, bucket, heads, args.shapes):  # distinct keys only: every first call misses
-            k = feature_key(decode, bucket, p.kv_lens, p.cu_q_lens, heads)
+            k = plan_key(p, decode, bucket)
             if k not in seen:
                 seen.add(k)
                 plans.append(p)
@@ -89,7 +95,8 @@ def main(argv=None) -> int:
         for p in plans:
             tuner.choose(p, decode, bucket)
         hit_us = _per_call_us(lambda p: tuner.choose(p, decode, bucket), plans, args.passes)
-        key_us = _per_call_us(lambda p: feature_key(decode, bucket, p.kv_lens, p.cu_q_lens, heads), plans, args.passes)
+        key_us = _per_call_us(lambda p: plan_key(p, decode, bucket), plans, args.passes)
+        extent_us = _per_call_us(lambda p: kv_extent_of(p.kv_lens), plans, args.passes)
         feats = [np.append(StepFeatures(decode, bucket, p.kv_lens, np.diff(p.cu_q_lens), heads).vector(), np.float32(1))
                  for p in plans]
         from jaxllm.tuner.cost_model import OpRanker
@@ -101,12 +108,13 @@ def main(argv=None) -> int:
         fwd_us = _per_call_us(ranker.best, feats, args.passes)
         row = dict(op=op, bucket=bucket, variants=variants, shapes=len(plans), distinct_keys=distinct,
                    new_key_us=round(miss_us, 2), cached_us=round(hit_us, 2), key_only_us=round(key_us, 2),
-                   forward_us=round(fwd_us, 2))
+                   forward_us=round(fwd_us, 2), fresh_plan_extent_us=round(extent_us, 2))
         rows.append(row)
         print(row, flush=True)
-    md = harness.markdown_table(["op", "bucket", "variants", "new key us", "cached us", "key alone us", "MLP forward us"],
+    md = harness.markdown_table(["op", "bucket", "variants", "new key us", "cached us", "key alone us", "MLP forward us",
+                                 "fresh plan's extent us"],
                                 [[r["op"], r["bucket"], r["variants"], r["new_key_us"], r["cached_us"], r["key_only_us"],
-                                  r["forward_us"]] for r in rows])
+                                  r["forward_us"], r["fresh_plan_extent_us"]] for r in rows])
     print(md, flush=True)
     cpu = platform.processor() or platform.machine()
     stem = harness.result_stem("cpu", "tuner-latency")
@@ -117,8 +125,10 @@ def main(argv=None) -> int:
                   rows=rows, definitions=dict(
                       new_key_us="LearnedTuner.choose on a shape whose key is not cached: features, one batched "
                                  "MLP pass over the bucket's variants, argmin, cache insert",
-                      cached_us="LearnedTuner.choose on a cached key: the key and a dict lookup",
-                      key_only_us="feature_key alone", forward_us="OpRanker.best alone (the batched MLP pass and argmin)"))
+                      cached_us="LearnedTuner.choose on a cached key: the key (from the plan's kv_extent) and a dict lookup",
+                      key_only_us="features.plan_key alone", forward_us="OpRanker.best alone (the batched MLP pass and argmin)",
+                      fresh_plan_extent_us="scheduler.kv_extent_of: paid once by every plan built afresh (StepPlan "
+                                           "computes its kv_extent), not by a decode continuation, whatever the tuner"))
     harness.write_json(os.path.join(args.out, stem + ".json"), result)
     print(f"wrote {os.path.join(args.out, stem)}.json", flush=True)
     return 0

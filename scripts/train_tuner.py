@@ -39,9 +39,12 @@ def _split(n: int, holdout: float, rng) -> tuple[np.ndarray, np.ndarray]:
 
 def _plan_of(row):
     """The parts of a StepPlan the tuner reads, for a dataset row."""
+    from jaxllm.engine.scheduler import kv_extent_of
+
     q = np.ones(len(row["kv_lens"]), np.int64) if row["op"] == "decode" else np.asarray(row["q_lens"], np.int64)
-    return types.SimpleNamespace(kv_lens=np.asarray(row["kv_lens"], np.int64),
-                                 cu_q_lens=np.concatenate([[0], np.cumsum(q)]))
+    kv = np.asarray(row["kv_lens"], np.int64)
+    return types.SimpleNamespace(kv_lens=kv, cu_q_lens=np.concatenate([[0], np.cumsum(q)]), kv_extent=kv_extent_of(kv),
+                                 num_tokens=int(q.sum()))
 
 
 def evaluate(model, rows, base, block: int) -> list[dict]:

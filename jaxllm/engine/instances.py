@@ -186,4 +186,5 @@ def join_plans(plans: list[tuple[int, StepPlan]]) -> StepPlan:
         block_tables=np.concatenate(tables), sample=cat("sample"), temperature=cat("temperature"),
         top_k=cat("top_k"), top_p=cat("top_p"), seed=cat("seed"),
         logprobs=None if any(p.logprobs is None for _, p in plans) else cat("logprobs"),
-        instances=np.concatenate([np.full(p.num_seqs, i, np.int32) for i, p in plans]))
+        instances=np.concatenate([np.full(p.num_seqs, i, np.int32) for i, p in plans]),
+        kv_extent=(sum(p.kv_extent[0] for _, p in plans), max(p.kv_extent[1] for _, p in plans)))

@@ -71,6 +71,13 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[:end - split]
 
 
+def kv_extent_of(kv_lens: np.ndarray) -> tuple[int, int]:
+    """(total, longest) of kv_lens as Python ints ((0, 0) for none): two reductions."""
+    if len(kv_lens) == 0:
+        return 0, 0
+    return int(np.add.reduce(kv_lens, dtype=np.int64)), int(np.maximum.reduce(kv_lens))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepPlan:
     """One step's work as plain numpy arrays and ids (unpadded; step.make_step_inputs pads them to a bucket).
@@ -82,7 +89,9 @@ class StepPlan:
     each sequence wants log-probabilities of (SamplingParams.logprobs; -1: none); None: nobody wants any.
     instances [S] int32: each sequence's home instance, on an engine of several instances (their plans
     joined, rows grouped by instance; block ids are then global: instance * blocks_per_instance + local);
-    None on one instance.
+    None on one instance. kv_extent: (total, longest) of kv_lens as Python ints; computed here unless given
+    (the scheduler gives a continuation its source's, grown by one token a sequence: the tuner's per-step
+    key reads it, so a steady decode step costs no reduction over the batch).
     """
 
     seq_ids: np.ndarray
@@ -99,6 +108,7 @@ class StepPlan:
     seed: np.ndarray
     logprobs: np.ndarray | None = None
     instances: np.ndarray | None = None
+    kv_extent: tuple[int, int] | None = None
 
     def __post_init__(self):
         s, t = len(self.seq_ids), len(self.token_ids)
@@ -112,6 +122,8 @@ class StepPlan:
             raise ValueError(f"StepPlan.logprobs has {len(self.logprobs)} rows, want {s} ({s} sequences)")
         if self.instances is not None and len(self.instances) != s:
             raise ValueError(f"StepPlan.instances has {len(self.instances)} rows, want {s} ({s} sequences)")
+        if self.kv_extent is None:  # a derived field: frozen, so set once here
+            object.__setattr__(self, "kv_extent", kv_extent_of(self.kv_lens))
 
     @property
     def num_seqs(self) -> int:
@@ -257,7 +269,9 @@ class Scheduler:
             return None  # checked first, so a shortage leaves every table as it was
         for seq in seqs:
             self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
-        return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs])
+        total, longest = prev.kv_extent  # every sequence one token longer than in prev
+        return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs],
+                              kv_extent=(total + len(seqs), longest + 1))
 
     def _share_cached_prefix(self, seq: Sequence) -> None:
         """Admission: take the longest run of cached full rBlocks that starts seq's tokens, leaving at
@@ -328,8 +342,10 @@ class Scheduler:
             rows.append((seq, start, seq.token_slice(start, start + n), start + n == seq.num_tokens))
         return self._assemble(rows)
 
-    def _assemble(self, rows: list[tuple[Sequence, int, list[int], bool]]) -> StepPlan:
-        """rows: (sequence, first position, token ids from there, samples a new token)."""
+    def _assemble(self, rows: list[tuple[Sequence, int, list[int], bool]],
+                  kv_extent: tuple[int, int] | None = None) -> StepPlan:
+        """rows: (sequence, first position, token ids from there, samples a new token); kv_extent: the plan's
+        (total, longest) KV where the caller knows it (else the plan computes it)."""
         bs = self.block_size
         tables = [self.allocator.blocks(seq.seq_id) for seq, _, _, _ in rows]
         block_tables = np.zeros((len(rows), max(len(t) for t in tables)), np.int32)
@@ -357,6 +373,7 @@ class Scheduler:
             top_p=np.fromiter((p.top_p for p in params), np.float32, len(rows)),
             seed=np.fromiter((p.seed for p in params), np.int32, len(rows)),
             logprobs=np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int32, len(rows)),
+            kv_extent=kv_extent,
         )
 
     # ----- results -----

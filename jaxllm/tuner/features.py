@@ -3,7 +3,10 @@
 The same code reads a StepPlan (serving) and a dataset row (training), so the model sees at run time
 exactly the numbers it was trained on. Lengths enter in log2 (times scale with them over six decades);
 the key quantises the few numbers that decide the choice to quarter octaves, so steps that differ by a
-few tokens (a decode batch one step later) share one cached choice.
+few tokens (a decode batch one step later) share one cached choice. The key reads the plan's kv_extent
+(total and longest KV, which the scheduler carries forward for a continuation step without touching
+its arrays), so a cached step costs a few float operations and a dictionary lookup. A tuner holds one
+head shape, so keys leave it out.
 """
 
 from __future__ import annotations
@@ -67,17 +70,24 @@ class StepFeatures:
         """The cache key: op, bucket, sequences, and quarter-octave total KV, longest KV and (prefill) query
         tokens: near-equal steps share one cached choice."""
         st = self.stats()
-        return stats_key(self.decode, self.bucket, self.heads, st[0], st[1], st[2], st[5])
+        return stats_key(self.decode, self.bucket, st[0], st[1], st[2], st[5])
 
     def vector(self) -> np.ndarray:
         """[NUM_SHAPE_FEATURES] float32 shape features (log2 scale where a length)."""
         return shape_vector(self.decode, self.bucket, self.heads, self.dtype_bytes, self.stats())
 
 
+# Up to this many sequences, the stats are summed in Python over lists: NumPy's per-call cost (~1 us a
+# reduction) is more than the arithmetic. Both paths give the same numbers (integer sums, exact in float64).
+SMALL_STATS = 16
+
+
 def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
     """(n, kv sum, kv max, kv min, sum kv^2, q sum, q max, sum q*kv, sum q^2) as Python numbers, in as few
     NumPy calls as give them (this runs on every new key); q_lens None: decode, one query token each."""
     n = len(kv_lens)
+    if n <= SMALL_STATS:
+        return _stats_small(kv_lens.tolist(), None if q_lens is None else q_lens.tolist())
     if q_lens is not None:
         lens = np.array((kv_lens, q_lens), np.float64)  # [2, n]: every sum in two products
         gram = lens @ lens.T  # [[sum kv^2, sum q*kv], [sum q*kv, sum q^2]]
@@ -87,6 +97,16 @@ def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
     kv = kv_lens.astype(np.float64)  # int32 squares of 512K overflow
     s, m, mn, sq = float(np.add.reduce(kv)), float(np.maximum.reduce(kv)), float(np.minimum.reduce(kv)), float(kv @ kv)
     return n, s, m, mn, sq, float(n), 1.0, s, float(n)
+
+
+def _stats_small(kv: list[int], q: list[int] | None) -> tuple:
+    """length_stats over Python lists (Python ints: no overflow)."""
+    n, s = len(kv), sum(kv)
+    sq = sum(k * k for k in kv)
+    if q is None:
+        return n, float(s), float(max(kv)), float(min(kv)), float(sq), float(n), 1.0, float(s), float(n)
+    return (n, float(s), float(max(kv)), float(min(kv)), float(sq), float(sum(q)), float(max(q)),
+            float(sum(a * b for a, b in zip(q, kv))), float(sum(b * b for b in q)))
 
 
 def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple,
@@ -109,20 +129,21 @@ def _q(x: float) -> int:
     return round(KEY_STEPS * math.log2(1 + x))
 
 
-def stats_key(decode: bool, bucket: int, heads: tuple[int, int, int], n: int, kv_sum: float, kv_max: float,
-              q_sum: float = 0.0) -> tuple:
+def stats_key(decode: bool, bucket: int, n: int, kv_sum: float, kv_max: float, q_sum: float = 0.0) -> tuple:
     """The cache key: near-equal steps (within a quarter octave of total and longest KV, and of query
     tokens for prefill) share it."""
     if decode:
-        return (True, bucket, n, _q(kv_sum), _q(kv_max), heads)
-    return (False, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum), heads)
+        return (True, bucket, n, _q(kv_sum), _q(kv_max))
+    return (False, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum))
 
 
-def feature_key(decode: bool, bucket: int, kv_lens: np.ndarray, cu_q_lens: np.ndarray | None,
-                heads: tuple[int, int, int]) -> tuple:
-    """The cache key of a step straight from its plan's kv_lens and cu_q_lens (the per-step fast path:
-    two reductions over kv_lens; of cu_q_lens, prefill reads the ends)."""
-    kv_sum, kv_max = int(np.add.reduce(kv_lens, dtype=np.int64)), int(np.maximum.reduce(kv_lens))
+def plan_key(plan, decode: bool, bucket: int) -> tuple:
+    """stats_key of a StepPlan (the per-step path): its kv_extent and, for prefill, its token count; no pass
+    over its arrays, and stats_key's arithmetic written out (a call costs as much as the rest)."""
+    kv_sum, kv_max = plan.kv_extent
+    log2 = math.log2
     if decode:
-        return (True, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), heads)
-    return (False, bucket, len(kv_lens), _q(kv_sum), _q(kv_max), _q(int(cu_q_lens[-1]) - int(cu_q_lens[0])), heads)
+        return (True, bucket, len(plan.kv_lens), round(KEY_STEPS * log2(1 + kv_sum)),
+                round(KEY_STEPS * log2(1 + kv_max)))
+    return (False, bucket, len(plan.kv_lens), round(KEY_STEPS * log2(1 + kv_sum)), round(KEY_STEPS * log2(1 + kv_max)),
+            round(KEY_STEPS * log2(1 + plan.num_tokens)))

@@ -4,7 +4,7 @@ A StepTuner (jaxllm/tuner/protocol.py). `variants(decode, padded_size)` is the b
 fallback, today's schedule), then the candidates of the op (jaxllm/tuner/candidates.py) that the model
 predicts fastest for some shape the bucket can hold (sampled over the bucket's range: sequence counts,
 lengths equal, ragged or few-long up to max_context); the rest are never compiled. `choose` computes the
-step's cache key (a few reductions over kv_lens), returns the cached index on a hit, and otherwise ranks
+step's cache key (from the plan's kv_extent: no pass over its arrays), returns the cached index on a hit, and otherwise ranks
 the bucket's variants in one batched NumPy pass and caches the result. Nothing here touches a device.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxllm.tuner.candidates import candidates
 from jaxllm.tuner.cost_model import CostModel, OpRanker
-from jaxllm.tuner.features import StepFeatures, feature_key, length_stats, shape_vector
+from jaxllm.tuner.features import StepFeatures, length_stats, plan_key, shape_vector
 from jaxllm.tuner.train import schedule_matrix
 from pallas_kernels.dispatch import Kernels
 
@@ -105,7 +105,7 @@ class LearnedTuner:
         b = self._buckets.get((decode, padded_size)) or self._bucket(decode, padded_size)
         if b.ranker is None:
             return 0
-        key = feature_key(decode, padded_size, plan.kv_lens, plan.cu_q_lens, self.heads)
+        key = plan_key(plan, decode, padded_size)
         index = self._cache.get(key)
         if index is not None:
             self._hits += 1

@@ -207,7 +207,7 @@ def _decode_plan(sched, prompts, rng, max_new_tokens=50):
 def test_continuation_plan_and_results():
     rng = np.random.default_rng()
     sched, alloc = _scheduler(num_blocks=16)
-    seqs, prev = _decode_plan(sched, [[5, 6, 7], [8] * 6], rng)
+    seqs, prev = _decode_plan(sched, [[5, 6, 7], [8] * int(rng.integers(4, 9))], rng)
     cont = sched.plan_continuation(prev)
     assert cont is not None and cont.is_decode and cont.seq_ids.tolist() == [s.seq_id for s in seqs]
     assert cont.token_ids.tolist() == [PENDING_TOKEN] * 2 and cont.sample.all()
@@ -223,6 +223,8 @@ def test_continuation_plan_and_results():
     assert sched.plan_continuation(prev) is None  # prev already recorded: not the step to continue
     nxt = sched.plan_continuation(cont)
     assert nxt is not None and nxt.positions.tolist() == cont.kv_lens.tolist()
+    for p in (prev, cont, nxt):  # carried forward, not recomputed: it must equal what the arrays say
+        assert p.kv_extent == (sum(p.kv_lens.tolist()), max(p.kv_lens.tolist()))
     sched.update(cont, second, eos_id=0)
     for i, seq in enumerate(seqs):
         assert seq.output_ids[-2:] == [first[i], second[i]] and seq.num_computed == seq.num_tokens - 1

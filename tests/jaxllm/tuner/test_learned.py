@@ -16,7 +16,7 @@ from jaxllm.model.config import LlamaConfig
 from jaxllm.tuner import FixedTuner, LearnedTuner, StepFeatures, load_tuner
 from jaxllm.tuner.candidates import all_schedules
 from jaxllm.tuner.cost_model import CostModel, MlpWeights, OpRanker
-from jaxllm.tuner.features import NUM_SHAPE_FEATURES, feature_key
+from jaxllm.tuner.features import NUM_SHAPE_FEATURES, SMALL_STATS, length_stats, plan_key
 from jaxllm.tuner.learned import MAX_VARIANTS
 from jaxllm.tuner.protocol import StepTuner
 from jaxllm.tuner.train import schedule_matrix
@@ -92,15 +92,35 @@ def test_features_of_a_scheduler_plan():
     v = f.vector()
     assert v.shape == (NUM_SHAPE_FEATURES,) and np.all(np.isfinite(v))
     assert v[0] == 0 and v[1] == 4 and v[3] == pytest.approx(np.log2(12))  # prefill, bucket 2^4, 11 tokens
-    assert f.key() == feature_key(False, 16, prefill.kv_lens, prefill.cu_q_lens, HEADS)
+    assert f.key() == plan_key(prefill, False, 16)
     sched.update(prefill, np.array([9, 9, 9]), eos_id=0)
     decode = sched.plan()
     d = StepFeatures.from_plan(decode, True, 4, heads=HEADS)
     assert d.q_lens.tolist() == [1, 1, 1] and d.vector()[0] == 1
+    assert d.key() == plan_key(decode, True, 4)
     far = StepFeatures(True, 4, d.kv_lens * 2, d.q_lens, HEADS)
     assert far.key() != d.key()
     with pytest.raises(ValueError, match="heads"):
         StepFeatures(True, 4, d.kv_lens, d.q_lens, (32, 8))
+
+
+@pytest.mark.parametrize("n", [1, 2, SMALL_STATS, SMALL_STATS + 1, 300])
+def test_length_stats_equal_a_float64_oracle_on_both_paths(n):
+    rng = np.random.default_rng()
+    kv = rng.integers(1, 512 * 1024, size=n).astype(np.int32)  # int32, as plans hold them: squares overflow
+    q = np.minimum(rng.integers(1, 4096, size=n), kv).astype(np.int32)
+    k64, q64 = kv.astype(np.float64), q.astype(np.float64)
+    want_prefill = (n, k64.sum(), k64.max(), k64.min(), (k64 ** 2).sum(), q64.sum(), q64.max(), (q64 * k64).sum(),
+                    (q64 ** 2).sum())
+    assert length_stats(kv, q) == pytest.approx(want_prefill, rel=1e-12)
+    assert length_stats(kv, None) == pytest.approx((n, k64.sum(), k64.max(), k64.min(), (k64 ** 2).sum(), n, 1.0,
+                                                     k64.sum(), n), rel=1e-12)
+
+
+def test_a_plan_states_its_kv_extent():
+    plan = _plan([3000, 17, 250_000, 9], [1, 1, 1, 1])
+    assert plan.kv_extent == (253_026, 250_000)
+    assert _plan([], []).kv_extent == (0, 0)
 
 
 def test_load_tuner_falls_back_to_fixed_and_says_so_once(caplog):

@@ -97,15 +97,14 @@ def main(argv=None) -> int:
         hit_us = _per_call_us(lambda p: tuner.choose(p, decode, bucket), plans, args.passes)
         key_us = _per_call_us(lambda p: plan_key(p, decode, bucket), plans, args.passes)
         extent_us = _per_call_us(lambda p: kv_extent_of(p.kv_lens), plans, args.passes)
-        feats = [np.append(StepFeatures(decode, bucket, p.kv_lens, np.diff(p.cu_q_lens), heads).vector(), np.float32(1))
-                 for p in plans]
-        from jaxllm.tuner.cost_model import OpRanker
-        from jaxllm.tuner.train import schedule_matrix
+        feats = [StepFeatures(decode, bucket, p.kv_lens, np.diff(p.cu_q_lens), heads) for p in plans]
+        feats = [(f.vector().tolist(), f.stats()) for f in feats]
+        from jaxllm.tuner.learned import op_ranker
 
         names = tuner.variant_names(decode, bucket)
         op = "decode" if decode else "prefill"
-        ranker = OpRanker.build(model.ops[op], names, schedule_matrix(op, names))
-        fwd_us = _per_call_us(ranker.best, feats, args.passes)
+        ranker = op_ranker(model, op, names, kv_heads=heads[1], block_size=256)
+        fwd_us = _per_call_us(lambda f: ranker.best(*f), feats, args.passes)
         row = dict(op=op, bucket=bucket, variants=variants, shapes=len(plans), distinct_keys=distinct,
                    new_key_us=round(miss_us, 2), cached_us=round(hit_us, 2), key_only_us=round(key_us, 2),
                    forward_us=round(fwd_us, 2), fresh_plan_extent_us=round(extent_us, 2))
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
                       new_key_us="LearnedTuner.choose on a shape whose key is not cached: features, one batched "
                                  "MLP pass over the bucket's variants, argmin, cache insert",
                       cached_us="LearnedTuner.choose on a cached key: the key (from the plan's kv_extent) and a dict lookup",
-                      key_only_us="features.plan_key alone", forward_us="OpRanker.best alone (the batched MLP pass and argmin)",
+                      key_only_us="features.plan_key alone", forward_us="OpRanker.best alone (interaction features, the batched MLP pass and argmin)",
                       fresh_plan_extent_us="scheduler.kv_extent_of: paid once by every plan built afresh (StepPlan "
                                            "computes its kv_extent), not by a decode continuation, whatever the tuner"))
     harness.write_json(os.path.join(args.out, stem + ".json"), result)

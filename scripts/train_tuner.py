@@ -17,7 +17,6 @@ under --out (default benchmarks/results/).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import os
 import sys
@@ -47,11 +46,32 @@ def _plan_of(row):
                                  num_tokens=int(q.sum()))
 
 
+def _train_split(rows: list[dict], args, seed: int) -> tuple[dict, dict, list[dict]]:
+    """(weights per op, candidate names per op, held-out rows): each op's rows split at random by seed, the
+    model trained on the rest."""
+    from jaxllm.tuner.train import op_arrays, train_ensemble
+
+    rng = np.random.default_rng(seed)
+    weights, names, held, t0 = {}, {}, [], time.time()
+    for op in ("decode", "prefill"):
+        op_rows = [r for r in rows if r["op"] == op]
+        if not op_rows:
+            continue
+        train_idx, test_idx = _split(len(op_rows), args.holdout, rng)
+        x, y, mask, names[op] = op_arrays([op_rows[i] for i in train_idx], op)
+        weights[op] = train_ensemble(x, y, mask, members=args.members, hidden=args.hidden, steps=args.steps,
+                                     listwise_weight=args.listwise, seed=seed)
+        held += [op_rows[i] for i in test_idx]
+        print(f"{op}: trained on {len(train_idx)} shapes, {len(test_idx)} held out ({time.time() - t0:.1f} s)",
+              flush=True)
+    return weights, names, held
+
+
 def evaluate(model, rows, base, block: int) -> list[dict]:
     """Per held-out row: chosen, default and best candidate with their measured times, and model ranks."""
     from jaxllm.tuner import LearnedTuner
-    from jaxllm.tuner.cost_model import OpRanker
-    from jaxllm.tuner.train import row_features, schedule_matrix
+    from jaxllm.tuner.learned import op_ranker
+    from jaxllm.tuner.train import row_features
 
     tuners, out = {}, []
     for r in rows:
@@ -64,8 +84,9 @@ def evaluate(model, rows, base, block: int) -> list[dict]:
         chosen = names[tuner.choose(_plan_of(r), decode, r["bucket"])]
         us = r["us"]
         measured = [n for n in model.names[r["op"]] if n in us]
-        ranker = OpRanker.build(model.ops[r["op"]], measured, schedule_matrix(r["op"], measured))
-        pred = ranker.predict(row_features(r).vector())
+        ranker = op_ranker(model, r["op"], measured, kv_heads=heads[1], block_size=r["block"])
+        f = row_features(r)
+        pred = ranker.predict(f.vector(), f.stats())
         order = [measured[i] for i in np.argsort(pred)]
         best = min(us, key=us.get)
         out.append(dict(op=r["op"], bucket=r["bucket"], heads=list(heads), kind=r["kind"], variants=list(names),
@@ -110,10 +131,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--members", type=int, default=3, help="ensemble members (merged into one MLP)")
     parser.add_argument("--listwise", type=float, default=0.0, help="weight of a listwise (soft choice) loss term")
+    parser.add_argument("--cv", type=int, default=0, help="also train and evaluate on this many other random splits "
+                                                          "(seeds after --seed; their models are not saved)")
     args = parser.parse_args(argv)
 
     from jaxllm.tuner.cost_model import CostModel
-    from jaxllm.tuner.train import op_arrays, read_dataset, train_ensemble
+    from jaxllm.tuner.train import read_dataset
     from pallas_kernels.dispatch import Kernels
 
     paths = args.datasets or sorted(glob.glob(os.path.join(ROOT, "benchmarks", "tuning", args.device + "*.jsonl.gz")))
@@ -127,21 +150,8 @@ def main(argv=None) -> int:
                             jax=h["jax"]))
         rows += r
     device = headers[0]["device"]
-    rng = np.random.default_rng(args.seed)
     t0 = time.time()
-    weights, names, held = {}, {}, []
-    for op in ("decode", "prefill"):
-        op_rows = [r for r in rows if r["op"] == op]
-        if not op_rows:
-            continue
-        train_idx, test_idx = _split(len(op_rows), args.holdout, rng)
-        x, y, mask, op_names = op_arrays([op_rows[i] for i in train_idx], op)
-        weights[op] = train_ensemble(x, y, mask, members=args.members, hidden=args.hidden, steps=args.steps,
-                                     listwise_weight=args.listwise, seed=args.seed)
-        names[op] = op_names
-        held += [op_rows[i] for i in test_idx]
-        print(f"{op}: trained on {len(train_idx)} shapes, {len(test_idx)} held out ({time.time() - t0:.1f} s)",
-              flush=True)
+    weights, names, held = _train_split(rows, args, args.seed)
     train_s = time.time() - t0
     meta = dict(device=device, datasets=headers, trained=harness.today(), holdout=args.holdout, seed=args.seed,
                 hidden=args.hidden, steps=args.steps, members=args.members, listwise=args.listwise,
@@ -154,6 +164,14 @@ def main(argv=None) -> int:
     base = Kernels(decode_attention="triton", prefill_attention="mosaic", rope_kv_write="pallas",
                    decode_layer="pallas")
     ev = evaluate(model, held, base, block=int(rows[0]["block"]))
+    splits = []
+    for seed in range(args.seed + 1, args.seed + 1 + args.cv):  # other random splits: the held-out figures' spread
+        w, n, h = _train_split(rows, args, seed)
+        s = {k: summarize([e for e in evaluate(CostModel(w, n, meta), h, base, block=int(rows[0]["block"]))
+                           if k == "all" or e["op"] == k]) for k in ("all", "decode", "prefill")}
+        splits.append(dict(seed=seed, **{k: v for k, v in s.items() if v}))
+        print(f"split seed {seed}: " + ", ".join(f"{k} avg {v['tuned_avg']:.1%} worst {v['tuned_worst']:.1%} "
+                                                  f"< 85%: {v['tuned_below_85']}" for k, v in s.items() if v), flush=True)
     summary = {"all": summarize(ev)}
     for op in ("decode", "prefill"):
         summary[op] = summarize([e for e in ev if e["op"] == op])
@@ -161,13 +179,21 @@ def main(argv=None) -> int:
             summary[f"{op} bucket {b}"] = summarize([e for e in ev if e["op"] == op and e["bucket"] == b])
     summary = {k: v for k, v in summary.items() if v}
     md = table(summary)
+    if splits:
+        md += "\nOther random splits (a model trained on each; not shipped):\n\n" + harness.markdown_table(
+            ["split seed", "all avg", "all worst", "all < 85%", "decode avg", "decode worst", "prefill avg",
+             "prefill worst"],
+            [[sp["seed"]] + [f"{sp[k][m]:.1%}" if m != "tuned_below_85" else sp[k][m]
+                             for k, m in (("all", "tuned_avg"), ("all", "tuned_worst"), ("all", "tuned_below_85"),
+                                          ("decode", "tuned_avg"), ("decode", "tuned_worst"),
+                                          ("prefill", "tuned_avg"), ("prefill", "tuned_worst"))] for sp in splits])
     print(md, flush=True)
     date = headers[-1]["date"]
     stem = harness.result_stem(device, "tuner", date)
     result = dict(script="scripts/train_tuner.py", argv=sys.argv[1:], device=device, date=date,
                   command="PYTHONPATH=$PWD python scripts/train_tuner.py " + " ".join(sys.argv[1:]),
                   datasets=headers, model=os.path.relpath(model_out, ROOT), model_bytes=os.path.getsize(model_out),
-                  train_s=round(train_s, 1), meta=meta, summary=summary, held_out=ev,
+                  train_s=round(train_s, 1), meta=meta, summary=summary, held_out=ev, other_splits=splits,
                   definitions=dict(tuned="measured best time / measured time of the tuner's choice (LearnedTuner."
                                          "choose over its pruned variants, cached per feature key)",
                                    fixed="measured best time / measured time of variants()[0] (today's default)",

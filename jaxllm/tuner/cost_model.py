@@ -1,9 +1,11 @@
 """The cost model: per op a small MLP from (shape features, schedule features) to log time, inferred in NumPy.
 
 Training (jaxllm/tuner/train.py) runs the same network in jax (`forward_jnp`); serving runs `forward_np`
-on one CPU core. A step ranks all its candidates in one batched pass, and the schedule half of the
-first layer is constant per candidate set, so `CostModel.rank` folds it in once: per step it is one
-[F] x [F, H] product, two [C, H] products and two tanh.
+on one CPU core. The inputs are [shape features, schedule features, interaction features] (the last per
+(step, candidate), jaxllm/tuner/candidates.py). A step ranks all its candidates in one batched pass, and
+the schedule part of the first layer is constant per candidate set, so `OpRanker` folds it in once: per
+step it is one [Fv + C x Fi + 1] x [Fv + C x Fi + 1, C x H] product (shape features shared, each
+candidate's interaction features its own block), two [C, H] products and two tanh.
 Weights live in one small .npz per device: `<op>/w1 ... <op>/y_std` plus `<op>/names` (candidate names in
 the order the schedule features were taken) and `meta` (a JSON string: device, dataset, date).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Callable
 
 import numpy as np
 
@@ -70,9 +73,12 @@ def forward_jnp(params: dict, xn):
 
 @dataclasses.dataclass(frozen=True)
 class OpRanker:
-    """One op's model with its candidate set's schedule half of the first layer folded in.
+    """One op's model with its candidate set's schedule part of the first layer folded in.
 
-    names: candidate names, in row order of sched [C, Fs]; pre [C, H] = normalised sched @ W1[shape:] + b1.
+    names: candidate names, in row order of sched [C, Fs]; pre [C, H] = normalised sched @ W1[sched rows] + b1
+    (and the constant mean shifts of the shape and interaction features). interactions: the candidates'
+    interaction features from a step's length stats (a flat list, C x Fi; candidates.interaction_features),
+    None when the model takes none.
     """
 
     weights: MlpWeights
@@ -80,42 +86,62 @@ class OpRanker:
     w1_shape: np.ndarray  # [Fv, H], rows of W1 for the shape features, scaled by 1 / x_std
     pre: np.ndarray  # [C, H]
     w3: np.ndarray  # [H], W3 as a vector
-    m1: np.ndarray  # [Fv + 1, C * H]: w1_shape per candidate, then pre (for a shape vector ending in 1)
+    m1: np.ndarray  # [Fv + C * Fi + 1, C * H]: w1_shape per candidate, w1_inter per candidate (block-diagonal), pre
     w2b: np.ndarray  # [H + 1, H]: W2, then b2 (for a hidden row ending in 1)
     hbuf: np.ndarray  # [C, H + 1] scratch, last column 1: best() writes the first layer here
+    interactions: Callable[[tuple], list[float]] | None = None
+    w1_inter: np.ndarray | None = None  # [Fi, H], rows of W1 for the interaction features, scaled by 1 / x_std
 
     @classmethod
-    def build(cls, weights: MlpWeights, names, sched: np.ndarray) -> "OpRanker":
+    def build(cls, weights: MlpWeights, names, sched: np.ndarray,
+              interactions: Callable[[tuple], list[float]] | None = None, num_interactions: int = 0) -> "OpRanker":
         sched = np.asarray(sched, np.float32)
-        fv = weights.num_features - sched.shape[1]
-        if fv <= 0 or sched.shape[0] != len(names):
-            raise ValueError(f"OpRanker: {len(names)} names, schedule features {sched.shape}, model takes "
+        fs, fi = sched.shape[1], num_interactions
+        fv = weights.num_features - fs - fi
+        if fv <= 0 or sched.shape[0] != len(names) or (fi > 0) != (interactions is not None):
+            raise ValueError(f"OpRanker: {len(names)} names, schedule features {sched.shape}, {fi} interaction "
+                             f"features ({'with' if interactions else 'without'} their function); the model takes "
                              f"{weights.num_features} features")
-        xs = (sched - weights.x_mean[fv:]) / weights.x_std[fv:]
-        w1_shape = (weights.w1[:fv] / weights.x_std[:fv, None]).astype(np.float32)
-        # The shape features' mean shift is a constant row: folded into pre with b1.
-        pre = xs @ weights.w1[fv:] + weights.b1 - (weights.x_mean[:fv] / weights.x_std[:fv]) @ weights.w1[:fv]
+        mean, std, w1 = weights.x_mean, weights.x_std, weights.w1
+        xs = (sched - mean[fv:fv + fs]) / std[fv:fv + fs]
+        w1_shape = (w1[:fv] / std[:fv, None]).astype(np.float32)
+        # The shape and interaction features' mean shifts are constant rows: folded into pre with b1.
+        shift = (mean[:fv] / std[:fv]) @ w1[:fv] + (mean[fv + fs:] / std[fv + fs:]) @ w1[fv + fs:]
+        pre = xs @ w1[fv:fv + fs] + weights.b1 - shift
         c, h = pre.shape
-        m1 = np.concatenate([np.tile(w1_shape, (1, c)), pre.reshape(1, -1)]).astype(np.float32)
+        w1_inter = (w1[fv + fs:] / std[fv + fs:, None]).astype(np.float32)  # [Fi, H]
+        inter_rows = np.zeros((c * fi, c * h), np.float32)
+        for j in range(c):  # candidate j's interaction features feed only its own hidden units
+            inter_rows[j * fi:(j + 1) * fi, j * h:(j + 1) * h] = w1_inter
+        m1 = np.concatenate([np.tile(w1_shape, (1, c)), inter_rows, pre.reshape(1, -1)]).astype(np.float32)
         w2b = np.concatenate([weights.w2, weights.b2[None]]).astype(np.float32)
         hbuf = np.ones((c, h + 1), np.float32)
         return cls(weights, tuple(names), w1_shape, pre.astype(np.float32), weights.w3[:, 0].astype(np.float32),
-                   m1, w2b, hbuf)
+                   m1, w2b, hbuf, interactions, w1_inter if fi else None)
 
-    def best(self, shape_vec1: np.ndarray) -> int:
+    def _interactions(self, stats) -> list[float]:
+        return [] if self.interactions is None else self.interactions(stats)
+
+    def best(self, shape: list[float], stats: tuple | None = None) -> int:
         """Index of the candidate predicted fastest (predict's argmin, without its scaling: y_std > 0), for
-        shape features with a trailing 1 ([Fv + 1], features.shape_vector(..., one=True)): the biases ride
-        in the products, so the pass is five NumPy calls. Uses a scratch buffer: one thread per ranker."""
+        a step's shape features (a list, features.shape_features) and length stats (the interaction features
+        are computed from them): one input array, the biases riding in the products, five NumPy calls in
+        all. Uses a scratch buffer: one thread per ranker."""
         c, h = self.pre.shape
-        np.tanh((shape_vec1 @ self.m1).reshape(c, h), out=self.hbuf[:, :h])
+        x = np.array(shape + self._interactions(stats) + [1.0], np.float32)
+        np.tanh((x @ self.m1).reshape(c, h), out=self.hbuf[:, :h])
         h2 = self.hbuf @ self.w2b
         np.tanh(h2, out=h2)
         return int((h2 @ self.w3).argmin())
 
-    def predict(self, shape_vec: np.ndarray) -> np.ndarray:
-        """log(us) [C] of every candidate for one step's shape features [Fv]: one batched pass."""
+    def predict(self, shape_vec: np.ndarray, stats: tuple | None = None) -> np.ndarray:
+        """log(us) [C] of every candidate for one step's shape features [Fv] (and its length stats, for the
+        interaction features): one batched pass."""
         w = self.weights
-        h = np.tanh(self.pre + shape_vec @ self.w1_shape)
+        first = self.pre + shape_vec @ self.w1_shape
+        if self.interactions is not None:
+            first = first + np.reshape(self.interactions(stats), (len(self.names), -1)) @ self.w1_inter
+        h = np.tanh(first)
         h = np.tanh(h @ w.w2 + w.b2)
         return (h @ w.w3)[:, 0] * w.y_std + (w.b3[0] * w.y_std + w.y_mean)
 

@@ -82,9 +82,11 @@ class StepFeatures:
 SMALL_STATS = 16
 
 
-def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
+def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None, kv_extent: tuple[int, int] | None = None) -> tuple:
     """(n, kv sum, kv max, kv min, sum kv^2, q sum, q max, sum q*kv, sum q^2) as Python numbers, in as few
-    NumPy calls as give them (this runs on every new key); q_lens None: decode, one query token each."""
+    NumPy calls as give them (this runs on every new key); q_lens None: decode, one query token each.
+    kv_extent: (kv sum, kv max) where known already (StepPlan.kv_extent): a decode batch then costs two
+    reductions fewer."""
     n = len(kv_lens)
     if n <= SMALL_STATS:
         return _stats_small(kv_lens.tolist(), None if q_lens is None else q_lens.tolist())
@@ -95,7 +97,11 @@ def length_stats(kv_lens: np.ndarray, q_lens: np.ndarray | None) -> tuple:
         return (n, float(sums[0]), float(tops[0]), float(lens[0].min()), float(gram[0, 0]), float(sums[1]),
                 float(tops[1]), float(gram[0, 1]), float(gram[1, 1]))
     kv = kv_lens.astype(np.float64)  # int32 squares of 512K overflow
-    s, m, mn, sq = float(np.add.reduce(kv)), float(np.maximum.reduce(kv)), float(np.minimum.reduce(kv)), float(kv @ kv)
+    if kv_extent is None:
+        s, m = float(np.add.reduce(kv)), float(np.maximum.reduce(kv))
+    else:
+        s, m = float(kv_extent[0]), float(kv_extent[1])
+    mn, sq = float(np.minimum.reduce(kv)), float(kv @ kv)
     return n, s, m, mn, sq, float(n), 1.0, s, float(n)
 
 
@@ -109,10 +115,15 @@ def _stats_small(kv: list[int], q: list[int] | None) -> tuple:
             float(sum(a * b for a, b in zip(q, kv))), float(sum(b * b for b in q)))
 
 
-def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple,
-                 *, one: bool = False) -> np.ndarray:
-    """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers); one: a trailing 1.0
-    (OpRanker.best's input)."""
+def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple) -> np.ndarray:
+    """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers)."""
+    return np.array(shape_features(decode, bucket, heads, dtype_bytes, stats), np.float32)
+
+
+def shape_features(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple
+                   ) -> list[float]:
+    """shape_vector as a Python list (OpRanker.best's input: it builds one array of these and the
+    interaction features)."""
     n, s, m, mn, sq, qs, qm, qk, qq = stats
     mean = s / n
     cv = math.sqrt(max(sq / n - mean * mean, 0.0)) / mean if mean > 0 else 0.0  # spread of the lengths
@@ -120,9 +131,8 @@ def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_b
     pairs = qk - qq + (qq + qs) / 2
     hq, hkv, d = heads
     log2 = math.log2
-    return np.array([1.0 if decode else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s),
-                     log2(1 + m), log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes),
-                     log2(1 + mn)] + ([1.0] if one else []), np.float32)
+    return [1.0 if decode else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s), log2(1 + m),
+            log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes), log2(1 + mn)]
 
 
 def _q(x: float) -> int:

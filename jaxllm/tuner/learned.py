@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from jaxllm.tuner.candidates import candidates
+from jaxllm.tuner.candidates import NUM_INTERACTIONS, all_schedules, candidates, interaction_features
 from jaxllm.tuner.cost_model import CostModel, OpRanker
-from jaxllm.tuner.features import StepFeatures, length_stats, plan_key, shape_vector
+from jaxllm.tuner.features import NUM_SHAPE_FEATURES, StepFeatures, length_stats, plan_key, shape_features
 from jaxllm.tuner.train import schedule_matrix
 from pallas_kernels.dispatch import Kernels
 
@@ -86,6 +86,11 @@ class LearnedTuner:
             raise ValueError(f"LearnedTuner heads {heads} must be (q heads, kv heads, head_dim), all >= 1")
         if max_variants < 1:
             raise ValueError(f"LearnedTuner max_variants {max_variants} must be >= 1")
+        for op, w in model.ops.items():
+            want = NUM_SHAPE_FEATURES + len(all_schedules(op)[0].features) + NUM_INTERACTIONS[op]
+            if w.num_features != want:
+                raise ValueError(f"the {op} cost model ({model.meta.get('device', '?')}) takes {w.num_features} "
+                                 f"features, this version computes {want}: retrain it (scripts/train_tuner.py)")
         self.base, self.model, self.heads = base, model, tuple(heads)
         self.dtype_bytes, self.block_size, self.max_context = dtype_bytes, block_size, max_context
         self.prune, self.max_variants = prune, max_variants
@@ -111,8 +116,8 @@ class LearnedTuner:
             self._hits += 1
             return index
         cu = plan.cu_q_lens
-        stats = length_stats(plan.kv_lens, None if decode else cu[1:] - cu[:-1])  # np.diff costs 3x this
-        index = b.ranker.best(shape_vector(decode, padded_size, self.heads, self.dtype_bytes, stats, one=True))
+        stats = length_stats(plan.kv_lens, None if decode else cu[1:] - cu[:-1], plan.kv_extent)  # np.diff: 3x
+        index = b.ranker.best(shape_features(decode, padded_size, self.heads, self.dtype_bytes, stats), stats)
         self._predictions += 1
         if len(self._cache) >= MAX_CACHE:
             self._cache.clear()
@@ -146,15 +151,24 @@ class LearnedTuner:
             return _Bucket((self.base,), (default.name,), None)
         names = [s.name for s in scheds]
         if self.prune and len(scheds) > 1:
-            ranker = OpRanker.build(self.model.ops[op], names, schedule_matrix(op, names))
+            ranker = self._ranker(op, names)
             wins = np.zeros(len(names), np.int64)
             for f in sample_shapes(decode, padded_size, heads=self.heads, max_context=self.max_context,
                                    count=PRUNE_SAMPLES, dtype_bytes=self.dtype_bytes):
-                wins[int(np.argmin(ranker.predict(f.vector())))] += 1
+                wins[int(np.argmin(ranker.predict(f.vector(), f.stats())))] += 1
             order = [i for i in np.argsort(-wins, kind="stable") if wins[i] > 0 and i != 0]
             keep = [0] + sorted(order[: self.max_variants - 1])
             scheds = [scheds[i] for i in keep]
         names = tuple(s.name for s in scheds)
         kernels = (self.base,) + tuple(s.apply(self.base) for s in scheds[1:])
-        ranker = OpRanker.build(self.model.ops[op], names, schedule_matrix(op, names)) if len(names) > 1 else None
-        return _Bucket(kernels, names, ranker)
+        return _Bucket(kernels, names, self._ranker(op, names) if len(names) > 1 else None)
+
+    def _ranker(self, op: str, names) -> OpRanker:
+        return op_ranker(self.model, op, names, kv_heads=self.heads[1], block_size=self.block_size)
+
+
+def op_ranker(model: CostModel, op: str, names, *, kv_heads: int, block_size: int | None) -> OpRanker:
+    """model's OpRanker over the named candidates of op, with their interaction features for a pool of
+    kv_heads (on one device) and rBlocks of block_size."""
+    inter = interaction_features(op, names, kv_heads=kv_heads, block_size=block_size)
+    return OpRanker.build(model.ops[op], names, schedule_matrix(op, names), inter, NUM_INTERACTIONS[op])

@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from jaxllm.tuner.candidates import all_schedules
+from jaxllm.tuner.candidates import all_schedules, interaction_features
 from jaxllm.tuner.cost_model import MlpWeights, forward_jnp
 from jaxllm.tuner.features import StepFeatures
 
@@ -48,16 +48,30 @@ def schedule_matrix(op: str, names) -> np.ndarray:
     return np.array([by_name[n].features for n in names], np.float32)
 
 
+def row_interactions(rows: list[dict], op: str, names) -> np.ndarray:
+    """[S, C, NUM_INTERACTIONS[op]] interaction features of each row's step with each named candidate."""
+    fns, out = {}, []
+    for r in rows:
+        key = (r["heads"][1], r["block"])
+        if key not in fns:
+            fns[key] = interaction_features(op, names, kv_heads=key[0], block_size=key[1])
+        fn = fns[key]
+        out.append(np.zeros((len(names), 0), np.float32) if fn is None
+                   else np.reshape(np.asarray(fn(row_features(r).stats()), np.float32), (len(names), -1)))
+    return np.stack(out)
+
+
 def op_arrays(rows: list[dict], op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]:
-    """(x [S, C, F], log us [S, C], mask [S, C] where measured, candidate names [C]) over op's rows."""
+    """(x [S, C, F], log us [S, C], mask [S, C] where measured, candidate names [C]) over op's rows; x is
+    [shape features, schedule features, interaction features] per (row, candidate)."""
     rows = [r for r in rows if r["op"] == op]
     if not rows:
         raise ValueError(f"the dataset has no rows of op {op!r}")
     names = tuple(s.name for s in all_schedules(op) if any(s.name in r["us"] for r in rows))
     sched = schedule_matrix(op, names)
     shape = np.stack([row_features(r).vector() for r in rows])  # [S, Fv]
-    x = np.concatenate([np.repeat(shape[:, None], len(names), 1),
-                        np.repeat(sched[None], len(rows), 0)], axis=2).astype(np.float32)
+    x = np.concatenate([np.repeat(shape[:, None], len(names), 1), np.repeat(sched[None], len(rows), 0),
+                        row_interactions(rows, op, names)], axis=2).astype(np.float32)
     y = np.zeros((len(rows), len(names)), np.float32)
     mask = np.zeros_like(y)
     for i, r in enumerate(rows):

@@ -33,9 +33,25 @@ def test_ranker_folds_the_schedule_half_exactly():
         shape = rng.normal(size=6).astype(np.float32)
         full = forward_np(w, np.concatenate([np.repeat(shape[None], 4, 0), sched], 1))
         np.testing.assert_allclose(ranker.predict(shape), full, rtol=1e-4, atol=1e-4)
-        assert ranker.best(np.append(shape, np.float32(1))) == int(np.argmin(full))
+        assert ranker.best(shape.tolist()) == int(np.argmin(full))
     with pytest.raises(ValueError, match="model takes 9 features"):
         OpRanker.build(w, ["a"], np.zeros((1, 9), np.float32))
+
+
+def test_ranker_folds_the_schedule_part_exactly_beside_interaction_features():
+    w = _weights(f=11)
+    rng = np.random.default_rng()
+    sched = rng.normal(size=(4, 3)).astype(np.float32)
+    inter = lambda stats: np.outer(np.arange(1, 5), np.array(stats[:2])).ravel().tolist()  # [C x 2]  # noqa: E731
+    ranker = OpRanker.build(w, ["a", "b", "c", "d"], sched, inter, num_interactions=2)
+    for _ in range(5):
+        shape, stats = rng.normal(size=6).astype(np.float32), tuple(rng.normal(size=2))
+        x = np.concatenate([np.repeat(shape[None], 4, 0), sched, np.reshape(inter(stats), (4, 2))], 1)
+        full = forward_np(w, x.astype(np.float32))
+        np.testing.assert_allclose(ranker.predict(shape, stats), full, rtol=1e-4, atol=1e-4)
+        assert ranker.best(shape.tolist(), stats) == int(np.argmin(full))
+    with pytest.raises(ValueError, match="interaction"):
+        OpRanker.build(w, ["a", "b", "c", "d"], sched, None, num_interactions=2)
 
 
 def test_ensemble_is_one_network_computing_the_members_mean():

@@ -14,12 +14,11 @@ from jaxllm.engine.sampling import SamplingParams
 from jaxllm.engine.scheduler import Scheduler, StepPlan
 from jaxllm.model.config import LlamaConfig
 from jaxllm.tuner import FixedTuner, LearnedTuner, StepFeatures, load_tuner
-from jaxllm.tuner.candidates import all_schedules
-from jaxllm.tuner.cost_model import CostModel, MlpWeights, OpRanker
+from jaxllm.tuner.candidates import NUM_INTERACTIONS, all_schedules
+from jaxllm.tuner.cost_model import CostModel, MlpWeights
 from jaxllm.tuner.features import NUM_SHAPE_FEATURES, SMALL_STATS, length_stats, plan_key
-from jaxllm.tuner.learned import MAX_VARIANTS
+from jaxllm.tuner.learned import MAX_VARIANTS, op_ranker
 from jaxllm.tuner.protocol import StepTuner
-from jaxllm.tuner.train import schedule_matrix
 from pallas_kernels.dispatch import Kernels
 
 HOPPER = Kernels(decode_attention="triton", prefill_attention="mosaic", rope_kv_write="pallas", decode_layer="pallas")
@@ -32,7 +31,7 @@ def _model(seed=0) -> CostModel:
     ops, names = {}, {}
     for op in ("decode", "prefill"):
         scheds = all_schedules(op)
-        f = NUM_SHAPE_FEATURES + len(scheds[0].features)
+        f = NUM_SHAPE_FEATURES + len(scheds[0].features) + NUM_INTERACTIONS[op]
         r = lambda *s: rng.normal(size=s).astype(np.float32)
         ops[op] = MlpWeights(w1=r(f, 8), b1=r(8), w2=r(8, 8), b2=r(8), w3=r(8, 1), b3=r(1),
                              x_mean=np.zeros(f, np.float32), x_std=np.full(f, 4.0, np.float32),
@@ -70,8 +69,9 @@ def test_choose_ranks_with_the_model_and_caches_per_key():
     plan = _plan([3000, 17, 250_000, 9], [1, 1, 1, 1])
     index = tuner.choose(plan, True, 4)
     names = tuner.variant_names(True, 4)
-    ranker = OpRanker.build(model.ops["decode"], names, schedule_matrix("decode", names))
-    want = int(np.argmin(ranker.predict(StepFeatures.from_plan(plan, True, 4, heads=HEADS).vector())))
+    ranker = op_ranker(model, "decode", names, kv_heads=HEADS[1], block_size=256)
+    f = StepFeatures.from_plan(plan, True, 4, heads=HEADS)
+    want = int(np.argmin(ranker.predict(f.vector(), f.stats())))
     assert index == want
     assert tuner.stats() == {"predictions": 1, "cache_hits": 0, "cache_keys": 1}
     near = _plan([3001, 18, 250_001, 10], [1, 1, 1, 1])  # one decode step later: the same key
@@ -113,8 +113,10 @@ def test_length_stats_equal_a_float64_oracle_on_both_paths(n):
     want_prefill = (n, k64.sum(), k64.max(), k64.min(), (k64 ** 2).sum(), q64.sum(), q64.max(), (q64 * k64).sum(),
                     (q64 ** 2).sum())
     assert length_stats(kv, q) == pytest.approx(want_prefill, rel=1e-12)
-    assert length_stats(kv, None) == pytest.approx((n, k64.sum(), k64.max(), k64.min(), (k64 ** 2).sum(), n, 1.0,
-                                                     k64.sum(), n), rel=1e-12)
+    want_decode = (n, k64.sum(), k64.max(), k64.min(), (k64 ** 2).sum(), n, 1.0, k64.sum(), n)
+    assert length_stats(kv, None) == pytest.approx(want_decode, rel=1e-12)
+    extent = (int(kv.astype(np.int64).sum()), int(kv.max()))
+    assert length_stats(kv, None, extent) == pytest.approx(want_decode, rel=1e-12)
 
 
 def test_a_plan_states_its_kv_extent():

@@ -98,16 +98,16 @@ class DecodeBlockSizes:
         if self.tokens_per_split is not None:
             return jnp.int32(self.tokens_per_split)
         work = jnp.sum(kv_lens.astype(jnp.int32)) * num_kv_heads
-        return self.split_for_work(work, self.tile(block_size), jnp.maximum, jnp.minimum).astype(jnp.int32)
+        return self.split_for_work(work, self.tile(block_size), jnp.maximum, jnp.minimum, pl.cdiv).astype(jnp.int32)
 
-    def split_for_work(self, work, tile: int, maximum=max, minimum=min):
+    def split_for_work(self, work, tile: int, maximum=max, minimum=min, cdiv=lambda a, b: -(-a // b)):
         """split() from work = total KV tokens x KV heads and the tile (`tile(block_size)`): a traced scalar
-        with jnp.maximum / jnp.minimum, or a Python int with the built-ins (the AutoTuner's features compute
-        it on the host)."""
+        with jnp.maximum / jnp.minimum / pl.cdiv (what the kernel runs), or a Python int with the defaults
+        (the AutoTuner's features compute it on the host, where pl.cdiv's checks cost more than the rest)."""
         # Not rounded to a power of two (just past one, 128K + a few tokens, that would halve the
         # programs) nor to the tile (each sequence's tiles are dealt evenly among its items).
-        want = -(-work // self.target_programs)  # ceil division, for ints and int arrays alike
-        short = maximum(-(-work // self.short_target_programs), tile)
+        want = cdiv(work, self.target_programs)
+        short = maximum(cdiv(work, self.short_target_programs), tile)
         floor = minimum(maximum(self.min_tokens_per_split, tile), short)
         return maximum(want, floor)
 

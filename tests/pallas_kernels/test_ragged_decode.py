@@ -178,6 +178,19 @@ def test_default_split_follows_the_real_lengths_not_the_table():
     assert int(bsz.split(256, jnp.asarray([8192]), 32)) == 256  # 32 items: the long rule's 1024 programs
     assert int(bsz.split(256, jnp.asarray([100]), 1)) == 64  # one tile
     assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 16
+
+
+def test_host_split_equals_the_kernels():
+    """split_for_work on Python ints (the AutoTuner's features) gives what the kernel computes on the device."""
+    rng = np.random.default_rng()
+    schedules = (DecodeBlockSizes(), DecodeBlockSizes(block_k=128),
+                 DecodeBlockSizes(target_programs=512, short_target_programs=256, min_tokens_per_split=1024))
+    for _ in range(40):
+        lens = rng.integers(1, int(rng.choice([100, 5000, 600_000])), size=int(rng.integers(1, 9)))
+        heads, block = int(rng.choice([1, 8, 32])), int(rng.choice([16, 64, 256, 1024]))
+        for bsz in schedules:
+            host = bsz.split_for_work(int(lens.sum()) * heads, bsz.tile(block))
+            assert isinstance(host, int) and host == int(bsz.split(block, jnp.asarray(lens, jnp.int32), heads))
     # The static bound holds for any lengths: target / heads + num_seqs items.
     rng = np.random.default_rng()
     for _ in range(200):

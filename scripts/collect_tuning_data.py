@@ -55,7 +55,8 @@ class Plan:
     heads: tuple[tuple[int, int, int], ...] = ((32, 32, 128), (32, 8, 128))  # (q heads, kv heads, head_dim)
     block: int = 256
     pool_gb: float = 24.0  # K + V bytes of the one-layer pool per head shape
-    max_len: int = 512 * K
+    max_len: int = 512 * K  # the rBlock tables' capacity (the compiled width, as a 512K engine's)
+    max_draw: int | None = None  # longest decode KV length drawn (None: max_len): a run over short shapes
     decode_buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
     prefill_buckets: tuple[int, ...] = (16, 128, 512, 2048, 8192)
     max_prefill_seqs: int = 8
@@ -265,7 +266,7 @@ class Collector:
             cap = pool_blocks * plan.block
             if decode:
                 n = 1 if bucket == 1 else int(self.rng.integers(bucket // 2 + 1, bucket + 1))
-                kv_lens, kind = _decode_lens(self.rng, n, cap, plan.max_len)
+                kv_lens, kind = _decode_lens(self.rng, n, cap, plan.max_draw or plan.max_len)
                 q_lens, prefixes = np.ones(n, np.int32), kv_lens - 1
             else:
                 q_lens, prefixes = _prefill_shape(self.rng, bucket, plan, min(cap, plan.max_len))
@@ -303,6 +304,13 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; on a CPU the kernels run interpreted")
     parser.add_argument("--budget-s", type=float, default=None, help="wall seconds for the whole run")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ops", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"])
+    parser.add_argument("--decode-buckets", type=int, nargs="+", default=None, help="default: the plan's")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="longest decode KV length drawn (default 512K; the tables keep their 512K width): a "
+                             "run over short shapes only")
+    parser.add_argument("--tag", default="", help="file name: <device>.<tag>.jsonl.gz (train_tuner reads every "
+                                                  "<device>*.jsonl.gz)")
     parser.add_argument("--timing", choices=("kernel", "wall"), default=None,
                         help="kernel: GPU kernel time from a profiler trace (default on a GPU); wall: host clock")
     args = parser.parse_args(argv)
@@ -319,6 +327,10 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     if args.timing is not None:
         plan = dataclasses.replace(plan, timing=args.timing)
+    if args.max_len is not None:
+        plan = dataclasses.replace(plan, max_draw=args.max_len)
+    if args.decode_buckets is not None:
+        plan = dataclasses.replace(plan, decode_buckets=tuple(args.decode_buckets))
     interpret = not compat.on_gpu()
     if interpret:  # the CPU: every Triton candidate in interpret mode (Mosaic needs a Hopper)
         base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
@@ -337,8 +349,9 @@ def main(argv=None) -> int:
                                  wall_us="median over reps of host wall time per call (back-to-back calls)", kv_lens="real sequences' KV lengths, query "
                                       "tokens included", q_lens="prefill: query tokens per sequence"))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, slug(device) + (".smoke" if args.smoke else "") + ".jsonl.gz")
-    groups = [(heads, op, b) for heads in plan.heads for op in ("decode", "prefill")
+    path = os.path.join(args.out, slug(device) + (".smoke" if args.smoke else "") + (f".{args.tag}" if args.tag else "")
+                        + ".jsonl.gz")
+    groups = [(heads, op, b) for heads in plan.heads for op in args.ops
               for b in (plan.decode_buckets if op == "decode" else plan.prefill_buckets)]
     rows = []
     for gi, (heads, op, bucket) in enumerate(groups):

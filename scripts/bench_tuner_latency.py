@@ -28,14 +28,14 @@ import harness
 
 
 def _plans(decode: bool, bucket: int, heads, count: int):
-    from jaxllm.tuner.learned import sample_shapes
-
     from jaxllm.engine.scheduler import kv_extent_of
+    from jaxllm.tuner.learned import sample_shapes
 
     out = []
     for f in sample_shapes(decode, bucket, heads=heads, max_context=512 * 1024, count=count, seed=7):
         kv = f.kv_lens.astype(np.int32)
-        out.append(types.SimpleNamespace(kv_lens=kv, cu_q_lens=np.concatenate([[0], np.cumsum(f.q_lens)]).astype(np.int32),
+        cu = np.concatenate([[0], np.cumsum(f.q_lens)]).astype(np.int32)
+        out.append(types.SimpleNamespace(kv_lens=kv, cu_q_lens=cu,
                                          kv_extent=kv_extent_of(kv), num_tokens=int(f.q_lens.sum())))
     return out
 
@@ -124,8 +124,10 @@ def main(argv=None) -> int:
                   rows=rows, definitions=dict(
                       new_key_us="LearnedTuner.choose on a shape whose key is not cached: features, one batched "
                                  "MLP pass over the bucket's variants, argmin, cache insert",
-                      cached_us="LearnedTuner.choose on a cached key: the key (from the plan's kv_extent) and a dict lookup",
-                      key_only_us="features.plan_key alone", forward_us="OpRanker.best alone (interaction features, the batched MLP pass and argmin)",
+                      cached_us="LearnedTuner.choose on a cached key: the key (from the plan's kv_extent) and a dict "
+                                "lookup",
+                      key_only_us="features.plan_key alone",
+                      forward_us="OpRanker.best alone (interaction features, the batched MLP pass and argmin)",
                       fresh_plan_extent_us="scheduler.kv_extent_of: paid once by every plan built afresh (StepPlan "
                                            "computes its kv_extent), not by a decode continuation, whatever the tuner"))
     harness.write_json(os.path.join(args.out, stem + ".json"), result)

@@ -346,8 +346,9 @@ def main(argv=None) -> int:
                   definitions=dict(us="median over reps of the GPU kernel time of one attention call over one layer's "
                                       "pool, microseconds (plan.timing 'kernel': summed from a jax.profiler trace; "
                                       "'wall': host clock over back-to-back calls)",
-                                 wall_us="median over reps of host wall time per call (back-to-back calls)", kv_lens="real sequences' KV lengths, query "
-                                      "tokens included", q_lens="prefill: query tokens per sequence"))
+                                 wall_us="median over reps of host wall time per call (back-to-back calls)",
+                                 kv_lens="real sequences' KV lengths, query tokens included",
+                                 q_lens="prefill: query tokens per sequence"))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, slug(device) + (".smoke" if args.smoke else "") + (f".{args.tag}" if args.tag else "")
                         + ".jsonl.gz")

@@ -4,8 +4,9 @@ A StepTuner (jaxllm/tuner/protocol.py). `variants(decode, padded_size)` is the b
 fallback, today's schedule), then the candidates of the op (jaxllm/tuner/candidates.py) that the model
 predicts fastest for some shape the bucket can hold (sampled over the bucket's range: sequence counts,
 lengths equal, ragged or few-long up to max_context); the rest are never compiled. `choose` computes the
-step's cache key (from the plan's kv_extent: no pass over its arrays), returns the cached index on a hit, and otherwise ranks
-the bucket's variants in one batched NumPy pass and caches the result. Nothing here touches a device.
+step's cache key (from the plan's kv_extent: no pass over its arrays), returns the cached index on a hit,
+and otherwise ranks the bucket's variants in one batched NumPy pass (shape, schedule and interaction
+features) and caches the result. Nothing here touches a device.
 """
 
 from __future__ import annotations

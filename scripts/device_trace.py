@@ -14,6 +14,25 @@ from collections import defaultdict
 import jax
 
 
+def _traced(run):
+    """The jax.profiler trace of run() (ProfileData), or None where none was written."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            run()
+        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+
+
+def _gpu_kernels(data):
+    """Every GPU kernel event of a trace. Only the stream lines hold kernels; the "XLA Ops" / "XLA Modules"
+    lines summarise them again."""
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    yield from line.events
+
+
 def gpu_kernel_events(fn, reps: int) -> list[tuple[str, int, int]]:
     """(kernel name, start ns, duration ns) of every GPU kernel run by `reps` calls of fn.
 
@@ -21,24 +40,14 @@ def gpu_kernel_events(fn, reps: int) -> list[tuple[str, int, int]]:
     GPU plane was written (e.g. on a CPU).
     """
     jax.block_until_ready(fn())
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(reps):
-                out = fn()
-            jax.block_until_ready(out)
-        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return []
-        data = jax.profiler.ProfileData.from_file(paths[0])
-    events = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            # Only the stream lines hold kernels; "XLA Ops"/"XLA Modules" lines summarise them again.
-            if line.name.startswith("Stream"):
-                events += [(event.name, event.start_ns, event.duration_ns) for event in line.events]
-    return events
+
+    def run():
+        for _ in range(reps):
+            out = fn()
+        jax.block_until_ready(out)
+
+    data = _traced(run)
+    return [] if data is None else [(e.name, e.start_ns, e.duration_ns) for e in _gpu_kernels(data)]
 
 
 def per_kernel_us(events: list[tuple[str, int, int]], reps: int) -> dict[str, float]:
@@ -63,23 +72,19 @@ def kernel_ns_per_batch(batches) -> dict[str, dict[str, tuple[int, int]]]:
     labels = [label for label, _ in batches]
     if len(set(labels)) != len(labels):
         raise ValueError("kernel_ns_per_batch: batch labels must be unique")
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for label, thunk in batches:
-                with jax.profiler.TraceAnnotation(label):
-                    thunk()
-        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return {}
-        data = jax.profiler.ProfileData.from_file(paths[0])
-    wanted, windows, kernels = set(labels), [], []
-    for plane in data.planes:
-        for line in plane.lines:
-            if plane.name.startswith("/device:GPU"):
-                if line.name.startswith("Stream"):
-                    kernels += [(e.start_ns, e.duration_ns, dict(e.stats).get("hlo_module", "")) for e in line.events]
-            elif plane.name.startswith("/host"):
-                windows += [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events if e.name in wanted]
+
+    def run():
+        for label, thunk in batches:
+            with jax.profiler.TraceAnnotation(label):
+                thunk()
+
+    data = _traced(run)
+    if data is None:
+        return {}
+    kernels = [(e.start_ns, e.duration_ns, dict(e.stats).get("hlo_module", "")) for e in _gpu_kernels(data)]
+    wanted = set(labels)
+    windows = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for plane in data.planes
+               if plane.name.startswith("/host") for line in plane.lines for e in line.events if e.name in wanted]
     return assign_to_windows(kernels, windows, labels) if kernels else {}
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxllm.tuner.candidates import all_schedules, interaction_features
 from jaxllm.tuner.cost_model import MlpWeights, forward_jnp
-from jaxllm.tuner.features import StepFeatures
+from jaxllm.tuner.features import StepFeatures, shape_vector
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
 
@@ -48,16 +48,17 @@ def schedule_matrix(op: str, names) -> np.ndarray:
     return np.array([by_name[n].features for n in names], np.float32)
 
 
-def row_interactions(rows: list[dict], op: str, names) -> np.ndarray:
-    """[S, C, NUM_INTERACTIONS[op]] interaction features of each row's step with each named candidate."""
+def row_interactions(rows: list[dict], op: str, names, stats: list[tuple]) -> np.ndarray:
+    """[S, C, NUM_INTERACTIONS[op]] interaction features of each row's step (its length stats) with each named
+    candidate."""
     fns, out = {}, []
-    for r in rows:
+    for r, st in zip(rows, stats):
         key = (r["heads"][1], r["block"])
         if key not in fns:
             fns[key] = interaction_features(op, names, kv_heads=key[0], block_size=key[1])
         fn = fns[key]
         out.append(np.zeros((len(names), 0), np.float32) if fn is None
-                   else np.reshape(np.asarray(fn(row_features(r).stats()), np.float32), (len(names), -1)))
+                   else np.reshape(np.asarray(fn(st), np.float32), (len(names), -1)))
     return np.stack(out)
 
 
@@ -69,9 +70,11 @@ def op_arrays(rows: list[dict], op: str) -> tuple[np.ndarray, np.ndarray, np.nda
         raise ValueError(f"the dataset has no rows of op {op!r}")
     names = tuple(s.name for s in all_schedules(op) if any(s.name in r["us"] for r in rows))
     sched = schedule_matrix(op, names)
-    shape = np.stack([row_features(r).vector() for r in rows])  # [S, Fv]
+    feats = [row_features(r) for r in rows]
+    stats = [f.stats() for f in feats]
+    shape = np.stack([shape_vector(f.decode, f.bucket, f.heads, f.dtype_bytes, st) for f, st in zip(feats, stats)])
     x = np.concatenate([np.repeat(shape[:, None], len(names), 1), np.repeat(sched[None], len(rows), 0),
-                        row_interactions(rows, op, names)], axis=2).astype(np.float32)
+                        row_interactions(rows, op, names, stats)], axis=2).astype(np.float32)  # [S, C, F]
     y = np.zeros((len(rows), len(names)), np.float32)
     mask = np.zeros_like(y)
     for i, r in enumerate(rows):

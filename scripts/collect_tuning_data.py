@@ -61,6 +61,7 @@ class Plan:
     prefill_buckets: tuple[int, ...] = (16, 128, 512, 2048, 8192)
     max_prefill_seqs: int = 8
     max_prefix: int = 128 * K
+    min_prefix: int = 1  # shortest cached prefix drawn (where a sequence has one): a run over long prefixes
     placements: int = 8  # pool places a shape's rBlock tables rotate over, call to call
     reps: int = 5
     rep_s: float = 0.002  # wall seconds per rep and candidate (at most max_calls calls)
@@ -114,7 +115,8 @@ def _prefill_shape(rng, bucket: int, plan: Plan, cap_total: int):
     n = int(rng.integers(1, min(plan.max_prefill_seqs, t) + 1))
     cuts = np.sort(rng.choice(np.arange(1, t), n - 1, replace=False)) if n > 1 else np.array([], np.int64)
     q_lens = np.diff(np.concatenate([[0], cuts, [t]])).astype(np.int64)
-    prefixes = np.where(rng.random(n) < 0.5, 0, np.exp(rng.uniform(0, np.log(plan.max_prefix), n))).astype(np.int64)
+    drawn = np.exp(rng.uniform(np.log(plan.min_prefix), np.log(plan.max_prefix), n))
+    prefixes = np.where(rng.random(n) < 0.5, 0, drawn).astype(np.int64)
     room = max(cap_total - int(q_lens.sum()), 0)
     if prefixes.sum() > room:
         prefixes = (prefixes * (room / max(prefixes.sum(), 1))).astype(np.int64)
@@ -306,6 +308,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ops", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"])
     parser.add_argument("--decode-buckets", type=int, nargs="+", default=None, help="default: the plan's")
+    parser.add_argument("--prefill-buckets", type=int, nargs="+", default=None, help="default: the plan's")
+    parser.add_argument("--min-prefix", type=int, default=None,
+                        help="shortest cached prefix drawn for a prefill sequence that has one (default 1; up to "
+                             "128K): a run over chunks after long prefixes")
     parser.add_argument("--max-len", type=int, default=None,
                         help="longest decode KV length drawn (default 512K; the tables keep their 512K width): a "
                              "run over short shapes only")
@@ -331,6 +337,12 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, max_draw=args.max_len)
     if args.decode_buckets is not None:
         plan = dataclasses.replace(plan, decode_buckets=tuple(args.decode_buckets))
+    if args.prefill_buckets is not None:
+        plan = dataclasses.replace(plan, prefill_buckets=tuple(args.prefill_buckets))
+    if args.min_prefix is not None:
+        if not 1 <= args.min_prefix <= plan.max_prefix:
+            parser.error(f"--min-prefix {args.min_prefix} must be in 1..{plan.max_prefix} (the longest prefix drawn)")
+        plan = dataclasses.replace(plan, min_prefix=args.min_prefix)
     interpret = not compat.on_gpu()
     if interpret:  # the CPU: every Triton candidate in interpret mode (Mosaic needs a Hopper)
         base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)

@@ -26,6 +26,9 @@ def test_shapes_stay_inside_the_bucket_and_the_pool():
         q, prefix = collect._prefill_shape(rng, 128, collect.SMOKE, 10_000)
         assert 64 < q.sum() <= 128 and q.min() >= 1 and len(q) <= collect.SMOKE.max_prefill_seqs
         assert (prefix >= 0).all() and q.sum() + prefix.sum() <= 10_000
+    long = dataclasses.replace(collect.SMOKE, min_prefix=200, max_prefill_seqs=1)
+    prefixes = [int(collect._prefill_shape(rng, 16, long, 10_000)[1][0]) for _ in range(200)]
+    assert 0 in prefixes and min(p for p in prefixes if p) >= 200 and max(prefixes) <= long.max_prefix
     tables = collect._tables([5, 64, 1], block=4, width=16, layers=2, pool_blocks=100, seq_pad=4)
     assert tables.shape == (2, 4, 16)
     assert tables[0, 0, :2].tolist() == [0, 1] and tables[0, 1, :16].tolist() == list(range(2, 18))

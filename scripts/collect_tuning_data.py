@@ -237,9 +237,11 @@ class Collector:
         self.compile_seconds.append(time.perf_counter() - t0)
         return steps, compile_s
 
-    def group(self, op, heads, bucket, pools, schedules, groups_left, est_compile):
+    def group(self, op, heads, bucket, pools, schedules, groups_left, est_compile, shapes=None):
         """Compiles each candidate for this bucket, then times shapes until the group's share of what the
-        budget leaves after est_compile (the later groups' compiles) is spent. Returns the dataset rows."""
+        budget leaves after est_compile (the later groups' compiles) is spent. Returns the dataset rows.
+        shapes: [(q_lens, kv_lens)] to time, in order, instead of drawing them (every one is timed, whatever
+        the budget: scripts/recheck_tuner.py)."""
         import jax
         import jax.numpy as jnp
 
@@ -264,9 +266,19 @@ class Collector:
             fn.__name__ = f"tune_{op}_{sched.name}"  # its hlo module's name: how the trace tells candidates apart
             fns.append(jax.jit(fn))
         rows, first = [], True
-        while len(rows) < plan.max_shapes and (first or (time.time() - m0 < share and self.left() > 0)):
+        given = None if shapes is None else list(shapes)
+        while (len(rows) < len(given) if given is not None else
+               len(rows) < plan.max_shapes and (first or (time.time() - m0 < share and self.left() > 0))):
             cap = pool_blocks * plan.block
-            if decode:
+            if given is not None:
+                q_lens, kv_lens = (np.asarray(a, np.int32) for a in given[len(rows)])
+                prefixes, n = kv_lens - q_lens, len(kv_lens)
+                if n > seq_pad or int(q_lens.sum()) > tokens or int(kv_lens.max()) > plan.max_len:
+                    raise ValueError(f"shape of {n} sequences, {int(q_lens.sum())} query tokens, longest KV "
+                                     f"{int(kv_lens.max())} does not fit {op} bucket {bucket} (at most {seq_pad} "
+                                     f"sequences, {tokens} tokens, KV {plan.max_len})")
+                kind = "given"
+            elif decode:
                 n = 1 if bucket == 1 else int(self.rng.integers(bucket // 2 + 1, bucket + 1))
                 kv_lens, kind = _decode_lens(self.rng, n, cap, plan.max_draw or plan.max_len)
                 q_lens, prefixes = np.ones(n, np.int32), kv_lens - 1

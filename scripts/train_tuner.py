@@ -89,7 +89,8 @@ def evaluate(model, rows, base, block: int) -> list[dict]:
         pred = ranker.predict(f.vector(), f.stats())
         order = [measured[i] for i in np.argsort(pred)]
         best = min(us, key=us.get)
-        out.append(dict(op=r["op"], bucket=r["bucket"], heads=list(heads), kind=r["kind"], variants=list(names),
+        out.append(dict(op=r["op"], bucket=r["bucket"], heads=list(heads), kind=r["kind"], kv_lens=r["kv_lens"],
+                        q_lens=r["q_lens"], block=r["block"], variants=list(names),
                         chosen=chosen, default=names[0], best=best, chosen_us=us.get(chosen),
                         default_us=us[names[0]], best_us=us[best], top1=chosen == best, top3=best in order[:3],
                         unpruned_choice=order[0]))

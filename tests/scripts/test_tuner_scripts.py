@@ -100,3 +100,31 @@ def test_train_and_evaluate_on_held_out_shapes(tmp_path):
     assert result["summary"]["decode"]["tuned_avg"] > result["summary"]["decode"]["fixed_avg"]
     assert all(e["variants"][0] == ("default" if e["op"] == "decode" else "triton_default")
                for e in result["held_out"])
+
+
+def test_recheck_fractions_take_each_candidates_median_over_passes():
+    import recheck_tuner
+
+    passes = [{"a": 10.0, "b": 8.0}, {"a": 10.0, "b": 14.0}, {"a": 11.0, "b": 9.0}]
+    per_pass, median, best = recheck_tuner.fractions(passes, "a")
+    assert per_pass == [0.8, 1.0, 9.0 / 11.0]
+    assert median == 9.0 / 10.0 and best == "b"  # medians: a 10, b 9
+
+
+def test_recheck_re_measures_only_the_shapes_under_the_threshold(tmp_path):
+    import recheck_tuner
+
+    shape = dict(op="decode", bucket=2, heads=[4, 2, 128], kind="ragged", q_lens=None, block=64,
+                 variants=["default", "bk128"], default_us=8.0, best_us=8.0)
+    evaluation = dict(device="cpu", model="m.npz", held_out=[
+        dict(shape, kv_lens=[100, 37], chosen="bk128", best="default", chosen_us=10.0),
+        dict(shape, kv_lens=[5], chosen="default", best="default", chosen_us=8.0)])
+    path = tmp_path / "ev.json"
+    path.write_text(json.dumps(evaluation))
+    assert recheck_tuner.main(["--evaluation", str(path), "--out", str(tmp_path), "--smoke", "--passes", "2"]) == 0
+    (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("*-tuner-recheck.json")]
+    (only,) = result["shapes"]
+    assert only["kv_lens"] == [100, 37] and only["first_fraction"] == 0.8 and len(only["passes"]) == 2
+    assert all(set(p) == {"default", "bk128", "stages2", "split_fine", "split_coarse", "bk128_w8"}
+               for p in only["passes"])
+    assert result["summary"]["rechecked"] == 1 and result["summary"]["first_below_85"] == 1

@@ -2,8 +2,11 @@
 
 A StepTuner (jaxllm/tuner/protocol.py). `variants(decode, padded_size)` is the base Kernels first (the
 fallback, today's schedule), then the candidates of the op (jaxllm/tuner/candidates.py) that the model
-predicts fastest for some shape the bucket can hold (sampled over the bucket's range: sequence counts,
-lengths equal, ragged or few-long up to max_context); the rest are never compiled. `choose` computes the
+says the bucket needs (`keep_variants`): over shapes the bucket can hold (sampled over its range: sequence
+counts, lengths equal, ragged or few-long up to max_context), each added candidate is the one that most
+lowers the worst predicted shortfall of the kept set against the best of all, so a schedule that wins by
+much on a narrow range of lengths (a 128-token tile at 65..128 tokens) is kept over one that wins by a
+little on many; the rest are never compiled. `choose` computes the
 step's cache key (from the plan's kv_extent: no pass over its arrays), returns the cached index on a hit,
 and otherwise ranks the bucket's variants in one batched NumPy pass (shape, schedule and interaction
 features) and caches the result. Nothing here touches a device.
@@ -22,9 +25,11 @@ from jaxllm.tuner.features import NUM_SHAPE_FEATURES, StepFeatures, length_stats
 from jaxllm.tuner.train import schedule_matrix
 from pallas_kernels.dispatch import Kernels
 
-# Shapes sampled per bucket to decide which candidates can win there, and the most variants kept.
-PRUNE_SAMPLES = 96
+# Shapes sampled per bucket to decide which candidates it needs, the most variants kept, and the predicted
+# shortfall (log time) below which a kept set needs nothing more.
+PRUNE_SAMPLES = 256
 MAX_VARIANTS = 4
+ENOUGH = math.log(1.01)
 # Cached choices kept before the cache starts over (keys are quantised: serving reaches far fewer).
 MAX_CACHE = 1 << 16
 
@@ -67,6 +72,27 @@ def sample_shapes(decode: bool, bucket: int, *, heads: tuple[int, int, int], max
             q = np.minimum(q, kv)
         out.append(StepFeatures(decode, bucket, kv, q, heads, dtype_bytes))
     return out
+
+
+def keep_variants(log_us: np.ndarray, max_variants: int, enough: float = ENOUGH) -> list[int]:
+    """Candidate indices to compile for a bucket, 0 (the base) first then ascending, at most max_variants, from
+    predicted log times [samples, candidates]: greedily, the candidate that most lowers the worst shortfall
+    over the samples (kept set's best minus the best of all; ties: the mean), until the worst is under enough."""
+    pred = np.asarray(log_us, np.float64)
+    best = pred.min(1)
+    keep, current = [0], pred[:, 0].copy()
+    while len(keep) < max_variants and (current - best).max() > enough:
+        scores = []
+        for c in range(pred.shape[1]):
+            if c not in keep:
+                short = np.minimum(current, pred[:, c]) - best
+                scores.append((short.max(), short.mean(), c))
+        if not scores:
+            break
+        c = min(scores)[2]
+        keep.append(c)
+        current = np.minimum(current, pred[:, c])
+    return [0] + sorted(keep[1:])
 
 
 class LearnedTuner:
@@ -153,13 +179,10 @@ class LearnedTuner:
         names = [s.name for s in scheds]
         if self.prune and len(scheds) > 1:
             ranker = self._ranker(op, names)
-            wins = np.zeros(len(names), np.int64)
-            for f in sample_shapes(decode, padded_size, heads=self.heads, max_context=self.max_context,
-                                   count=PRUNE_SAMPLES, dtype_bytes=self.dtype_bytes):
-                wins[int(np.argmin(ranker.predict(f.vector(), f.stats())))] += 1
-            order = [i for i in np.argsort(-wins, kind="stable") if wins[i] > 0 and i != 0]
-            keep = [0] + sorted(order[: self.max_variants - 1])
-            scheds = [scheds[i] for i in keep]
+            pred = [ranker.predict(f.vector(), f.stats())
+                    for f in sample_shapes(decode, padded_size, heads=self.heads, max_context=self.max_context,
+                                           count=PRUNE_SAMPLES, dtype_bytes=self.dtype_bytes)]
+            scheds = [scheds[i] for i in keep_variants(np.stack(pred), self.max_variants)]
         names = tuple(s.name for s in scheds)
         kernels = (self.base,) + tuple(s.apply(self.base) for s in scheds[1:])
         return _Bucket(kernels, names, self._ranker(op, names) if len(names) > 1 else None)

@@ -17,7 +17,7 @@ from jaxllm.tuner import FixedTuner, LearnedTuner, StepFeatures, load_tuner
 from jaxllm.tuner.candidates import NUM_INTERACTIONS, all_schedules
 from jaxllm.tuner.cost_model import CostModel, MlpWeights
 from jaxllm.tuner.features import NUM_SHAPE_FEATURES, SMALL_STATS, length_stats, plan_key
-from jaxllm.tuner.learned import MAX_VARIANTS, op_ranker
+from jaxllm.tuner.learned import MAX_VARIANTS, keep_variants, op_ranker
 from jaxllm.tuner.protocol import StepTuner
 from pallas_kernels.dispatch import Kernels
 
@@ -61,6 +61,21 @@ def test_learned_tuner_is_a_step_tuner_with_the_base_first():
         assert tuner.variants(decode, size) is variants  # built once per bucket
     everything = LearnedTuner(HOPPER, _model(), heads=HEADS, block_size=256, prune=False, max_variants=99)
     assert everything.variant_names(True, 4) == tuple(s.name for s in all_schedules("decode"))
+
+
+def test_keep_variants_covers_the_worst_shortfall_before_frequent_small_wins():
+    rng = np.random.default_rng()
+    # 4 candidates over 100 shapes: 1 wins by 2% on 90 of them, 2 by 30% on 5 (a narrow range of lengths),
+    # 3 never wins. With room for one more than the base, the narrow big win is the one kept.
+    pred = np.zeros((100, 4)) + rng.normal(0, 1e-4, (100, 4)) + np.log(np.array([1.0, 1.0, 1.0, 1.2]))
+    pred[:90, 1] -= np.log(1.02)
+    pred[90:95, 2] -= np.log(1.3)
+    perm = rng.permutation(100)
+    assert keep_variants(pred[perm], 2) == [0, 2]
+    assert keep_variants(pred[perm], 4) == [0, 1, 2]  # then the 2% one; never the loser, nothing more needed
+    assert keep_variants(pred[perm], 1) == [0]
+    flat = np.zeros((10, 3))
+    assert keep_variants(flat, 3) == [0]  # the base is within 1% everywhere: nothing else compiled
 
 
 def test_choose_ranks_with_the_model_and_caches_per_key():

@@ -70,6 +70,16 @@ def write_json(path: str, result: dict) -> None:
         json.dump(result, f, indent=1, default=str)
 
 
+def write_result_and_table(out_dir: str, stem: str, result: dict, table_md: str) -> str:
+    """write_json to <out_dir>/<stem>.json and the markdown table beside it (<stem>.md); returns the path
+    without its extension."""
+    path = os.path.join(out_dir, stem)
+    write_json(path + ".json", result)
+    with open(path + ".md", "w") as f:
+        f.write(table_md)
+    return path
+
+
 def spread(times) -> dict:
     """Median, min, max and interquartile range of a list of timings (same unit as given)."""
     x = np.asarray(times, dtype=np.float64)

@@ -125,8 +125,7 @@ def main(argv=None) -> int:
     print(md, flush=True)
     date = harness.today()
     stem = harness.result_stem(device, "tuner-recheck", date)
-    os.makedirs(args.out, exist_ok=True)
-    harness.write_json(os.path.join(args.out, stem + ".json"), dict(
+    result = dict(
         script="scripts/recheck_tuner.py", argv=sys.argv[1:], device=device, date=date,
         command="XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/recheck_tuner.py "
                 + " ".join(sys.argv[1:]),
@@ -135,10 +134,8 @@ def main(argv=None) -> int:
         shapes=out, definitions=dict(
             first_fraction="measured best / measured time of the tuner's choice, in the dataset (one measurement)",
             pass_fractions="the same from each re-measurement pass",
-            median_fraction="the same from each candidate's median over the passes")))
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(md)
-    print(f"wrote {os.path.join(args.out, stem)}.json", flush=True)
+            median_fraction="the same from each candidate's median over the passes"))
+    print(f"wrote {harness.write_result_and_table(args.out, stem, result, md)}.json", flush=True)
     return 0
 
 

@@ -200,10 +200,8 @@ def main(argv=None) -> int:
                                    fixed="measured best time / measured time of variants()[0] (today's default)",
                                    top1="the tuner's choice is the measured best",
                                    top3="the measured best is among the model's three fastest of all candidates"))
-    harness.write_json(os.path.join(args.out, stem + ".json"), result)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(md)
-    print(f"wrote {model_out} ({os.path.getsize(model_out)} bytes) and {os.path.join(args.out, stem)}.json", flush=True)
+    path = harness.write_result_and_table(args.out, stem, result, md)
+    print(f"wrote {model_out} ({os.path.getsize(model_out)} bytes) and {path}.json", flush=True)
     return 0
 
 

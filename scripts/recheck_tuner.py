@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-import collect_tuning_data as collect
 import harness
+import tuning_collector as collect
 
 
 def selected(evaluation: dict, below: float) -> list[dict]:
@@ -63,8 +63,6 @@ def main(argv=None) -> int:
         parser.error(f"{args.evaluation} holds no held-out shapes with their lengths (made by an older "
                      "scripts/train_tuner.py: run it again)")
 
-    import jax
-
     from jaxllm.tuner.candidates import candidates
     from pallas_kernels import compat
     from pallas_kernels.dispatch import Kernels, default_kernels
@@ -88,10 +86,7 @@ def main(argv=None) -> int:
     measured: list[list[dict]] = [[] for _ in shapes]
     t0 = time.time()
     for heads in sorted({g[0] for g in groups}):
-        hq, hkv, d = heads
-        per_block = 2 * hkv * plan.block * d * 2
-        num_blocks = max(int(plan.pool_gb * 1e9 // per_block), plan.max_len // plan.block)
-        pools = tuple(collect._pool(jax.numpy, jax, num_blocks, hkv, plan.block, d, s) for s in (0, 1))
+        pools = collect.make_pools(plan, heads)
         for (h, op, bucket), members in sorted(groups.items()):
             if h != heads:
                 continue

@@ -17,7 +17,7 @@ import harness  # noqa: E402
 # Scripts with a command line; the rest of scripts/*.py are shared modules (harness, attention_cases, ...).
 CLI_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS)
                      if f.endswith(".py") and "argparse" in open(os.path.join(SCRIPTS, f)).read())
-SHARED = {"harness", "attention_cases", "gpu_state", "device_trace", "load_report"}
+SHARED = {"harness", "attention_cases", "gpu_state", "device_trace", "load_report", "tuning_collector"}
 
 
 def test_every_script_with_a_command_line_is_listed():

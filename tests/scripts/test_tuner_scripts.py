@@ -13,23 +13,23 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
-import collect_tuning_data as collect  # noqa: E402
 import train_tuner  # noqa: E402
+import tuning_collector as collect  # noqa: E402
 
 
 def test_shapes_stay_inside_the_bucket_and_the_pool():
     rng = np.random.default_rng(0)
     for _ in range(50):
-        lens, kind = collect._decode_lens(rng, 7, 5000, 4096)
+        lens, kind = collect.decode_lens(rng, 7, 5000, 4096)
         assert len(lens) == 7 and lens.min() >= 1 and lens.max() <= 4096 and lens.sum() <= 5000 + 7
         assert kind in ("equal", "ragged", "few_long")
-        q, prefix = collect._prefill_shape(rng, 128, collect.SMOKE, 10_000)
+        q, prefix = collect.prefill_shape(rng, 128, collect.SMOKE, 10_000)
         assert 64 < q.sum() <= 128 and q.min() >= 1 and len(q) <= collect.SMOKE.max_prefill_seqs
         assert (prefix >= 0).all() and q.sum() + prefix.sum() <= 10_000
     long = dataclasses.replace(collect.SMOKE, min_prefix=200, max_prefill_seqs=1)
-    prefixes = [int(collect._prefill_shape(rng, 16, long, 10_000)[1][0]) for _ in range(200)]
+    prefixes = [int(collect.prefill_shape(rng, 16, long, 10_000)[1][0]) for _ in range(200)]
     assert 0 in prefixes and min(p for p in prefixes if p) >= 200 and max(prefixes) <= long.max_prefix
-    tables = collect._tables([5, 64, 1], block=4, width=16, layers=2, pool_blocks=100, seq_pad=4)
+    tables = collect.rblock_tables([5, 64, 1], block=4, width=16, layers=2, pool_blocks=100, seq_pad=4)
     assert tables.shape == (2, 4, 16)
     assert tables[0, 0, :2].tolist() == [0, 1] and tables[0, 1, :16].tolist() == list(range(2, 18))
     assert tables[1, 0, 0] == 19  # the second layer's rBlocks follow the first's
@@ -43,7 +43,7 @@ def test_one_group_is_timed_in_interpret_mode():
 
     plan = dataclasses.replace(collect.SMOKE, max_len=256, placements=1, max_shapes=2)
     base = Kernels(decode_attention="triton", interpret=True)
-    pools = tuple(collect._pool(jax.numpy, jax, 8, 2, plan.block, 128, s) for s in (0, 1))
+    pools = tuple(collect.make_pool(jax.numpy, jax, 8, 2, plan.block, 128, s) for s in (0, 1))
     rows = collect.Collector(plan, base, True, 0).group("decode", (4, 2, 128), 2, pools, decode_candidates(base)[:1],
                                                          groups_left=1, est_compile=0.0)
     assert len(rows) == 2 and all(set(r["us"]) == {"default"} and r["us"]["default"] > 0 for r in rows)

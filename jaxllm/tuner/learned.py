@@ -6,10 +6,10 @@ says the bucket needs (`keep_variants`): over shapes the bucket can hold (sample
 counts, lengths equal, ragged or few-long up to max_context), each added candidate is the one that most
 lowers the worst predicted shortfall of the kept set against the best of all, so a schedule that wins by
 much on a narrow range of lengths (a 128-token tile at 65..128 tokens) is kept over one that wins by a
-little on many; the rest are never compiled. `choose` computes the
-step's cache key (from the plan's kv_extent: no pass over its arrays), returns the cached index on a hit,
-and otherwise ranks the bucket's variants in one batched NumPy pass (shape, schedule and interaction
-features) and caches the result. Nothing here touches a device.
+little on many; the rest are never compiled. `choose` computes the step's cache key (from the plan's
+kv_extent: no pass over its arrays), returns the cached index on a hit, and otherwise ranks the bucket's
+variants in one batched NumPy pass (shape, schedule and interaction features) and caches the result.
+Nothing here touches a device.
 """
 
 from __future__ import annotations

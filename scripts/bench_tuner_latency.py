@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     from jaxllm.tuner.cost_model import CostModel
     from jaxllm.engine.scheduler import kv_extent_of
     from jaxllm.tuner.features import StepFeatures, plan_key
+    from jaxllm.tuner.learned import op_ranker
     from pallas_kernels.dispatch import Kernels
 
     path = model_path(args.device) if not args.device.endswith(".npz") else args.device
@@ -99,8 +100,6 @@ def main(argv=None) -> int:
         extent_us = _per_call_us(lambda p: kv_extent_of(p.kv_lens), plans, args.passes)
         feats = [StepFeatures(decode, bucket, p.kv_lens, np.diff(p.cu_q_lens), heads) for p in plans]
         feats = [(f.vector().tolist(), f.stats()) for f in feats]
-        from jaxllm.tuner.learned import op_ranker
-
         names = tuner.variant_names(decode, bucket)
         op = "decode" if decode else "prefill"
         ranker = op_ranker(model, op, names, kv_heads=heads[1], block_size=256)

@@ -73,7 +73,7 @@ def evaluate(model, rows, base, block: int) -> list[dict]:
     from jaxllm.tuner.learned import op_ranker
     from jaxllm.tuner.train import row_features
 
-    tuners, out = {}, []
+    tuners, rankers, out = {}, {}, []
     for r in rows:
         heads = tuple(r["heads"])
         if heads not in tuners:
@@ -83,8 +83,11 @@ def evaluate(model, rows, base, block: int) -> list[dict]:
         names = tuner.variant_names(decode, r["bucket"])
         chosen = names[tuner.choose(_plan_of(r), decode, r["bucket"])]
         us = r["us"]
-        measured = [n for n in model.names[r["op"]] if n in us]
-        ranker = op_ranker(model, r["op"], measured, kv_heads=heads[1], block_size=r["block"])
+        measured = tuple(n for n in model.names[r["op"]] if n in us)
+        key = (r["op"], measured, heads[1], r["block"])
+        if key not in rankers:  # one ranker per candidate set and pool shape, not per row
+            rankers[key] = op_ranker(model, r["op"], measured, kv_heads=heads[1], block_size=r["block"])
+        ranker = rankers[key]
         f = row_features(r)
         pred = ranker.predict(f.vector(), f.stats())
         order = [measured[i] for i in np.argsort(pred)]

@@ -8,7 +8,7 @@ import importlib
 _EXPORTS = {
     "LLM": "jaxllm.llm", "Completion": "jaxllm.llm", "EngineOptions": "jaxllm.llm",
     "LlamaConfig": "jaxllm.model.config", "RopeScaling": "jaxllm.model.config", "preset": "jaxllm.model.config",
-    "SamplingParams": "jaxllm.engine.sampling",
+    "SamplingParams": "jaxllm.contract",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

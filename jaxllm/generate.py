@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
                   progress=is_leader())
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
-            llm.runner.follow()
+            llm.executor.follow()
             return 0
         # SIGTERM unwinds like an error, so the finally below still stops the other processes.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         lending = (f", {stats.loans_total} rBlocks lent between instances, {stats.preemptions_total} preemptions"
                    if args.instances > 1 else "")
         print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles, "
-              f"{llm.runner.xla_compiles} by XLA{lending}]",
+              f"{llm.executor.xla_compiles} by XLA{lending}]",
               file=sys.stderr)
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -13,13 +13,12 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.engine.allocator import BlockAllocator
-from jaxllm.engine.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
 from jaxllm.engine.core import EngineCore, EngineInfo, Request, RequestOutput
-from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
-from jaxllm.engine.instance_runner import InstanceRunner
 from jaxllm.engine.instances import InstanceSchedulers
-from jaxllm.engine.runner import Runner
+from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.executor.executor import Executor
+from jaxllm.model.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
 from jaxllm.model.tokenizer import load_tokenizer
 from jaxllm.model.chat import chat_prompt
 from jaxllm.model.checkpoints import load_model
@@ -125,18 +124,19 @@ class LLM:
         else:
             self.compile_cache_dir = None
         tp, instances = self.options.tensor_parallel, self.options.instances
-        # A mesh only where one is asked for (or several processes share the run): one device in one
-        # process takes exactly the path it always took.
-        self.mesh = make_mesh(tp, instances) if tp * instances > 1 or jax.process_count() > 1 else None
+        # Every engine runs on a mesh of instances x tensor devices; one device is the 1 x 1 mesh, whose
+        # model and pool load onto that device as they are (nothing to shard).
+        self.mesh = make_mesh(tp, instances)
+        sharded = tp * instances > 1 or jax.process_count() > 1
         if jax.process_count() > 1 and tp * instances != jax.device_count():
             # Every process runs every step; one whose devices the mesh left out could take no part.
             raise ValueError(f"a {jax.process_count()}-process run needs the mesh to span all {jax.device_count()} "
                              f"devices; tensor_parallel {tp} x instances {instances} = {tp * instances}")
         self.model, tokenizer_dir = load_model(
             model, dtype=dtype, progress=progress,
-            sharding=None if self.mesh is None else functools.partial(load_sharding, mesh=self.mesh))
+            sharding=functools.partial(load_sharding, mesh=self.mesh) if sharded else None)
         self.config = self.model.config  # the checkpoint's (KV heads as trained, whatever the mesh)
-        if self.mesh is not None:
+        if sharded:
             self.model = self._placed_model()  # its config has the KV heads the mesh needs
         step_model = self.model
         self.tokenizer = load_tokenizer(tokenizer_dir)
@@ -159,28 +159,26 @@ class LLM:
         # The table is as wide as the longest sequence the pool and context limit allow.
         longest = min(self.max_context + 1, reach * block_size)
         base = default_kernels(self.options.attention_backend, head_dim=step_model.config.head_dim)
-        runner_args = dict(max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
-                           table_width=-(-longest // block_size), backend=self.options.attention_backend,
-                           kernels=base, mesh=self.mesh, max_logprobs=self.options.max_logprobs)
+        pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
+        lending = self.options.lending and instances > 1
+        self.executor = Executor(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
+                                 table_width=-(-longest // block_size), kernels=base, mesh=self.mesh,
+                                 instances=instances, borrowing=lending, max_logprobs=self.options.max_logprobs,
+                                 tuner=self._tuner(base, step_model.config, pool_dtype, block_size, progress))
         if instances > 1:
-            # Every instance runs the base kernels (the tuner chooses per step on one instance).
-            self.runner = InstanceRunner(step_model, kv_cache, instances=instances, blocks_per_instance=num_blocks,
-                                         **runner_args)
             self.scheduler = InstanceSchedulers(instances, num_blocks, block_size, max_tokens_per_step=max_step,
                                                 max_seqs=self.options.max_seqs, lending=self.options.lending,
+                                                prefix_caching=self.options.prefix_caching,
                                                 hosts=instance_hosts(self.mesh))
-            self.allocator = self.scheduler.allocator
         else:
-            self.runner = Runner(step_model, kv_cache, **runner_args, tuner=self._tuner(
-                base, step_model.config, jnp.dtype(kv_dtype(pool_dtype)).name, block_size, progress))
-            self.allocator = BlockAllocator(num_blocks)
-            self.scheduler = Scheduler(self.allocator, block_size, max_tokens_per_step=max_step,
+            self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_tokens_per_step=max_step,
                                        max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
         self.model_name = model
-        self.pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
+        self.pool_dtype = pool_dtype
+        self.num_blocks = num_blocks * instances  # every instance's pool
         self.limits = RequestLimits(context_limit=min(self.max_context, reach * block_size),
                                     vocab_size=self.config.vocab_size, max_logprobs=self.options.max_logprobs)
-        self.core = EngineCore(self.scheduler, self.runner, self.tokenizer, self.limits,
+        self.core = EngineCore(self.scheduler, self.executor, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)
 
     def _tuner(self, base, config, pool_dtype, block_size: int, progress: bool):
@@ -210,7 +208,7 @@ class LLM:
 
     def _kv_pool(self, config, num_blocks: int, block_size: int, dtype):
         """The zeroed KV pool, created in its shards on a mesh (never whole on one device)."""
-        if self.mesh is None:
+        if self.mesh.devices.size == 1 and jax.process_count() == 1:
             return init_kv_cache(config, num_blocks, block_size, dtype)
         make = functools.partial(init_kv_cache, config, num_blocks, block_size, dtype)
         return jax.jit(make, out_shardings=kv_pool_shardings(jax.eval_shape(make), self.mesh))()
@@ -239,23 +237,23 @@ class LLM:
         """End a multi-process run: the other processes' runners stop following and their programs exit.
         Call it on process 0 when done (entry points do, also on errors and SIGTERM); idempotent; nothing
         to do on one process."""
-        self.runner.stop_followers()
+        self.executor.stop_followers()
 
     # ----- what it is -----
 
     def warm_up(self, progress: bool = True) -> None:
         """Compile every step shape up front (servers do this before reporting ready)."""
-        self.runner.warm_up(progress=progress)
+        self.executor.warm_up(progress=progress)
 
     @property
     def compile_count(self) -> int:
         """Step functions compiled so far (the metric that must stay flat after warm-up)."""
-        return self.runner.compile_count
+        return self.executor.compile_count
 
     @property
     def pool_tokens(self) -> int:
         """Tokens the KV pool holds (all rBlocks)."""
-        return self.allocator.num_blocks * self.runner.block_size
+        return self.num_blocks * self.executor.block_size
 
     @property
     def context_limit(self) -> int:
@@ -270,10 +268,10 @@ class LLM:
             model=self.model_name, architecture=cfg.name, dtype=jnp.dtype(self.model.embedding[...].dtype).name,
             kv_dtype=self.pool_dtype, context_limit=self.context_limit, vocab_size=cfg.vocab_size,
             num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, block_size=self.runner.block_size, num_blocks=self.allocator.num_blocks,
+            num_kv_heads=cfg.num_kv_heads, block_size=self.executor.block_size, num_blocks=self.num_blocks,
             max_seqs=self.scheduler.max_seqs, max_tokens_per_step=self.scheduler.max_tokens_per_step,
             tensor_parallel=self.options.tensor_parallel, instances=self.options.instances,
-            processes=jax.process_count(), devices=1 if self.mesh is None else self.mesh.devices.size,
+            processes=jax.process_count(), devices=self.mesh.devices.size,
             max_logprobs=self.limits.max_logprobs)
 
     # ----- generation -----

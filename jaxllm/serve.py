@@ -24,7 +24,7 @@ import threading
 import time
 
 from jaxllm.engine.threaded import Engine
-from jaxllm.engine.kv_cache import KV_DTYPES
+from jaxllm.model.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
 from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
 from jaxllm.model.checkpoints import MODEL_DTYPES
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                   progress=not args.quiet)
         if not args.quiet:
             print(f"loaded {llm.config.name} ({llm.config.num_layers} layers, max_context {llm.max_context}, "
-                  f"{llm.allocator.num_blocks} rBlocks of {llm.runner.block_size} tokens) in "
+                  f"{llm.num_blocks} rBlocks of {llm.executor.block_size} tokens) in "
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
@@ -202,7 +202,7 @@ def _follow(args, options: EngineOptions) -> int:
     except ValueError as e:
         print(f"python -m jaxllm.serve: error: {e}", file=sys.stderr)
         return 2
-    calls = llm.runner.follow()
+    calls = llm.executor.follow()
     if not args.quiet:
         print(f"jaxllm process {jax.process_index()}: process 0 stopped after {calls} steps; exiting",
               file=sys.stderr, flush=True)

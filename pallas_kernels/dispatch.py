@@ -56,8 +56,12 @@ class Kernels:
     interpret: run the Pallas kernels in the interpreter (the CPU, tests).
     per_shard: None (one device, or a mesh where XLA partitions the reference ops), or a hashable
       object with `attention(fn)` and `rope_write_kv(fn)` returning those functions run per device
-      (sharding.tensor_parallel.TensorShards, set by the runner on a mesh): Pallas kernels are custom
+      (sharding.tensor_parallel.TensorShards, set by the executor on a mesh): Pallas kernels are custom
       calls XLA cannot partition.
+    distributed: None, or a hashable object with `attention(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale,
+      parts, *, decode, num_q_heads, dtype, kernels)` that runs `paged_attention` for a step whose
+      rBlocks lie on several instances (sharding.dist_attention.DistAttention, set by the executor on a
+      step with borrowed rBlocks; it calls back into this module's ops for its per-part work).
     """
 
     decode_attention: str = "reference"
@@ -73,6 +77,7 @@ class Kernels:
     fused_norm_max_tokens: int = FUSED_NORM_MAX_TOKENS
     interpret: bool = False
     per_shard: Any = None
+    distributed: Any = None
 
     def __post_init__(self):
         for name, allowed in (("decode_attention", DECODE_ATTENTION), ("prefill_attention", PREFILL_ATTENTION),
@@ -87,6 +92,26 @@ class Kernels:
 
 
 REFERENCE = Kernels()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionBatch:
+    """Where a step's tokens go in the rBlock pool and what they attend to.
+
+    block_tables [num_seqs, max_blocks] int32, kv_lens [num_seqs] int32 (after this step's tokens are
+    written), cu_q_lens [num_seqs + 1] int32 (packed query tokens per sequence), slot_mapping [num_tokens]
+    int32 (block * block_size + row; -1 for padding tokens). `decode` (static) marks steps where every
+    sequence has exactly one query token. parts: None, or the arrays of a step whose rBlocks lie on several
+    instances, read only by `Kernels.distributed` (sharding.dist_attention.DistParts).
+    """
+
+    block_tables: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    slot_mapping: jax.Array
+    parts: Any = None
+    decode: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def default_kernels(backend: Backend | None = "auto", *, head_dim: int | None = None, on_gpu: bool | None = None,
@@ -118,14 +143,17 @@ def default_kernels(backend: Backend | None = "auto", *, head_dim: int | None = 
                    decode_layer="pallas", interpret=not on_gpu)
 
 
-def prefill_kernel(q: jax.Array, k_pool: jax.Array, kernels: Kernels) -> str:
+def prefill_kernel(q: jax.Array, k_pool: jax.Array, kernels: Kernels, *, parts: bool = False) -> str:
     """'reference', 'triton' or 'mosaic': the implementation a prefill step of these shapes takes.
 
     Mosaic only where kernels name it and it applies (bf16/fp16 q and KV of one dtype, rBlocks a
-    multiple of its KV tile: `mgpu_shapes_supported`) on steps of at least mosaic_min_tokens tokens.
+    multiple of its KV tile: `mgpu_shapes_supported`) on steps of at least mosaic_min_tokens tokens, and
+    not for parts of sequences (`parts`: query_starts or residuals asked for, which the Triton kernel takes).
     """
     if kernels.prefill_attention != "mosaic":
         return kernels.prefill_attention
+    if parts:
+        return "triton"
     from pallas_kernels.ragged_prefill_mgpu import mgpu_shapes_supported
 
     if q.shape[0] >= kernels.mosaic_min_tokens and mgpu_shapes_supported(q, k_pool, kernels.mosaic_prefill):
@@ -146,32 +174,41 @@ def ragged_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     num_q_heads: int | None = None,
-) -> jax.Array:
+    query_starts: jax.Array | None = None,
+    return_residuals: bool = False,
+):
     """Causal attention of packed query tokens to their sequences' KV in the pool.
 
     q: [T, Hq, D], or grouped per KV head [T, Hkv, Gh, D] of which the first num_q_heads // Hkv of each
     group are the queries (rope_write_kv's q: the decode kernel reads them in place, the others get a
     slice). `decode` (static) promises one query token per sequence (T == num_seqs, cu_q_lens ==
-    arange), which lets the decode kernel split long KV across programs. Returns [T, Hq, D] (heads in
-    group order, h = kv_head * G + g). Semantics are ragged_prefill_reference's.
+    arange), which lets the decode kernel split long KV across programs. query_starts: optional [num_seqs],
+    where each row's first query sits relative to its first key (a part of a sequence: DistAttention's
+    prefill rows); return_residuals: also return (row max, row sum of exponentials) [T, Hq] float32, for
+    an exact merge with other parts (pallas_kernels.residuals). Returns [T, Hq, D] (heads in group order,
+    h = kv_head * G + g), or (out, (row_max, row_sum)). Semantics are ragged_prefill_reference's.
     """
+    extra = dict(query_starts=query_starts, return_residuals=return_residuals)
     if kernels.per_shard is not None:
         local = dataclasses.replace(kernels, per_shard=None)
         return kernels.per_shard.attention(functools.partial(ragged_attention, kernels=local))(
             q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, decode=decode, k_scale=k_scale, v_scale=v_scale,
-            num_q_heads=num_q_heads)
+            num_q_heads=num_q_heads, **extra)
+    if decode and query_starts is not None:
+        raise ValueError("query_starts places prefill rows; a decode step's one query token sees every key")
     if decode and kernels.decode_attention == "triton":
         from pallas_kernels.ragged_decode import ragged_decode
 
         return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
                              num_q_heads=num_q_heads, block_sizes=kernels.decode_block_sizes,
-                             interpret=kernels.interpret)
+                             return_residuals=return_residuals, interpret=kernels.interpret)
     if q.ndim == 4:
         group = q.shape[2] if num_q_heads is None else num_q_heads // q.shape[1]
         q = q[:, :, :group].reshape(q.shape[0], -1, q.shape[-1])  # [T, Hq, D]
     elif num_q_heads is not None and num_q_heads != q.shape[1]:
         raise ValueError(f"num_q_heads {num_q_heads} != the {q.shape[1]} heads of q {q.shape}")
-    impl = "reference" if decode else prefill_kernel(q, k_pool, kernels)
+    parts = query_starts is not None or return_residuals
+    impl = "reference" if decode else prefill_kernel(q, k_pool, kernels, parts=parts)
     if impl == "mosaic":
         from pallas_kernels.ragged_prefill_mgpu import ragged_prefill_mgpu
 
@@ -181,9 +218,33 @@ def ragged_attention(
         from pallas_kernels.ragged_prefill import ragged_prefill
 
         return ragged_prefill(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, k_scale=k_scale, v_scale=v_scale,
-                              block_sizes=kernels.prefill_block_sizes, interpret=kernels.interpret)
+                              block_sizes=kernels.prefill_block_sizes, interpret=kernels.interpret, **extra)
     return ragged_prefill_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens,
-                                    k_scale=k_scale, v_scale=v_scale)
+                                    k_scale=k_scale, v_scale=v_scale, **extra)
+
+
+def paged_attention(k_pool, v_pool, k_scale, v_scale, qkv, cos, sin, batch: AttentionBatch, *, num_q_heads: int,
+                    dtype, kernels: Kernels = REFERENCE):
+    """One layer's attention over the rBlock pool: RoPE on the step's q and k, its K/V written into the pool
+    (`rope_write_kv`), then ragged attention (`ragged_attention`).
+
+    qkv: the fused projection [T, Hkv, G + 2, hd] (or its [S, T, ...] float32 split-K partials); cos, sin:
+    the RoPE tables of the step's tokens. A batch with `parts` (rBlocks on several instances) runs through
+    `kernels.distributed`, which calls these same ops per part. Returns (out [T, Hq, hd], k_pool, v_pool,
+    k_scale, v_scale).
+    """
+    if batch.parts is not None:
+        if kernels.distributed is None:
+            raise ValueError("an attention batch with parts (rBlocks on several instances) needs "
+                             "Kernels.distributed (sharding.dist_attention.DistAttention)")
+        local = dataclasses.replace(kernels, distributed=None)
+        return kernels.distributed.attention(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, batch.parts,
+                                             decode=batch.decode, num_q_heads=num_q_heads, dtype=dtype, kernels=local)
+    q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(k_pool, v_pool, qkv, cos, sin, batch.slot_mapping, k_scale,
+                                                        v_scale, dtype=dtype, kernels=kernels)
+    out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens, decode=batch.decode,
+                           k_scale=k_scale, v_scale=v_scale, num_q_heads=num_q_heads, kernels=kernels)
+    return out, k_pool, v_pool, k_scale, v_scale
 
 
 def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, dtype=None,

@@ -6,7 +6,8 @@ into parts `i`, with `M = max_i row_max_i` and `w_i = row_sum_i * exp(row_max_i 
 
     out = sum_i w_i * out_i / sum_i w_i,   row_max = M,   row_sum = sum_i w_i.
 
-DistAttention (parts on other devices) merges with `merge_partials`; the decode kernel's split-K
+DistAttention (parts on other devices) merges with `merge_partials` (the parts' reductions can be
+collectives over a mesh axis: sharding.dist_attention); the decode kernel's split-K
 merges inside the kernel with `merge_run` (the last program of a sequence to finish merges its
 consecutive parts), the same formula. An empty part (no keys: row_max -inf, row_sum 0, out
 anything, even NaN) has weight 0.
@@ -21,6 +22,50 @@ from jax.experimental import pallas as pl
 from pallas_kernels import compat
 
 
+class LeadingParts:
+    """Parts stacked on the leading axis [P, ...], merged into one [...]."""
+
+    def live(self, row_sum: jax.Array) -> jax.Array:
+        return row_sum > 0
+
+    def max(self, x: jax.Array) -> jax.Array:
+        return jnp.max(x, axis=0)
+
+    def expand(self, reduced: jax.Array) -> jax.Array:
+        return reduced[None]
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        return jnp.sum(x, axis=0)
+
+    def result(self, reduced: jax.Array) -> jax.Array:
+        return reduced
+
+
+class SegmentParts:
+    """Parts [P, ...] merged per segment: part p into segment segment_ids[p] of num_segments ([num_segments,
+    ...]); parts whose id is outside [0, num_segments) are ignored, whatever they hold."""
+
+    def __init__(self, segment_ids: jax.Array, num_segments: int):
+        self.num_segments = num_segments
+        self.in_range = (segment_ids >= 0) & (segment_ids < num_segments)
+        self.ids = jnp.where(self.in_range, segment_ids, num_segments)  # past the end: mode="drop" drops them
+
+    def live(self, row_sum: jax.Array) -> jax.Array:
+        return (row_sum > 0) & self.in_range.reshape((-1,) + (1,) * (row_sum.ndim - 1))
+
+    def max(self, x: jax.Array) -> jax.Array:
+        return jnp.full((self.num_segments,) + x.shape[1:], -jnp.inf, x.dtype).at[self.ids].max(x, mode="drop")
+
+    def expand(self, reduced: jax.Array) -> jax.Array:
+        return reduced[jnp.clip(self.ids, 0, self.num_segments - 1)]
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        return jnp.zeros((self.num_segments,) + x.shape[1:], x.dtype).at[self.ids].add(x, mode="drop")
+
+    def result(self, reduced: jax.Array) -> jax.Array:
+        return reduced
+
+
 def merge_partials(
     outs: jax.Array,
     row_max: jax.Array,
@@ -28,8 +73,9 @@ def merge_partials(
     *,
     segment_ids: jax.Array | None = None,
     num_segments: int | None = None,
+    parts=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merge partial attention results over the leading axis, in float32.
+    """Merge partial attention results, in float32: the one merge (the module docstring's formula).
 
     Args:
       outs: [P, ..., head_dim] normalised partial outputs (any float dtype).
@@ -38,6 +84,9 @@ def merge_partials(
       segment_ids: optional [P] int: merge parts per segment instead of all together (e.g. per
         sequence). Parts whose id is outside [0, num_segments) are ignored, whatever they hold.
       num_segments: static number of segments; required with segment_ids.
+      parts: how the parts are laid out and reduced, instead of the two above: an object with `live(row_sum)`,
+        `max(x)`, `expand(reduced)`, `sum(x)` and `result(reduced_max)` (LeadingParts, SegmentParts, or
+        sharding's parts spread over a mesh axis, whose reductions are collectives).
 
     Returns:
       (out [..., head_dim] or [num_segments, ..., head_dim] float32, row_max, row_sum): the
@@ -46,37 +95,29 @@ def merge_partials(
     if outs.shape[:-1] != row_max.shape or row_sum.shape != row_max.shape:
         raise ValueError(f"outs {outs.shape} must be row_max/row_sum {row_max.shape} plus head_dim; "
                          f"row_sum is {row_sum.shape}")
+    if parts is None:
+        if segment_ids is None:
+            parts = LeadingParts()
+        else:
+            if num_segments is None:
+                raise ValueError("merge_partials needs num_segments with segment_ids")
+            if segment_ids.shape != row_max.shape[:1]:
+                raise ValueError(f"segment_ids shape {segment_ids.shape} != (parts,) = ({row_max.shape[0]},)")
+            parts = SegmentParts(segment_ids, num_segments)
     row_max = row_max.astype(jnp.float32)
     row_sum = row_sum.astype(jnp.float32)
-    outs = outs.astype(jnp.float32)
-    if segment_ids is None:
-        live = row_sum > 0
-        total_max = jnp.max(jnp.where(live, row_max, -jnp.inf), axis=0)
-        part_max = total_max[None]
-    else:
-        if num_segments is None:
-            raise ValueError("merge_partials needs num_segments with segment_ids")
-        if segment_ids.shape != row_max.shape[:1]:
-            raise ValueError(f"segment_ids shape {segment_ids.shape} != (parts,) = ({row_max.shape[0]},)")
-        in_range = (segment_ids >= 0) & (segment_ids < num_segments)
-        live = (row_sum > 0) & in_range.reshape((-1,) + (1,) * (row_max.ndim - 1))
-        # Out-of-range ids point past the end; mode="drop" discards them.
-        ids = jnp.where(in_range, segment_ids, num_segments)
-        total_max = jnp.full((num_segments,) + row_max.shape[1:], -jnp.inf, jnp.float32)
-        total_max = total_max.at[ids].max(jnp.where(live, row_max, -jnp.inf), mode="drop")
-        part_max = total_max[jnp.clip(ids, 0, num_segments - 1)]
+    live = parts.live(row_sum)
+    total_max = parts.max(jnp.where(live, row_max, -jnp.inf))
+    part_max = parts.expand(total_max)
     # A finite stand-in keeps exp(-inf - -inf) from making NaN where every part is empty.
     safe_max = jnp.where(jnp.isfinite(part_max), part_max, 0.0)
     weight = jnp.where(live, row_sum * jnp.exp(jnp.where(live, row_max, 0.0) - safe_max), 0.0)
-    weighted = jnp.where(live[..., None], outs, 0.0) * weight[..., None]
-    if segment_ids is None:
-        total_sum = jnp.sum(weight, axis=0)
-        total_out = jnp.sum(weighted, axis=0)
-    else:
-        total_sum = jnp.zeros(total_max.shape, jnp.float32).at[ids].add(weight, mode="drop")
-        total_out = jnp.zeros(total_max.shape + outs.shape[-1:], jnp.float32).at[ids].add(weighted, mode="drop")
+    # A part with no key contributes nothing, whatever its (unread) output holds, NaN included.
+    weighted = jnp.where(live[..., None], outs.astype(jnp.float32), 0.0) * weight[..., None]
+    total_sum = parts.sum(weight)
+    total_out = parts.sum(weighted)
     out = total_out / jnp.where(total_sum > 0, total_sum, 1.0)[..., None]
-    return out, total_max, total_sum
+    return out, parts.result(total_max), total_sum
 
 
 # Parts merge_run loads at once: one dependent load per part would leave a long run (a 32K

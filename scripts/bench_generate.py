@@ -157,7 +157,7 @@ def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float
                    hbm_tb_s: float | None = None) -> dict:
     """Batch-1 decode ms/token at context; the floor (weights + KV read at hbm_tb_s) is None without it."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
 
     prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
     t0 = time.perf_counter()
@@ -172,7 +172,7 @@ def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float
 def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, warm: bool = True) -> dict:
     """The mixed workload; with `warm`, once untimed first, so the timed pass compiles nothing (checked)."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
 
     lengths = mixed_lengths(num_requests, max_prompt)
     # The timed pass repeats the warm pass's prompts: with the prefix cache it would skip their prefill.
@@ -206,7 +206,7 @@ def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: 
     (as a server sees a system prompt it has served before). Each mode runs once untimed first, so
     no timed pass compiles. Time to first token per request, wall time, prefill tokens computed."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
 
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 259, size=prefix_len).tolist()
@@ -255,7 +255,7 @@ def _weight_bytes(llm) -> int:
     """Bytes of the model's weights on the device (what a decode step reads besides the KV)."""
     import jax
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.runner.state))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.executor.state))
 
 
 def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256,
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxllm.engine.kv_cache import kv_bytes_per_block
+    from jaxllm.model.kv_cache import kv_bytes_per_block
 
     result["device"] = harness.device_kind()
     hbm = result["hbm_floor_tb_s"] = harness.hbm_floor_tb_s(result["device"])
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         args.mixed_new_tokens, args.shared_new_tokens) + 64
     if args.contexts or args.mixed or args.shared_prefix:
         llm = build_llm(args.model, "bfloat16", max_context, 0.9, pipeline=not args.sync, tuner=args.tuner)
-        result["tuner_class"] = type(llm.runner.tuner).__name__
+        result["tuner_class"] = type(llm.executor.tuner).__name__
         config = llm.config
         weight_bytes = _weight_bytes(llm)
         kv_per_token = kv_bytes_per_block(config, 1, "bfloat16")
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
             _log(f"[jaxllm] shared prefix {json.dumps(result['shared_prefix'])}")
             save()
         result["compiles"] = llm.compile_count
-        result["tuner_stats"] = {str(k): int(v) for k, v in llm.runner.tuner.stats().items()}
+        result["tuner_stats"] = {str(k): int(v) for k, v in llm.executor.tuner.stats().items()}
         del llm
         gc.collect()  # the next pool is sized from free memory: this one must be gone first
         save()

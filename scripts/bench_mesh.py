@@ -39,7 +39,7 @@ def _log(msg: str) -> None:
 def _weight_bytes(llm) -> int:
     import jax
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.runner.state))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.executor.state))
 
 
 def _drive(llm, requests) -> tuple[dict, list[float], list[float]]:
@@ -72,8 +72,8 @@ def _engine(model: str, *, dry_run: bool, max_context: int | None, **options):
 def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     """(a): one sequence as long as the whole mesh's pools allow, prefilled and decoded."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.kv_cache import kv_bytes_per_block
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.model.kv_cache import kv_bytes_per_block
+    from jaxllm.contract import SamplingParams
 
     llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=devices,
                   max_seqs=1, max_tokens_per_step=args.chunk, num_blocks=args.num_blocks, block_size=args.block_size,
@@ -89,7 +89,7 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     wall = time.perf_counter() - t0
     stats = llm.core.stats()
     ms = [1e3 * t for t in decode[2:]] or [1e3 * t for t in decode]  # the first decode steps compile
-    kv_token = kv_bytes_per_block(llm.runner.config, info.block_size, info.kv_dtype) / info.block_size
+    kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     context = length + args.new_tokens
     # The device holding the most KV sets the step: its home pool is full, the rest is spread by lending.
     most_kv = min(context, per_instance_tokens) * kv_token
@@ -111,7 +111,7 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
 def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
     """(b): the 70B shape split over every device, batch-1 decode at each context."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
     from jaxllm.model.config import preset
     from sharding.mesh import check_tensor_parallel
 
@@ -144,9 +144,9 @@ def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
     llm = _engine(args.tp_model, dry_run=args.dry_run, max_context=max(args.tp_contexts) + args.new_tokens + 1,
                   tensor_parallel=devices, max_seqs=1, max_tokens_per_step=args.chunk, block_size=args.block_size)
     info = llm.info()
-    from jaxllm.engine.kv_cache import kv_bytes_per_block
+    from jaxllm.model.kv_cache import kv_bytes_per_block
 
-    kv_token = kv_bytes_per_block(llm.runner.config, info.block_size, info.kv_dtype) / info.block_size
+    kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     for context in args.tp_contexts:
         prompt = np.random.default_rng(1).integers(3, 259, size=context).tolist()
         _, _, decode = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))])
@@ -163,7 +163,7 @@ def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
 def skew(args, devices: int) -> dict:
     """(c): instances x tensor parallel with a skewed load, lending on and off."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
 
     instances = args.skew_instances or devices
     if devices % instances:

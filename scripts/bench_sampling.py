@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from device_trace import gpu_kernel_events
-from jaxllm.engine.sampling import greedy_tokens, sample_tokens
+from jaxllm.executor.sampler import greedy_tokens, sample_tokens
 import harness
 
 

@@ -28,7 +28,7 @@ import harness
 
 
 def _plans(decode: bool, bucket: int, heads, count: int):
-    from jaxllm.engine.scheduler import kv_extent_of
+    from jaxllm.contract import kv_extent_of
     from jaxllm.tuner.learned import sample_shapes
 
     out = []
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 
     from jaxllm.tuner import LearnedTuner, model_path
     from jaxllm.tuner.cost_model import CostModel
-    from jaxllm.engine.scheduler import kv_extent_of
+    from jaxllm.contract import kv_extent_of
     from jaxllm.tuner.features import StepFeatures, plan_key
     from jaxllm.tuner.learned import op_ranker
     from pallas_kernels.dispatch import Kernels

@@ -115,7 +115,8 @@ def jaxllm_logits(directory: str, ids: np.ndarray, last: int, block_size: int) -
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache
+    from jaxllm.model.kv_cache import init_kv_cache
+from pallas_kernels.dispatch import AttentionBatch
     from jaxllm.model.checkpoints import load_hf
     from pallas_kernels.dispatch import default_kernels
 

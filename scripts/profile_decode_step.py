@@ -89,10 +89,10 @@ def profile(llm, context: int, reps: int) -> dict:
     import jax.numpy as jnp
 
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
     from pallas_kernels.ragged_decode import ragged_decode
 
-    runner, scheduler = llm.runner, llm.scheduler
+    runner, scheduler = llm.executor, llm.scheduler
     prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
     request_id = llm.core.add(Request(prompt, SamplingParams(max_new_tokens=10 * reps + 50, ignore_eos=True)))
     produced = 0

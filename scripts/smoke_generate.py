@@ -25,7 +25,7 @@ def run_one(llm, context: int, new_tokens: int):
     """One request of `context` random prompt tokens; every step waits for its tokens (pipeline off), so a
     step's time is its own."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 259, size=context).tolist()
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         options = EngineOptions(attention_backend=backend, num_blocks=args.num_blocks, block_size=args.block_size)
         llm = LLM(args.model, dtype=args.dtype, max_context=max(args.context) + args.new_tokens + 1, options=options)
-        print(f"[{backend}] model ready in {time.perf_counter() - t:.1f} s; pool {llm.allocator.num_blocks} rBlocks "
-              f"x {llm.runner.block_size} tokens", file=sys.stderr, flush=True)
+        print(f"[{backend}] model ready in {time.perf_counter() - t:.1f} s; pool {llm.num_blocks} rBlocks "
+              f"x {llm.executor.block_size} tokens", file=sys.stderr, flush=True)
         for context in args.context:
             try:
                 row = {"backend": backend, **run_one(llm, context, args.new_tokens)}

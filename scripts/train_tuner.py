@@ -38,7 +38,7 @@ def _split(n: int, holdout: float, rng) -> tuple[np.ndarray, np.ndarray]:
 
 def _plan_of(row):
     """The parts of a StepPlan the tuner reads, for a dataset row."""
-    from jaxllm.engine.scheduler import kv_extent_of
+    from jaxllm.contract import kv_extent_of
 
     q = np.ones(len(row["kv_lens"]), np.int64) if row["op"] == "decode" else np.asarray(row["q_lens"], np.int64)
     kv = np.asarray(row["kv_lens"], np.int64)

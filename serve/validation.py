@@ -8,7 +8,7 @@ ValueError (the servicer answers INVALID_ARGUMENT) before it costs a queue slot.
 from __future__ import annotations
 
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.contract import SamplingParams
 
 __all__ = ["RequestLimits", "to_engine_request"]
 

@@ -42,14 +42,14 @@ def tensor_parallel_attention(attention: Callable, mesh: Mesh) -> Callable:
 
     Each device attends with its Hq / N query heads to its Hkv / N KV heads: q [T, Hq, hd] and the
     pool k, v [blocks, Hkv, block, hd] (int8 scales [blocks, Hkv, block]) split on heads, the rBlock
-    tables and lengths whole. The query heads of KV head h are h*G .. h*G + G - 1, so a contiguous cut of
+    tables, lengths and query_starts whole; residuals (return_residuals) split on heads like the output. The query heads of KV head h are h*G .. h*G + G - 1, so a contiguous cut of
     both head axes keeps each group together. N must divide Hkv (replicate KV heads first: rules.py).
     Returns [T, Hq, hd] split on heads, as a row-parallel o projection wants it.
     """
     n = tensor_size(mesh)
 
     def wrapped(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *, decode: bool, k_scale=None, v_scale=None,
-                num_q_heads: int | None = None, **kwargs):
+                num_q_heads: int | None = None, query_starts=None, return_residuals: bool = False, **kwargs):
         if q.ndim == 4:
             # Grouped per KV head [T, Hkv, Gh, hd] (the model's rope_write_kv output): the head axis is
             # the KV-head axis, so a split keeps whole groups; each device reads num_q_heads / N of them.
@@ -64,13 +64,16 @@ def tensor_parallel_attention(attention: Callable, mesh: Mesh) -> Callable:
                              f"divisible by {n}; replicate KV heads first (sharding.rules.prepare_tensor_parallel)")
         local_heads = hq // n
 
-        def local(q, k_pool, v_pool, k_scale, v_scale, block_tables, kv_lens, cu_q_lens):
+        def local(q, k_pool, v_pool, k_scale, v_scale, block_tables, kv_lens, cu_q_lens, query_starts):
             return attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, decode=decode, k_scale=k_scale,
-                             v_scale=v_scale, num_q_heads=local_heads, **kwargs)
+                             v_scale=v_scale, num_q_heads=local_heads, query_starts=query_starts,
+                             return_residuals=return_residuals, **kwargs)
 
-        specs = (_HEADS, _HEADS, _HEADS, _HEADS, _HEADS, _WHOLE, _WHOLE, _WHOLE)
-        return per_tensor_shard(local, mesh, specs, _HEADS)(q, k_pool, v_pool, k_scale, v_scale, block_tables,
-                                                             kv_lens, cu_q_lens)
+        specs = (_HEADS, _HEADS, _HEADS, _HEADS, _HEADS, _WHOLE, _WHOLE, _WHOLE, _WHOLE)
+        # Residuals [T, Hq] are split on heads like the output.
+        out_specs = (_HEADS, (_HEADS, _HEADS)) if return_residuals else _HEADS
+        return per_tensor_shard(local, mesh, specs, out_specs)(q, k_pool, v_pool, k_scale, v_scale, block_tables,
+                                                                kv_lens, cu_q_lens, query_starts)
 
     return wrapped
 

@@ -12,19 +12,72 @@ block's end). A later sequence whose prompt starts with the same tokens shares t
 again: a sequence writes only past its shared prefix. When no sequence holds a registered
 rBlock it stays cached (evictable) until a request needs the room; the least recently
 released go first. Evictable rBlocks count as free.
+
+Lending (DistKV, jaxllm.engine.distkv): an instance's pool is a BlockAllocator too. `lend` takes free
+rBlocks out for another instance's request (evicting cached ones if it must), `take_back` returns them,
+and `adopt` makes a lent rBlock one of this pool's own sequences' (a recall or a swap moved it there).
+
+`BlockPool` is the contract the scheduler relies on: BlockAllocator (one instance) and
+lending.LendingAllocator (one instance of several, global ids) both implement it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from typing import Protocol
 
 
 class OutOfBlocks(RuntimeError):
     """Not enough free rBlocks for a request; the scheduler preempts or waits."""
 
 
+class BlockPool(Protocol):
+    """What a Scheduler asks of the rBlocks it plans over (ids as its step plans' tables hold them)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """rBlocks this pool owns."""
+        ...
+
+    @property
+    def num_free(self) -> int:
+        """rBlocks a grow can still take (evictable cached ones included)."""
+        ...
+
+    @property
+    def num_cached(self) -> int:
+        """rBlocks registered in the prefix cache (held or evictable)."""
+        ...
+
+    def blocks(self, seq_id: int) -> list[int]:
+        """seq_id's table (empty before its first grow)."""
+        ...
+
+    def grow(self, seq_id: int, num_blocks_total: int) -> list[int]:
+        """Make seq_id hold num_blocks_total rBlocks; OutOfBlocks, taking nothing, when they are not free."""
+        ...
+
+    def free(self, seq_id: int) -> None:
+        """seq_id's rBlocks go back (registered ones stay cached); idempotent."""
+        ...
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached rBlocks of the longest run of keys from the first."""
+        ...
+
+    def share(self, seq_id: int, blocks: list[int]) -> None:
+        """Start seq_id's table with these cached rBlocks (lookup's result)."""
+        ...
+
+    def register(self, block: int, key: bytes) -> None:
+        """Held rBlock `block` is full and holds the KV `key` names (a pool may decline to cache it)."""
+        ...
+
+
 class BlockAllocator:
+    """The BlockPool of one instance's rBlocks (see the module docstring)."""
+
     def __init__(self, num_blocks: int):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -35,6 +88,7 @@ class BlockAllocator:
         self._cached: dict[bytes, int] = {}  # content key -> registered rBlock
         self._key_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody; oldest first
+        self._lent: set[int] = set()  # taken out by lend(): another instance's request holds them
 
     @property
     def num_free(self) -> int:
@@ -47,6 +101,10 @@ class BlockAllocator:
 
     def blocks(self, seq_id: int) -> list[int]:
         return self._owned.get(seq_id, [])
+
+    def free_ids(self) -> list[int]:
+        """Every rBlock no sequence holds and none is lent: free ones, then evictable cached ones."""
+        return self._free + list(self._evictable)
 
     def owners(self) -> dict[int, list[int]]:
         return {k: list(v) for k, v in self._owned.items()}
@@ -88,6 +146,39 @@ class BlockAllocator:
                 self._evictable[block] = None  # newest last
             else:
                 bisect.insort(self._free, block)
+
+    # ----- lending (DistKV) -----
+
+    @property
+    def num_lent(self) -> int:
+        return len(self._lent)
+
+    def lend(self, count: int) -> list[int]:
+        """Take `count` free rBlocks out for another instance (evicting the least recently released cached
+        ones if the free list is short); OutOfBlocks, taking nothing, when fewer are free."""
+        if count > self.num_free:
+            raise OutOfBlocks(f"cannot lend {count} rBlocks: {self.num_free} free")
+        if count > len(self._free):
+            self._evict(count - len(self._free))
+        blocks = self._take(count, after=None)
+        self._lent.update(blocks)
+        return blocks
+
+    def take_back(self, blocks) -> None:
+        """Lent rBlocks come back free (their request ended, they were recalled, or a reservation was dropped)."""
+        for block in blocks:
+            if block not in self._lent:
+                raise ValueError(f"rBlock {block} was not lent")
+            self._lent.remove(block)
+            bisect.insort(self._free, block)
+
+    def adopt(self, seq_id: int, block: int) -> None:
+        """A lent rBlock becomes the last of `seq_id`'s own (a recall or a swap moved its contents here)."""
+        if block not in self._lent:
+            raise ValueError(f"rBlock {block} was not lent")
+        self._lent.remove(block)
+        self._owned.setdefault(seq_id, []).append(block)
+        self._holders[block] = 1
 
     # ----- prefix cache -----
 

@@ -1,6 +1,7 @@
 """EngineCore: the one step loop. `add(request) / cancel(request_id) / step() -> outputs`.
 
-It owns the scheduler, the runner and the output processing of every request; the synchronous
+It owns the scheduler (a StepScheduler: jaxllm.engine.scheduling), the executor that runs the steps (a
+StepRunner: jaxllm.engine.step_runner) and the output processing of every request; the synchronous
 `LLM` and the threaded server `Engine` are thin front ends over it. Not thread-safe: one thread
 drives it (the threaded Engine's own thread does).
 
@@ -21,11 +22,12 @@ from typing import Sequence as Seq
 
 import numpy as np
 
+from jaxllm.contract import SamplingParams, StepPlan
 from jaxllm.engine.output import RequestClock, RequestTimings, TextStream
 from jaxllm.engine.requests import RequestLimits, check_params, check_token_ids
-from jaxllm.engine.runner import InFlight, Runner
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Scheduler, Sequence, Status, StepPlan
+from jaxllm.engine.scheduling import StepScheduler
+from jaxllm.engine.sequence import Sequence, Status
+from jaxllm.engine.step_runner import DispatchedStep, StepRunner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,23 +163,24 @@ class _Live:
 
 
 class EngineCore:
-    """The step loop over a scheduler and a runner; see the module docstring.
+    """The step loop over a scheduler and an executor; see the module docstring.
 
     Args:
-      scheduler, runner: built by the front end over one allocator and KV pool.
+      scheduler: one instance's Scheduler, or the InstanceSchedulers of several (one StepScheduler contract).
+      executor: runs the steps on the devices (jaxllm.executor.Executor).
       tokenizer: encodes nothing here; decodes tokens and names EOS.
       limits: the request limits every `add` is checked against.
       pipeline: queue the next decode step before reading this one's tokens (same tokens either way).
     """
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer, limits: RequestLimits, *,
+    def __init__(self, scheduler: StepScheduler, executor: StepRunner, tokenizer, limits: RequestLimits, *,
                  pipeline: bool = True):
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.tokenizer = tokenizer
         self.limits = limits
         self.pipeline = pipeline
-        self._inflight: InFlight | None = None
+        self._inflight: DispatchedStep | None = None
         # The plan of the step the last step() recorded (benchmarks time steps by kind); None before any.
         self.last_plan: StepPlan | None = None
         self._live: dict[int, _Live] = {}  # request id -> state, until its final output
@@ -231,18 +234,17 @@ class EngineCore:
         is dispatched before this one's tokens are read. Idle (no work): []."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
-            self._recall()
             plan = self.scheduler.plan()
             if plan is None:
                 if self.scheduler.has_work():
                     raise RuntimeError("the scheduler has waiting work but could plan no step (KV pool too small?)")
                 return []
-            inflight = self.runner.dispatch(plan)
+            inflight = self.executor.dispatch(plan)
         following = None
         if run_ahead and self.pipeline:
             continuation = self.scheduler.plan_continuation(inflight.plan)
             if continuation is not None:
-                following = self.runner.dispatch(continuation, token_source=inflight)
+                following = self.executor.dispatch(continuation, token_source=inflight)
         # Every sequence of the step is running now (plan() admitted it), so the ones that may have
         # advanced or finished are among these.
         candidates = list(self.scheduler.running)
@@ -251,14 +253,6 @@ class EngineCore:
         self._inflight = following
         self._counts["steps_total"] += 1
         return self._collect(candidates, time.monotonic())
-
-    def _recall(self) -> None:
-        """Between steps: rBlocks lent to an instance that has room again go home (DistKV's recall; nothing
-        on one instance). The copy is done on the device before the tables change."""
-        copies = self.scheduler.recall_copies()
-        if copies:
-            self.runner.copy_blocks(copies)
-            self.scheduler.confirm_recall()
 
     def drain(self) -> list[RequestOutput]:
         """Record the step in flight, if any, queueing nothing after it (returns with none in flight)."""
@@ -334,8 +328,8 @@ class EngineCore:
         try:
             while seq.num_computed < len(ids):
                 plan = self.scheduler.plan()
-                chunks.append(self.runner.logits(plan))
-                seq.num_computed = int(plan.kv_lens[0])
+                chunks.append(self.executor.logits(plan))
+                self.scheduler.record_computed(plan)
         finally:
             self.scheduler.cancel(seq)
         return np.concatenate(chunks, axis=0)
@@ -344,28 +338,23 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """Counters and current load (safe to call from another thread: it only reads)."""
-        allocator = self.scheduler.allocator
-        return EngineStats(**self._counts, queue_depth=len(self.scheduler.waiting),
-                           running=len(self.scheduler.running), pool_blocks=allocator.num_blocks,
-                           pool_blocks_free=allocator.num_free, prefix_cache_hit_tokens=self.scheduler.cached_tokens,
-                           prefix_cache_blocks=allocator.num_cached, preemptions_total=self.scheduler.preemptions,
-                           compile_count=self.runner.compile_count, **self._compile_stats(), **self._lending_stats())
-
-    def _lending_stats(self) -> dict:
-        ledger = self.scheduler.lending_stats()
-        if not ledger:
-            return {}
-        borrowed = tuple(ledger["borrowed"][i] for i in sorted(ledger["borrowed"]))
-        return dict(borrowed_blocks=sum(borrowed), borrowed_by_instance=borrowed,
-                    lending_instances=sum(1 for n in ledger["lent"].values() if n), loans_total=ledger["loans"],
-                    recalled_blocks_total=ledger["recalled"], swapped_pairs_total=ledger["swapped"],
-                    dist_steps_total=self.runner.borrowed_steps)
-
-    def _compile_stats(self) -> dict:
-        """The runner's compile, bucket and tuner counters as EngineStats fields."""
-        runner = self.runner
-        steps = sorted(list(runner.bucket_steps.items()))  # one C-level copy: safe beside the engine thread
-        return dict(xla_compiles=runner.xla_compiles, persistent_cache_hits=runner.persistent_cache_hits,
-                    bucket_steps=tuple(("decode" if decode else "prefill", size, n) for (decode, size), n in steps),
-                    padding_tokens_total=runner.padding_tokens,
-                    tuner=tuple(sorted((str(k), int(v)) for k, v in runner.tuner.stats().items())))
+        queue = self.scheduler.stats()
+        executor = self.executor
+        steps = sorted(list(executor.bucket_steps.items()))  # one C-level copy: safe beside the engine thread
+        lending = {}
+        if queue.lending is not None:
+            ledger = queue.lending
+            lending = dict(borrowed_blocks=ledger.borrowed_blocks, borrowed_by_instance=ledger.borrowed_by_instance,
+                           lending_instances=ledger.lending_instances, loans_total=ledger.loans_total,
+                           recalled_blocks_total=ledger.recalled_blocks_total,
+                           swapped_pairs_total=ledger.swapped_pairs_total, dist_steps_total=executor.borrowed_steps)
+        return EngineStats(**self._counts, queue_depth=queue.waiting, running=queue.running,
+                           pool_blocks=queue.pool_blocks, pool_blocks_free=queue.pool_blocks_free,
+                           prefix_cache_hit_tokens=queue.cached_tokens, prefix_cache_blocks=queue.cached_blocks,
+                           preemptions_total=queue.preemptions, compile_count=executor.compile_count,
+                           xla_compiles=executor.xla_compiles, persistent_cache_hits=executor.persistent_cache_hits,
+                           bucket_steps=tuple(("decode" if decode else "prefill", size, n)
+                                              for (decode, size), n in steps),
+                           padding_tokens_total=executor.padding_tokens,
+                           tuner=tuple(sorted((str(k), int(v)) for k, v in executor.tuner_stats().items())),
+                           **lending)

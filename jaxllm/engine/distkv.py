@@ -31,10 +31,9 @@ creditors. The rules:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 
-from jaxllm.engine.allocator import OutOfBlocks
+from jaxllm.engine.allocator import BlockAllocator, OutOfBlocks
 
 __all__ = ["Allocation", "GManager", "InstanceSpec", "Loan", "Move", "OutOfBlocks", "Placement", "RManager",
            "RecallPlan"]
@@ -137,41 +136,13 @@ class Allocation:
         return tuple((inst, first, tuple(blocks)) for inst, first, blocks in out)
 
 
-class _Pool:
-    """One instance's free rBlock ids, sorted; hands out consecutive runs where it can."""
-
-    def __init__(self, num_blocks: int):
-        self.free = list(range(num_blocks))
-
-    def take(self, count: int, after: int | None) -> list[int]:
-        free = self.free
-        if count <= 0:
-            return []
-        if after is not None:  # continue the table's last local rBlock
-            i = bisect.bisect_left(free, after + 1)
-            if i + count <= len(free) and free[i] == after + 1 and free[i + count - 1] == after + count:
-                return self._pop(i, count)
-        for j in range(count - 1, len(free)):  # the first consecutive run long enough
-            if free[j] - free[j - count + 1] == count - 1:
-                return self._pop(j - count + 1, count)
-        return self._pop(0, count)
-
-    def release(self, blocks) -> None:
-        for b in blocks:
-            bisect.insort(self.free, b)
-
-    def _pop(self, i: int, count: int) -> list[int]:
-        taken = self.free[i:i + count]
-        del self.free[i:i + count]
-        return taken
-
-
 class RManager:
     """One instance's rBlock manager: its pool, its requests' tables, and its side of lending."""
 
     def __init__(self, spec: InstanceSpec, gmanager: GManager):
         self.spec = spec
-        self._pool = _Pool(spec.num_blocks)
+        # This instance's rBlocks: its own requests' (prefix cache included), lent ones, recall destinations.
+        self.pool = BlockAllocator(spec.num_blocks)
         self._tables: dict[int, list[Placement]] = {}
         self._reserved: set[int] = set()  # recall destinations of an outstanding plan
         self._gm = gmanager
@@ -183,7 +154,7 @@ class RManager:
 
     @property
     def num_free(self) -> int:
-        return len(self._pool.free)
+        return self.pool.num_free
 
     @property
     def num_owned(self) -> int:
@@ -191,7 +162,7 @@ class RManager:
         return sum(p.instance == self.instance for t in self._tables.values() for p in t) + len(self._reserved)
 
     def free_blocks(self) -> tuple[int, ...]:
-        return tuple(self._pool.free)
+        return tuple(self.pool.free_ids())
 
     def requests(self) -> tuple[int, ...]:
         return tuple(self._tables)
@@ -219,6 +190,17 @@ class RManager:
             self._gm.forget(request)
             raise
 
+    def start_shared(self, request: int, blocks: list[int]) -> Allocation:
+        """Start `request` here with these cached rBlocks of this pool as its first (a shared prefix: the
+        prefix cache's `lookup`); it grows from there."""
+        if self._gm.home_of(request) is not None:
+            raise ValueError(f"request {request} already exists (on instance {self._gm.home_of(request)})")
+        self._gm.check_no_plan(f"allocate request {request}")
+        self.pool.share(request, blocks)
+        self._tables[request] = [Placement(self.instance, b) for b in blocks]
+        self._gm.adopt(request, self.instance)
+        return self.table(request)
+
     def grow(self, request: int, num_blocks_total: int) -> Allocation:
         """Make `request`'s table `num_blocks_total` long; raises OutOfBlocks (nothing taken) when the
         whole mesh has fewer free rBlocks than it needs."""
@@ -232,8 +214,10 @@ class RManager:
             raise OutOfBlocks(f"request {request} on instance {self.instance} needs {need} more rBlocks; the mesh "
                               f"has {mesh_free} free ({self._gm.free_by_instance()})")
         local = min(need, self.num_free)
-        last_local = next((p.block for p in reversed(table) if p.instance == self.instance), None)
-        table.extend(Placement(self.instance, b) for b in self._pool.take(local, after=last_local))
+        if local:
+            held = len(self.pool.blocks(request))
+            new = self.pool.grow(request, held + local)[held:]  # continues the last local rBlock where free
+            table.extend(Placement(self.instance, b) for b in new)
         if need > local:
             table.extend(self._gm.borrow(self.instance, request, need - local))
         return self.table(request)
@@ -249,7 +233,7 @@ class RManager:
     def _end(self, request: int, how: str) -> None:
         table = self._own_table(request)
         self._gm.check_no_plan(f"end request {request}")
-        self._pool.release(p.block for p in table if p.instance == self.instance)
+        self.pool.free(request)  # its local rBlocks (registered ones stay cached)
         self._gm.repay(request, [p for p in table if p.instance != self.instance], how)
         del self._tables[request]
 
@@ -274,14 +258,14 @@ class RManager:
         """Take `count` free rBlocks out of the pool for a loan (the GManager records it)."""
         if count > self.num_free:
             raise OutOfBlocks(f"instance {self.instance} cannot lend {count} rBlocks: {self.num_free} free")
-        return self._pool.take(count, after=None)
+        return self.pool.lend(count)
 
     def take_back(self, blocks) -> None:
         """Lent rBlocks come home free (their request ended, or they were recalled)."""
-        self._pool.release(blocks)
+        self.pool.take_back(blocks)
 
     def reserve_for_recall(self, count: int) -> list[int]:
-        blocks = self._pool.take(count, after=None)
+        blocks = self.pool.lend(count)
         self._reserved.update(blocks)
         return blocks
 
@@ -289,13 +273,15 @@ class RManager:
         """Recall destinations: now in a table (used) or back to the pool (the plan was aborted)."""
         self._reserved.difference_update(blocks)
         if not used:
-            self._pool.release(blocks)
+            self.pool.take_back(blocks)
 
     def move(self, request: int, index: int, src: Placement, dst: Placement) -> None:
         table = self._own_table(request)
         if table[index] != src:
             raise ValueError(f"request {request} entry {index} is {table[index]}, not {src}: stale plan")
         table[index] = dst
+        if dst.instance == self.instance:  # a recall destination, or the other half of a swap: now its own
+            self.pool.adopt(request, dst.block)
 
 
 class GManager:

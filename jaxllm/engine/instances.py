@@ -1,16 +1,19 @@
 """Several serving instances behind one engine: a scheduler and an rBlock pool each, lending through DistKV.
 
-The engine core drives one scheduler; with the mesh's `instance` axis longer than 1 that scheduler is an
-`InstanceSchedulers`: one `Scheduler` per instance, each over a `LendingAllocator` of that instance's
-`RManager`, and one `GManager` (the debt ledger) for them all. A request goes to the least-loaded instance
-(fewest tokens queued and running; the lowest id on a tie) and stays there: its home instance runs it and
-merges its attention, wherever its rBlocks are. A step joins every instance's plan (rows grouped by
-instance, `StepPlan.instances` naming each row's home); the runner gives each instance its own rows.
+The engine core drives one StepScheduler (jaxllm.engine.scheduling); with the mesh's `instance` axis longer
+than 1 that is an `InstanceSchedulers`: one `Scheduler` per instance, each over a `LendingAllocator` of that
+instance's `RManager`, and one `GManager` (the debt ledger) for them all. A request goes to the
+least-loaded instance (fewest tokens queued and running; the lowest id on a tie) and stays there: its home
+instance runs it and merges its attention, wherever its rBlocks are. A step joins every instance's plan
+(rows grouped by instance, `StepPlan.instances` naming each row's home); the executor gives each instance
+its own rows. Each instance keeps its own prefix cache (lending.py says what it caches).
 
-After every step each instance reports its free rBlocks (the heartbeat), and when a debtor has room again
-the GManager plans recalls (and swaps for circular debts); `recall_plan` hands the plan to the runner, which
-copies the rBlocks on the device before `confirm_recall` moves the tables. Nothing is refused or preempted
-while the mesh has free rBlocks (lending on); with lending off each instance lives within its pool.
+After every step each instance reports its free rBlocks (the heartbeat). When a debtor has room again the
+GManager plans recalls (and swaps for circular debts): `plan()` puts them on the step as
+`StepPlan.block_copies`, which the executor copies on the device before the step, and moves the tables at
+once (device work runs in dispatch order, so every later step reads the rBlocks where they landed).
+Decode continuations run as on one instance when every instance can continue. Nothing is refused or
+preempted while the mesh has free rBlocks (lending on); with lending off each instance lives within its pool.
 """
 
 from __future__ import annotations
@@ -20,38 +23,22 @@ from collections.abc import Collection
 
 import numpy as np
 
-from jaxllm.engine.distkv import GManager, InstanceSpec, RecallPlan, RManager
+from jaxllm.contract import SamplingParams, StepPlan
+from jaxllm.engine.distkv import GManager, InstanceSpec, RManager
 from jaxllm.engine.lending import LendingAllocator
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Scheduler, Sequence, StepPlan
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.scheduling import LendingStats, SchedulerStats
+from jaxllm.engine.sequence import Sequence
 
-__all__ = ["InstanceSchedulers", "PoolTotals"]
-
-
-class PoolTotals:
-    """The pool seen as one (the engine's stats): every instance's rBlocks."""
-
-    def __init__(self, allocators: list[LendingAllocator]):
-        self._allocators = allocators
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(a.num_blocks for a in self._allocators)
-
-    @property
-    def num_free(self) -> int:
-        return sum(a.rmanager.num_free for a in self._allocators)
-
-    @property
-    def num_cached(self) -> int:
-        return 0
+__all__ = ["InstanceSchedulers", "join_plans"]
 
 
 class InstanceSchedulers:
-    """One scheduler per instance, with the engine core's Scheduler interface."""
+    """The StepScheduler (jaxllm.engine.scheduling) of several instances: one Scheduler each, joined plans."""
 
     def __init__(self, instances: int, blocks_per_instance: int, block_size: int, *, max_tokens_per_step: int,
-                 max_seqs: int, lending: bool = True, hosts: list[int] | None = None, reserve: int = 0):
+                 max_seqs: int, lending: bool = True, prefix_caching: bool = True, hosts: list[int] | None = None,
+                 reserve: int = 0):
         """instances: the mesh's instance axis; blocks_per_instance: each instance's pool; max_tokens_per_step
         and max_seqs: each instance's step budget (a step runs every instance's rows side by side);
         hosts: each instance's host (lending prefers the same host); reserve: rBlocks an instance keeps from
@@ -74,29 +61,14 @@ class InstanceSchedulers:
             for i in range(instances)]
         # Sequence ids i, i + n, i + 2n, ...: an id names its instance (id % n) engine-wide.
         self.schedulers = [Scheduler(a, block_size, max_tokens_per_step=max_tokens_per_step, max_seqs=max_seqs,
-                                     prefix_caching=False, seq_ids=itertools.count(i, instances))
+                                     prefix_caching=prefix_caching, seq_ids=itertools.count(i, instances))
                            for i, a in enumerate(self.allocators)]
-        self.allocator = PoolTotals(self.allocators)
-        self.prefix_caching = False
-        self._recall: RecallPlan | None = None
 
-    # ----- the Scheduler interface the engine core uses -----
-
-    @property
-    def waiting(self) -> list[Sequence]:
-        return [seq for s in self.schedulers for seq in s.waiting]
+    # ----- requests -----
 
     @property
     def running(self) -> list[Sequence]:
         return [seq for s in self.schedulers for seq in s.running]
-
-    @property
-    def cached_tokens(self) -> int:
-        return 0
-
-    @property
-    def preemptions(self) -> int:
-        return sum(s.preemptions for s in self.schedulers)
 
     def load(self, instance: int) -> int:
         """Tokens queued and running on `instance` (what routing balances)."""
@@ -123,58 +95,93 @@ class InstanceSchedulers:
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.schedulers)
 
+    # ----- planning -----
+
     def plan(self) -> StepPlan | None:
-        """Every instance's next step, joined (rows grouped by instance), or None when none can run."""
+        """Every instance's next step, joined (rows grouped by instance), with the recall copies to do first;
+        None when nothing can run."""
+        copies = self._recall()
         plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan()) is not None]
-        if not plans:
+        if not plans and not copies:
             return None
-        return join_plans(plans)
+        return join_plans(plans, block_copies=copies)
 
     def plan_continuation(self, prev: StepPlan) -> StepPlan | None:
-        """Not with several instances: each step is planned after the previous one's tokens are in (the
-        heartbeat and recalls run between steps)."""
-        del prev
-        return None
+        """The decode step after `prev` (see Scheduler.plan_continuation) when every instance that ran in prev
+        can continue and no other instance has work waiting; otherwise None."""
+        if prev.instances is None or not prev.is_decode or prev.block_copies is not None:
+            return None
+        bounds = prev.instance_bounds(self.instances)
+        ran = [i for i in range(self.instances) if bounds[i + 1] > bounds[i]]
+        if any(self.schedulers[i].has_work() for i in range(self.instances) if i not in ran):
+            return None
+        plans = []
+        for i in ran:
+            following = self.schedulers[i].plan_continuation(prev.rows(bounds[i], bounds[i + 1]))
+            if following is None:
+                return None  # rBlocks grown for the others stay theirs: harmless, the next plan uses them
+            plans.append((i, following))
+        return join_plans(plans)
+
+    def _recall(self) -> np.ndarray | None:
+        """The GManager's recall plan as rBlock copies [M, 2] (global source, global destination), tables and
+        ledger moved at once (the executor copies before the step that reads them); None when nothing moves."""
+        if not self.lending or not self.gmanager.loans():
+            return None
+        plan = self.gmanager.plan_recalls()
+        if not plan.moves:
+            return None
+        copies = np.array([(self.global_id(src), self.global_id(dst)) for src, dst in plan.copies()], np.int32)
+        self.gmanager.confirm(plan)
+        return copies
+
+    def global_id(self, placement) -> int:
+        return placement.instance * self.blocks_per_instance + placement.block
+
+    # ----- results -----
 
     def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int | Collection[int],
                logprobs=None) -> list[Sequence]:
         """Each instance records its own rows (a scheduler skips ids that are not its own); then the
         heartbeat: every instance reports its free rBlocks to the GManager."""
         advanced = [seq for s in self.schedulers for seq in s.update(plan, sampled, eos_id, logprobs)]
-        for a in self.allocators:
-            self.gmanager.report(a.instance, a.rmanager.num_free)
+        self._heartbeat()
         return advanced
 
-    # ----- recalls -----
+    def record_computed(self, plan: StepPlan) -> None:
+        for s in self.schedulers:
+            s.record_computed(plan)
+        self._heartbeat()
 
-    def recall_copies(self) -> list[tuple[int, int]]:
-        """The GManager's next recall plan as rBlock copies (global source id, global destination id), all
-        reads before any write; [] when nothing moves. The caller copies them on the device, then calls
-        confirm_recall; until then no table may change."""
-        if not self.lending or self._recall is not None or not self.gmanager.loans():
-            return []
-        plan = self.gmanager.plan_recalls()
-        if not plan.moves:
-            return []
-        self._recall = plan
-        return [(self.global_id(src), self.global_id(dst)) for src, dst in plan.copies()]
+    def _heartbeat(self) -> None:
+        for a in self.allocators:
+            self.gmanager.report(a.instance, a.rmanager.num_free)
 
-    def confirm_recall(self) -> None:
-        if self._recall is not None:
-            self.gmanager.confirm(self._recall)
-            self._recall = None
-
-    def global_id(self, placement) -> int:
-        return placement.instance * self.blocks_per_instance + placement.block
-
-    def lending_stats(self) -> dict:
-        """Borrowed and lent rBlocks per instance, lenders per debtor, and the ledger's counters."""
-        return self.gmanager.metrics()
+    def stats(self) -> SchedulerStats:
+        """Every instance's queue and pool summed, with the lending ledger's figures."""
+        parts = [s.stats() for s in self.schedulers]
+        ledger = self.gmanager.metrics()
+        lending = LendingStats(borrowed_by_instance=tuple(ledger["borrowed"][i] for i in sorted(ledger["borrowed"])),
+                               lending_instances=sum(1 for n in ledger["lent"].values() if n),
+                               loans_total=ledger["loans"], recalled_blocks_total=ledger["recalled"],
+                               swapped_pairs_total=ledger["swapped"])
+        return SchedulerStats(
+            waiting=sum(p.waiting for p in parts), running=sum(p.running for p in parts),
+            preemptions=sum(p.preemptions for p in parts), cached_tokens=sum(p.cached_tokens for p in parts),
+            pool_blocks=sum(p.pool_blocks for p in parts),
+            pool_blocks_free=sum(a.rmanager.num_free for a in self.allocators),
+            cached_blocks=sum(p.cached_blocks for p in parts), lending=lending)
 
 
-def join_plans(plans: list[tuple[int, StepPlan]]) -> StepPlan:
+def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | None = None) -> StepPlan:
     """Instances' plans as one StepPlan: rows in instance order, tokens packed likewise, `instances` naming
-    each row's home. Block tables are padded to the widest."""
+    each row's home. Block tables are padded to the widest. No plans: a step of copies alone."""
+    if not plans:
+        empty = np.zeros(0, np.int32)
+        return StepPlan(seq_ids=np.zeros(0, np.int64), token_ids=empty, positions=empty, slot_mapping=empty,
+                        cu_q_lens=np.zeros(1, np.int32), kv_lens=empty, block_tables=np.zeros((0, 1), np.int32),
+                        sample=np.zeros(0, bool), temperature=np.zeros(0, np.float32), top_k=empty,
+                        top_p=np.zeros(0, np.float32), seed=empty, instances=empty, block_copies=block_copies)
     width = max(p.block_tables.shape[1] for _, p in plans)
     tables = [np.pad(p.block_tables, ((0, 0), (0, width - p.block_tables.shape[1]))) for _, p in plans]
     offsets = np.cumsum([0] + [p.num_tokens for _, p in plans])
@@ -187,4 +194,5 @@ def join_plans(plans: list[tuple[int, StepPlan]]) -> StepPlan:
         top_k=cat("top_k"), top_p=cat("top_p"), seed=cat("seed"),
         logprobs=None if any(p.logprobs is None for _, p in plans) else cat("logprobs"),
         instances=np.concatenate([np.full(p.num_seqs, i, np.int32) for i, p in plans]),
+        block_copies=block_copies,
         kv_extent=(sum(p.kv_extent[0] for _, p in plans), max(p.kv_extent[1] for _, p in plans)))

@@ -1,38 +1,42 @@
-"""One instance's rBlock allocator when instances lend each other rBlocks: the scheduler's view of an RManager.
+"""One instance's rBlock pool when instances lend each other rBlocks: the BlockPool of an RManager.
 
 An engine of several instances (the mesh's `instance` axis) gives each instance its own Scheduler, and each
 Scheduler one `LendingAllocator` over that instance's `distkv.RManager`. The scheduler is the one-instance
-scheduler, unchanged: it grows, frees and reads tables through the BlockAllocator interface, and sees
-global rBlock ids, `instance * blocks_per_instance + local id`, so a table says where every rBlock lives and
-slot arithmetic (block * block_size + row) keeps working. The runner turns them back into each instance's
-local ids.
+scheduler, unchanged: it grows, frees and reads tables through the BlockPool contract
+(jaxllm.engine.allocator), and sees global rBlock ids, `instance * blocks_per_instance + local id`, so a
+table says where every rBlock lives and slot arithmetic (block * block_size + row) keeps working. The
+executor turns them back into each instance's local ids.
 
 With lending on, `grow` takes local rBlocks first and borrows the rest through the GManager; it raises
 OutOfBlocks (the scheduler then preempts, or keeps a request waiting) only when the whole mesh has fewer free
 rBlocks than needed, and `num_free` is the mesh's. With lending off, an instance is on its own: the same
 engine with every instance limited to its pool (the comparison `scripts/bench_mesh.py` draws).
 
-Prefix caching is per pool, and a lent rBlock belongs to another pool: with several instances the prefix
-cache is off (lookup finds nothing, register keeps nothing).
+Prefix caching is the one-instance cache (allocator.BlockAllocator) of each instance's own pool: a sequence
+shares the cached rBlocks of its home instance, and registers the full rBlocks it computes there. A borrowed
+rBlock is not cached: when its sequence ends it goes back to its creditor, which may hand it to anyone at
+once, so a cache entry for it would name memory the home instance no longer holds (keeping it would pin
+another instance's pool outside that pool's own eviction order).
 """
 
 from __future__ import annotations
 
 from jaxllm.engine.allocator import OutOfBlocks
-from jaxllm.engine.distkv import Placement, RManager
+from jaxllm.engine.distkv import GManager, Placement, RManager
 
 __all__ = ["LendingAllocator"]
 
 
 class LendingAllocator:
-    """The BlockAllocator interface of one instance's rBlocks, lent ones included (global ids)."""
+    """The BlockPool (jaxllm.engine.allocator) of one instance's rBlocks, lent ones included (global ids)."""
 
-    def __init__(self, rmanager: RManager, gmanager, *, lending: bool = True):
+    def __init__(self, rmanager: RManager, gmanager: GManager, *, lending: bool = True):
         self.rmanager = rmanager
         self.gmanager = gmanager
         self.lending = lending
         self.blocks_per_instance = rmanager.spec.num_blocks
         self.instance = rmanager.instance
+        self._first = self.instance * self.blocks_per_instance  # this pool's first global id
 
     # ----- what the scheduler reads -----
 
@@ -48,7 +52,8 @@ class LendingAllocator:
 
     @property
     def num_cached(self) -> int:
-        return 0
+        """rBlocks of this pool in its prefix cache."""
+        return self.rmanager.pool.num_cached
 
     def global_id(self, placement: Placement) -> int:
         return placement.instance * self.blocks_per_instance + placement.block
@@ -76,19 +81,23 @@ class LendingAllocator:
         return self.blocks(seq_id)
 
     def free(self, seq_id: int) -> None:
-        """seq_id's rBlocks go back: local ones to this pool, lent ones to their creditors."""
+        """seq_id's rBlocks go back: local ones to this pool (registered ones stay cached), lent ones to their
+        creditors."""
         if seq_id in self.rmanager.requests():
             self.rmanager.finish(seq_id)
 
-    # ----- the prefix cache: off across instances -----
+    # ----- the prefix cache: this instance's own rBlocks -----
 
     def lookup(self, keys: list[bytes]) -> list[int]:
-        del keys
-        return []
+        """The cached rBlocks of this pool for the longest run of keys from the first (global ids)."""
+        return [self._first + b for b in self.rmanager.pool.lookup(keys)]
 
     def share(self, seq_id: int, blocks: list[int]) -> None:
-        if blocks:
-            raise ValueError(f"sequence {seq_id}: no prefix cache across instances")
+        """Start seq_id, which holds nothing yet, with these cached rBlocks (lookup's global ids)."""
+        self.rmanager.start_shared(seq_id, [b - self._first for b in blocks])
 
     def register(self, block: int, key: bytes) -> None:
-        del block, key
+        """Cache a full rBlock of this pool; a borrowed one is not cached (the module docstring says why)."""
+        local = block - self._first
+        if 0 <= local < self.blocks_per_instance:
+            self.rmanager.pool.register(local, key)

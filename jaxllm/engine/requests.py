@@ -19,7 +19,7 @@ import dataclasses
 import numbers
 from typing import Sequence
 
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.contract import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

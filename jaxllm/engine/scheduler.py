@@ -14,136 +14,16 @@ the pool needed them meanwhile.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
 import itertools
 from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from jaxllm.engine.allocator import BlockAllocator, OutOfBlocks
-from jaxllm.engine.sampling import SamplingParams
-
-# token_ids of a continuation step (Scheduler.plan_continuation): the real ids are still on the device.
-PENDING_TOKEN = -1
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    seq_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_len: int  # prompt + new tokens may not exceed this (the context limit)
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    # One entry per output id when params.logprobs is set: (its logprob, ((id, logprob), ...) top k).
-    output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the pool
-    status: Status = Status.WAITING
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    reuse_prefix: bool = True  # may start from cached rBlocks (False: every position is computed)
-    num_cached_prompt: int = 0  # tokens whose KV came from the prefix cache at its last admission
-    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its first full rBlocks
-    num_registered: int = 0  # of its current rBlocks, the first this many are in the prefix cache
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end] without building the whole list (a step's chunk of a long context)."""
-        split = len(self.prompt_ids)
-        if end <= split:
-            return self.prompt_ids[start:end]
-        if start >= split:
-            return self.output_ids[start - split:end - split]
-        return self.prompt_ids[start:] + self.output_ids[:end - split]
-
-
-def kv_extent_of(kv_lens: np.ndarray) -> tuple[int, int]:
-    """(total, longest) of kv_lens as Python ints ((0, 0) for none): two reductions."""
-    if len(kv_lens) == 0:
-        return 0, 0
-    return int(np.add.reduce(kv_lens, dtype=np.int64)), int(np.maximum.reduce(kv_lens))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StepPlan:
-    """One step's work as plain numpy arrays and ids (unpadded; step.make_step_inputs pads them to a bucket).
-
-    seq_ids [S] int64 (the scheduler maps them back to its sequences); token_ids, positions,
-    slot_mapping: [T] int32; cu_q_lens [S+1]; kv_lens [S]; block_tables [S, W]; sample [S] bool: the
-    chunk ends at the sequence's last token, so its logits sample a new one. temperature, top_p [S]
-    float32, top_k, seed [S] int32: each sequence's SamplingParams. logprobs [S] int32: top tokens
-    each sequence wants log-probabilities of (SamplingParams.logprobs; -1: none); None: nobody wants any.
-    instances [S] int32: each sequence's home instance, on an engine of several instances (their plans
-    joined, rows grouped by instance; block ids are then global: instance * blocks_per_instance + local);
-    None on one instance. kv_extent: (total, longest) of kv_lens as Python ints; computed here unless given
-    (the scheduler gives a continuation its source's, grown by one token a sequence: the tuner's per-step
-    key reads it, so a steady decode step costs no reduction over the batch).
-    """
-
-    seq_ids: np.ndarray
-    token_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    cu_q_lens: np.ndarray
-    kv_lens: np.ndarray
-    block_tables: np.ndarray
-    sample: np.ndarray
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    seed: np.ndarray
-    logprobs: np.ndarray | None = None
-    instances: np.ndarray | None = None
-    kv_extent: tuple[int, int] | None = None
-
-    def __post_init__(self):
-        s, t = len(self.seq_ids), len(self.token_ids)
-        for name, n in (("positions", t), ("slot_mapping", t), ("cu_q_lens", s + 1), ("kv_lens", s),
-                        ("block_tables", s), ("sample", s), ("temperature", s), ("top_k", s), ("top_p", s),
-                        ("seed", s)):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"StepPlan.{name} has {len(getattr(self, name))} rows, want {n} "
-                                 f"({s} sequences, {t} tokens)")
-        if self.logprobs is not None and len(self.logprobs) != s:
-            raise ValueError(f"StepPlan.logprobs has {len(self.logprobs)} rows, want {s} ({s} sequences)")
-        if self.instances is not None and len(self.instances) != s:
-            raise ValueError(f"StepPlan.instances has {len(self.instances)} rows, want {s} ({s} sequences)")
-        if self.kv_extent is None:  # a derived field: frozen, so set once here
-            object.__setattr__(self, "kv_extent", kv_extent_of(self.kv_lens))
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def wants_logprobs(self) -> bool:
-        """Some sequence samples a token in this step and wants its log-probabilities."""
-        return self.logprobs is not None and bool(np.any(self.sample & (self.logprobs >= 0)))
-
-    def __len__(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == len(self.seq_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+from jaxllm.contract import PENDING_TOKEN, SamplingParams, StepPlan
+from jaxllm.engine.allocator import BlockPool, OutOfBlocks
+from jaxllm.engine.scheduling import SchedulerStats
+from jaxllm.engine.sequence import Sequence, Status
 
 
 def block_key(previous: bytes, tokens: list[int]) -> bytes:
@@ -155,7 +35,9 @@ def block_key(previous: bytes, tokens: list[int]) -> bytes:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_tokens_per_step: int, max_seqs: int,
+    """The StepScheduler (jaxllm.engine.scheduling) of one instance over one BlockPool (see the module docstring)."""
+
+    def __init__(self, allocator: BlockPool, block_size: int, *, max_tokens_per_step: int, max_seqs: int,
                  prefix_caching: bool = True, seq_ids: Iterator[int] | None = None):
         """seq_ids: where sequence ids come from (default 0, 1, 2, ...); several schedulers of one engine
         (one per instance) draw from disjoint ranges, so a plan's ids name one sequence engine-wide."""
@@ -192,17 +74,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def recall_copies(self) -> list[tuple[int, int]]:
-        """rBlock copies (source, destination) the device must do before the next plan: none on one
-        instance (instances.InstanceSchedulers recalls lent rBlocks home)."""
-        return []
-
-    def confirm_recall(self) -> None:
-        """The copies of recall_copies are done (nothing to confirm on one instance)."""
-
-    def lending_stats(self) -> dict:
-        """The lending ledger's figures (instances.InstanceSchedulers); empty on one instance."""
-        return {}
+    def stats(self) -> SchedulerStats:
+        """The queue and the pool, a snapshot (lending: None, one instance)."""
+        pool = self.allocator
+        return SchedulerStats(waiting=len(self.waiting), running=len(self.running), preemptions=self.preemptions,
+                              cached_tokens=self.cached_tokens, pool_blocks=pool.num_blocks,
+                              pool_blocks_free=pool.num_free, cached_blocks=pool.num_cached)
 
     # ----- planning -----
 
@@ -417,6 +294,15 @@ class Scheduler:
             if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_len:
                 self._finish(seq, "length")
         return advanced
+
+    def record_computed(self, plan: StepPlan) -> None:
+        """A step ran for its KV alone (teacher-forced logits): every row's sequence has its KV up to its
+        kv_len, and its full rBlocks go to the prefix cache as a sampled step's would."""
+        for i, seq_id in enumerate(plan.seq_ids):
+            seq = self.sequence(seq_id)
+            if seq is not None and seq.status is Status.RUNNING:
+                seq.num_computed = int(plan.kv_lens[i])
+                self._register_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence early (stop string matched, client gone)."""

@@ -18,7 +18,7 @@ from typing import Iterator
 from jaxllm.engine.core import EngineInfo, EngineStats, Request, RequestOutput
 from jaxllm.engine.output import RequestTimings
 from jaxllm.engine.requests import check_params, prompt_token_ids
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.contract import SamplingParams
 from jaxllm.llm import LLM
 
 

@@ -4,7 +4,7 @@ The model runs on packed tokens of many sequences at once ([tokens, ...], no bat
 where each token's K/V goes and what it attends to comes from `AttentionBatch`. The KV pool
 is an argument and a result, never module state.
 
-Parameter layout (einsum-friendly; weights.py maps HuggingFace names onto it):
+Parameter layout (einsum-friendly; checkpoints/ maps HuggingFace names onto it):
   embedding                 [vocab, hidden]
   layers[i].attention.qkv   [hidden, num_kv_heads, G + 2, head_dim]  (per KV head: its G = num_heads //
                             num_kv_heads query heads, then its k, then its v; query head h is [h // G, h % G])
@@ -30,10 +30,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.model.config import LlamaConfig
-from jaxllm.engine.kv_cache import AttentionBatch, KVCache, LayerKV
+from jaxllm.model.kv_cache import KVCache, LayerKV
 from jaxllm.model.rope import attention_scaling, inverse_frequencies, rope_tables
-from sharding.dist_step import dist_attention
-from pallas_kernels.dispatch import REFERENCE, Kernels, add_rms_norm, matmul_unreduced, ragged_attention, rope_write_kv
+from pallas_kernels.dispatch import REFERENCE, AttentionBatch, Kernels, add_rms_norm, matmul_unreduced, paged_attention
 
 _INIT_STD = 0.02
 
@@ -91,18 +90,11 @@ class Attention(nnx.Module):
         # their heads in place; q [T, Hkv, Gh, hd] holds each group's rotated queries first (read in place).
         qkv = matmul_unreduced(x, w.reshape(w.shape[0], -1), kernels=kernels)
         qkv = qkv.reshape(*qkv.shape[:-1], *w.shape[1:])
-        if batch.parts is not None:  # some sequence has rBlocks on other instances: DistAttention
-            out, k_pool, v_pool, k_scale, v_scale = dist_attention(
-                qkv, cos, sin, layer_kv.k, layer_kv.v, layer_kv.k_scale, layer_kv.v_scale, batch.parts,
-                decode=batch.decode, num_q_heads=self.num_heads, dtype=x.dtype, kernels=kernels,
-                rope_write_kv=rope_write_kv)
-            return self._project_out(out, x.dtype, kernels), LayerKV(k_pool, v_pool, k_scale, v_scale)
-        q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(layer_kv.k, layer_kv.v, qkv, cos, sin,
-                                                            batch.slot_mapping, layer_kv.k_scale, layer_kv.v_scale,
-                                                            dtype=x.dtype, kernels=kernels)
-        out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
-                               decode=batch.decode, k_scale=k_scale, v_scale=v_scale, num_q_heads=self.num_heads,
-                               kernels=kernels)  # [T, Hq, hd]
+        # RoPE, the K/V write and attention where the KV lives (one device, tensor shards, or instances
+        # holding parts of a sequence): the kernels' business, not the model's.
+        out, k_pool, v_pool, k_scale, v_scale = paged_attention(
+            layer_kv.k, layer_kv.v, layer_kv.k_scale, layer_kv.v_scale, qkv, cos, sin, batch,
+            num_q_heads=self.num_heads, dtype=x.dtype, kernels=kernels)  # out [T, Hq, hd]
         return self._project_out(out, x.dtype, kernels), LayerKV(k_pool, v_pool, k_scale, v_scale)
 
     def _project_out(self, out, dtype, kernels: Kernels):

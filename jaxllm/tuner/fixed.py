@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxllm.engine.scheduler import StepPlan
+from jaxllm.contract import StepPlan
 from pallas_kernels.dispatch import Kernels
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from jaxllm.engine.scheduler import StepPlan
+from jaxllm.contract import StepPlan
 from pallas_kernels.dispatch import Kernels
 
 

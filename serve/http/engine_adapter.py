@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
-from jaxllm.engine.sampling import SEED_LIMIT, SamplingParams
+from jaxllm.contract import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
 from jaxllm.model.chat import chat_prompt
 

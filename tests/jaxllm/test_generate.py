@@ -24,7 +24,7 @@ def test_greedy_cached_generation_equals_full_recompute(llm):
         assert predicted.tolist() == out.token_ids
         if out.finish_reason == "length":
             assert len(out.token_ids) == 10
-    assert llm.allocator.num_free == llm.allocator.num_blocks  # every rBlock returned
+    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks  # every rBlock returned
 
 
 def test_output_independent_of_batch_composition(llm):
@@ -40,11 +40,11 @@ def test_greedy_step_variant_changes_no_token(llm, monkeypatch):
     """Decode steps whose sequences are all greedy run the argmax-only step variant; beside a sampled
     sequence the step carries the sampler. A greedy request's tokens must be the same either way."""
     from jaxllm.engine.core import Request
-    from jaxllm.engine.sampling import SamplingParams
+    from jaxllm.contract import SamplingParams
 
     calls = []
-    run_step = llm.runner.run_step
-    monkeypatch.setattr(llm.runner, "run_step",
+    run_step = llm.executor.run_step
+    monkeypatch.setattr(llm.executor, "run_step",
                         lambda decode, inputs, *, greedy=False, **kw: calls.append(greedy) or run_step(
                             decode, inputs, greedy=greedy, **kw))
     try:
@@ -73,14 +73,14 @@ def test_preemption_gives_the_same_tokens():
     got = tight.generate(prompts, **kwargs)
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert [c.text for c in got] == [c.text for c in expected]
-    assert tight.allocator.num_free == 24
+    assert tight.core.stats().pool_blocks_free == 24
 
 
 def test_stream_matches_generate(llm):
     pieces = list(llm.stream(PROMPTS[3], max_new_tokens=12, temperature=0.5, seed=3))
     whole = llm.generate([PROMPTS[3]], max_new_tokens=12, temperature=0.5, seed=3)[0]
     assert "".join(pieces) == whole.text
-    assert llm.allocator.num_free == llm.allocator.num_blocks
+    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
 
 
 def test_ignore_eos_runs_to_max_new_tokens(llm):
@@ -112,7 +112,7 @@ def test_abandoned_stream_frees_blocks(llm):
     it = llm.stream("abandon me", max_new_tokens=50)
     next(it)
     it.close()
-    assert llm.allocator.num_free == llm.allocator.num_blocks
+    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
     assert not llm.scheduler.has_work()
 
 
@@ -180,7 +180,7 @@ def test_no_new_compiles_after_warm_up():
               progress=False)
     llm.warm_up(progress=False)
     warm = llm.compile_count
-    assert warm == len(llm.runner.bucket_shapes())
+    assert warm == len(llm.executor.bucket_shapes())
     rng = np.random.default_rng()
     for _ in range(20):  # 200 requests of random lengths and sampling settings, 10 at a time
         prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=n)) for n in rng.integers(1, 100, size=10)]
@@ -204,7 +204,7 @@ def test_shared_prompt_prefix_is_reused_and_changes_no_token():
     shared = len(cached.tokenizer.encode(system)) // 4 * 4  # whole rBlocks of the common prefix
     assert cached.scheduler.cached_tokens - before >= shared > 0
     assert out.token_ids == plain.generate([second], max_new_tokens=12)[0].token_ids
-    assert plain.scheduler.cached_tokens == 0 and plain.allocator.num_cached == 0
+    assert plain.scheduler.cached_tokens == 0 and plain.core.stats().prefix_cache_blocks == 0
     prompt_ids = cached.tokenizer.encode(second)
     full = prompt_ids + out.token_ids
     predicted = cached.logits(full)[len(prompt_ids) - 1:len(full) - 1].argmax(-1)
@@ -212,7 +212,7 @@ def test_shared_prompt_prefix_is_reused_and_changes_no_token():
     # The same prompt again: everything but its last token comes from the cache.
     again = cached.generate([second], max_new_tokens=12)[0]
     assert again.token_ids == out.token_ids
-    assert cached.allocator.num_free == cached.allocator.num_blocks  # cached rBlocks count as free
+    assert cached.core.stats().pool_blocks_free == cached.core.stats().pool_blocks  # cached rBlocks count as free
 
 
 def test_generate_cli_checks_flags_before_echoing_the_prompt(capsys):

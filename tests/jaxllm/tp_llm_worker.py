@@ -86,9 +86,9 @@ def main():
             llm = LLM(path, progress=False, options=_options(tp))
             case = _compare(_run(llm, generate=tp == GENERATE_AT[name]), want)
             info = llm.info()
-            case.update(params={k: _held(v) for k, v in _named(llm.runner.state).items()},
-                        pool={k: _held(v) for k, v in _named(llm.runner.kv_cache).items()},
-                        devices=llm.mesh.devices.size, step_kv_heads=llm.runner.config.num_kv_heads,
+            case.update(params={k: _held(v) for k, v in _named(llm.executor.state).items()},
+                        pool={k: _held(v) for k, v in _named(llm.executor.kv_cache).items()},
+                        devices=llm.mesh.devices.size, step_kv_heads=llm.executor.config.num_kv_heads,
                         info=dict(tensor_parallel=info.tensor_parallel, instances=info.instances,
                                   processes=info.processes, devices=info.devices, num_kv_heads=info.num_kv_heads))
             out[f"{name}/tp{tp}"] = case
@@ -104,7 +104,7 @@ def main():
     want = _run(LLM(os.path.join(root, "gqa_wide"), progress=False, options=_options(1)))
     llm = LLM(orbax_dir, progress=False, options=_options(4))
     out["orbax/tp4"] = dict(_compare(_run(llm), want),
-                            params={k: _held(v) for k, v in _named(llm.runner.state).items()})
+                            params={k: _held(v) for k, v in _named(llm.executor.state).items()})
 
     # The Pallas kernels (interpret mode) per device inside shard_map, through the runner's Kernels.
     tiny = LLM("tiny", progress=False, options=_options(1, block_size=16, num_blocks=4))

@@ -108,7 +108,7 @@ def test_repeat_kv_heads_errors_and_replication():
 
 
 def test_kv_pool_specs_and_errors():
-    from jaxllm.engine.kv_cache import init_kv_cache
+    from jaxllm.model.kv_cache import init_kv_cache
 
     mesh = make_mesh(1)
     pool = init_kv_cache(GQA.replace(num_layers=1), 4, 8, "int8")

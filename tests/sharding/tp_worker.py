@@ -16,7 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache  # noqa: E402
+from jaxllm.model.kv_cache import init_kv_cache
+from pallas_kernels.dispatch import AttentionBatch  # noqa: E402
 from jaxllm.model import llama  # noqa: E402
 from jaxllm.model.config import LlamaConfig  # noqa: E402
 from pallas_kernels import dispatch, kv_write  # noqa: E402

@@ -10,7 +10,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import numpy as np  # noqa: E402
 
 from jaxllm.engine.core import Request  # noqa: E402
-from jaxllm.engine.sampling import SamplingParams  # noqa: E402
+from jaxllm.contract import SamplingParams  # noqa: E402
 from jaxllm.llm import LLM, EngineOptions  # noqa: E402
 
 BLOCK = 16

@@ -2,7 +2,7 @@
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.engine.core import Request
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.contract import SamplingParams
 
 
 def test_cancel_frees_rblocks_within_one_step_and_stops_tokens():

@@ -7,7 +7,7 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.engine.requests import RequestLimits, sampling_params
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.contract import SamplingParams
 
 MAX_LOGPROBS = 5
 PROMPTS = ["The quick brown fox", "a", "Ragged batches mix very different lengths: " + "x" * 40]
@@ -87,8 +87,8 @@ def test_no_new_compiles_after_warm_up_with_logprobs():
                                                             max_logprobs=2), progress=False)
     llm.warm_up(progress=False)
     warm = llm.compile_count
-    assert warm == len(llm.runner.bucket_shapes())
-    assert sum(1 for shape in llm.runner.bucket_shapes() if shape[3]) == warm // 2
+    assert warm == len(llm.executor.bucket_shapes())
+    assert sum(1 for shape in llm.executor.bucket_shapes() if shape[3]) == warm // 2
     rng = np.random.default_rng(0)
     for _ in range(4):
         prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=n)) for n in rng.integers(1, 40, size=3)]

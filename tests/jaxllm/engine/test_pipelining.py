@@ -11,8 +11,10 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.engine.allocator import BlockAllocator
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import PENDING_TOKEN, Scheduler, Status
+from jaxllm.contract import SamplingParams
+from jaxllm.contract import PENDING_TOKEN
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sequence import Status
 
 PROMPTS = ["a", "The quick brown fox", "Ragged batches mix very different lengths: " + "x" * 50, "日本語 🙂"]
 GREEDY = dict()
@@ -29,13 +31,13 @@ def llm():
 def continuations(llm, monkeypatch):
     """Appends True for every step dispatched with its tokens taken from the device, False otherwise."""
     calls = []
-    real = llm.runner.dispatch
+    real = llm.executor.dispatch
 
     def dispatch(plan, *, token_source=None):
         calls.append(token_source is not None)
         return real(plan, token_source=token_source)
 
-    monkeypatch.setattr(llm.runner, "dispatch", dispatch)
+    monkeypatch.setattr(llm.executor, "dispatch", dispatch)
     return calls
 
 
@@ -108,9 +110,9 @@ def test_preemption_matches_synchronous():
                 progress=False)
     prompts = ["first prompt here", "second one", "third prompt, longer than the rest", "fourth"]
     preempted, fed = [], []
-    real_preempt, real_dispatch = tight.scheduler._preempt, tight.runner.dispatch
+    real_preempt, real_dispatch = tight.scheduler._preempt, tight.executor.dispatch
     tight.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), real_preempt(seq))
-    tight.runner.dispatch = lambda plan, token_source=None: (fed.append(token_source is not None),
+    tight.executor.dispatch = lambda plan, token_source=None: (fed.append(token_source is not None),
                                                              real_dispatch(plan, token_source=token_source))[1]
     run = lambda: tight.generate(prompts, max_new_tokens=30, temperature=0.7, seed=7)  # noqa: E731
     sync = _with_pipeline(tight, False, run)
@@ -275,16 +277,16 @@ def test_runner_refuses_placeholders_without_a_matching_source(llm):
     sched = llm.scheduler
     seq = sched.add([5, 6, 7], SamplingParams(max_new_tokens=20), max_len=100)
     try:
-        prefill = llm.runner.dispatch(sched.plan())
+        prefill = llm.executor.dispatch(sched.plan())
         sched.update(prefill.plan, prefill.tokens(), eos_id=-1)
-        decode = llm.runner.dispatch(sched.plan())
+        decode = llm.executor.dispatch(sched.plan())
         cont = sched.plan_continuation(decode.plan)
         assert cont is not None
         with pytest.raises(ValueError, match="placeholders"):
-            llm.runner.dispatch(cont)
+            llm.executor.dispatch(cont)
         with pytest.raises(ValueError, match="same sequences"):
-            llm.runner.dispatch(cont, token_source=prefill)
-        follow = llm.runner.dispatch(cont, token_source=decode)
+            llm.executor.dispatch(cont, token_source=prefill)
+        follow = llm.executor.dispatch(cont, token_source=decode)
         assert follow.tokens().shape == (1,) and decode.tokens().shape == (1,)
     finally:
         sched.cancel(seq)

@@ -7,7 +7,7 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.engine.requests import RequestLimits, check_params, prompt_token_ids, sampling_params
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.contract import SamplingParams
 
 LIMITS = RequestLimits(context_limit=64, vocab_size=259, default_max_tokens=16, max_stop_strings=3, max_stop_length=5)
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from jaxllm.engine.allocator import BlockAllocator
-from jaxllm.engine.sampling import SamplingParams, sample_tokens
-from jaxllm.engine.scheduler import Scheduler, Status
+from jaxllm.contract import SamplingParams
+from jaxllm.executor.sampler import sample_tokens
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sequence import Status
 
 _sample = jax.jit(sample_tokens)
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from jaxllm.engine.allocator import BlockAllocator
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Scheduler, Sequence, Status
+from jaxllm.contract import SamplingParams
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sequence import Sequence, Status
 
 EOS = 0
 
@@ -280,7 +281,7 @@ def test_bad_limits():
 
 
 def test_token_slice_equals_slicing_the_whole_list():
-    from jaxllm.engine.scheduler import Sequence
+    from jaxllm.engine.sequence import Sequence
 
     rng = np.random.default_rng()
     for _ in range(200):

@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from jaxllm.model.config import LlamaConfig, RopeScaling
-from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache
+from jaxllm.model.kv_cache import init_kv_cache
+from pallas_kernels.dispatch import AttentionBatch
 from jaxllm.model.llama import Llama, group_qkv, init_model, ungroup_qkv
 from pallas_kernels.dispatch import default_kernels
 from tests.jaxllm.model.numpy_llama import numpy_llama_logits, random_hf_tensors

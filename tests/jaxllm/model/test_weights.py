@@ -19,7 +19,8 @@ from safetensors.numpy import load_file, save_file
 from jaxllm import cli
 from jaxllm.model import checkpoints as weights
 from jaxllm.model.config import LlamaConfig
-from jaxllm.engine.kv_cache import AttentionBatch, init_kv_cache
+from jaxllm.model.kv_cache import init_kv_cache
+from pallas_kernels.dispatch import AttentionBatch
 from jaxllm.progress import Progress
 from jaxllm.model.checkpoints import CheckpointError, load_hf, load_model, load_orbax, save_hf, save_orbax
 from tests.jaxllm.model.numpy_llama import numpy_llama_logits, random_hf_tensors

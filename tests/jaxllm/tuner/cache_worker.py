@@ -18,8 +18,8 @@ def main() -> None:
     llm.warm_up(progress=False)
     completions = llm.generate(["hello", "a prompt of a few more tokens than the last"], max_new_tokens=5)
     events = compile_events() - start
-    print(json.dumps(dict(plan=len(llm.runner.warm_up_plan()), traces=llm.compile_count,
-                          runner_xla=llm.runner.xla_compiles, runner_hits=llm.runner.persistent_cache_hits,
+    print(json.dumps(dict(plan=len(llm.executor.warm_up_plan()), traces=llm.compile_count,
+                          runner_xla=llm.executor.xla_compiles, runner_hits=llm.executor.persistent_cache_hits,
                           process_xla=events.xla_compiles, process_hits=events.cache_hits,
                           process_writes=events.cache_writes, tokens=[c.token_ids for c in completions])))
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxllm.engine.kv_cache import init_kv_cache
-from jaxllm.engine.runner import Runner
-from jaxllm.engine.step import padded_sizes
+from jaxllm.model.kv_cache import init_kv_cache
+from jaxllm.executor.executor import Executor
+from jaxllm.executor.step import padded_sizes
 from jaxllm.model.config import LlamaConfig
 from jaxllm.model.llama import Llama
 from jaxllm.tuner.buckets import Buckets, Shape
@@ -73,7 +73,7 @@ def test_batch_one_decode_keeps_its_shape_and_limits_are_enforced():
 @pytest.mark.xdist_group("tuner_compiles")
 def test_shapes_listed_are_the_shapes_warm_up_runs(monkeypatch):
     config = LlamaConfig.tiny(num_layers=1)
-    runner = Runner(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 8, 8, jnp.float32), max_seqs=3,
+    runner = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 8, 8, jnp.float32), max_seqs=3,
                     max_tokens_per_step=16, table_width=4, max_logprobs=2)
     ran = []
     original = runner.run_step

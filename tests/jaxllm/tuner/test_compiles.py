@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.engine.kv_cache import init_kv_cache
-from jaxllm.engine.runner import Runner
-from jaxllm.engine.scheduler import StepPlan
+from jaxllm.model.kv_cache import init_kv_cache
+from jaxllm.executor.executor import Executor
+from jaxllm.contract import StepPlan
 from jaxllm.model.config import LlamaConfig
 from jaxllm.model.llama import Llama
 from jaxllm.tuner.protocol import StepTuner
@@ -55,21 +55,21 @@ def _compiles(runner) -> tuple[int, int]:
 def test_generation_over_context_lengths_compiles_only_what_warm_up_announced():
     llm = LLM("tiny", max_context=2048, options=EngineOptions(block_size=16, max_seqs=4, max_tokens_per_step=32,
                                                               tuner="fixed"), progress=False)
-    tuner = _TwoVariants(llm.runner.kernels)
+    tuner = _TwoVariants(llm.executor.kernels)
     assert isinstance(tuner, StepTuner)
-    llm.runner.tuner = tuner  # before anything asked it for variants
-    plan = llm.runner.warm_up_plan()
-    buckets = llm.runner.buckets
+    llm.executor.tuner = tuner  # before anything asked it for variants
+    plan = llm.executor.warm_up_plan()
+    buckets = llm.executor.buckets
     assert len(plan) == 2 * (2 * len(buckets.decode_sizes) + len(buckets.prefill_sizes))  # x2: two variants
     llm.warm_up(progress=False)
-    warm = _compiles(llm.runner)
+    warm = _compiles(llm.executor)
     assert warm == (len(plan), len(plan))
     rng = np.random.default_rng(0)
     # Context from 1 token to most of the window, in one batch and alone; greedy and sampled.
     for lengths, temperature in (([1, 2, 17, 200], 0.0), ([1200], 0.0), ([3, 40, 300, 500], 0.8)):
         prompts = [[int(t) for t in rng.integers(3, 259, size=n)] for n in lengths]
         llm.generate(prompts, max_new_tokens=6, temperature=temperature, ignore_eos=True)
-    assert _compiles(llm.runner) == warm  # nothing after warm-up
+    assert _compiles(llm.executor) == warm  # nothing after warm-up
     assert set(tuner.chosen) == {0, 1}
     stats = llm.core.stats()
     assert stats.compile_count == len(plan) and dict(stats.tuner)["predictions"] == len(tuner.chosen)
@@ -103,7 +103,7 @@ def test_decode_up_to_512k_context_compiles_nothing_after_warm_up():
     block_size, num_blocks, longest = 256, 8, 1 << 19
     config = LlamaConfig.tiny(max_position_embeddings=2 * longest)
     kernels = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
-    runner = Runner(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, num_blocks, block_size, jnp.float32),
+    runner = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, num_blocks, block_size, jnp.float32),
                     max_seqs=2, max_tokens_per_step=16, table_width=longest // block_size + 1, kernels=kernels)
     runner.warm_up(progress=False)
     warm = _compiles(runner)

@@ -10,8 +10,9 @@ import pytest
 
 import jaxllm.tuner as tuner_pkg
 from jaxllm.engine.allocator import BlockAllocator
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Scheduler, StepPlan
+from jaxllm.contract import SamplingParams
+from jaxllm.contract import StepPlan
+from jaxllm.engine.scheduler import Scheduler
 from jaxllm.model.config import LlamaConfig
 from jaxllm.tuner import FixedTuner, LearnedTuner, StepFeatures, load_tuner
 from jaxllm.tuner.candidates import NUM_INTERACTIONS, all_schedules

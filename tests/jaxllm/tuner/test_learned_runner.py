@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from jaxllm.engine.allocator import BlockAllocator
-from jaxllm.engine.kv_cache import init_kv_cache
-from jaxllm.engine.runner import Runner
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.model.kv_cache import init_kv_cache
+from jaxllm.executor.executor import Executor
+from jaxllm.contract import SamplingParams
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.model.config import LlamaConfig
 from jaxllm.model.llama import Llama
@@ -26,7 +26,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 def _generate(tuner_for, prompts):
     config = LlamaConfig.tiny(num_layers=1)
     base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
-    runner = Runner(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 24, BLOCK, jnp.float32), max_seqs=4,
+    runner = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 24, BLOCK, jnp.float32), max_seqs=4,
                     max_tokens_per_step=32, table_width=4, kernels=base, tuner=tuner_for(base, config))
     scheduler = Scheduler(BlockAllocator(24), BLOCK, max_tokens_per_step=32, max_seqs=4, prefix_caching=False)
     seqs = [scheduler.add(p, SamplingParams(max_new_tokens=n, ignore_eos=True), max_len=64) for p, n in prompts]

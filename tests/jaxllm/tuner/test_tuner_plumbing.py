@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from jaxllm import EngineOptions
-from jaxllm.engine.kv_cache import init_kv_cache
-from jaxllm.engine.runner import Runner
+from jaxllm.model.kv_cache import init_kv_cache
+from jaxllm.executor.executor import Executor
 from jaxllm.model.config import LlamaConfig
 from jaxllm.model.llama import Llama
 from jaxllm.tuner.compile_cache import ENV_VAR, CompileEvents, compile_events, resolve_cache_dir
@@ -45,7 +45,7 @@ class _Listing:
 
 def _runner(tuner=None) -> Runner:
     config = LlamaConfig.tiny(num_layers=1)
-    return Runner(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 4, 8, jnp.float32), max_seqs=2,
+    return Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 4, 8, jnp.float32), max_seqs=2,
                   max_tokens_per_step=8, table_width=2, tuner=tuner)
 
 

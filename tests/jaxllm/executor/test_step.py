@@ -8,11 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllm.engine import step
+from jaxllm.executor import step
 from jaxllm.engine.allocator import BlockAllocator
-from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.scheduler import Scheduler, StepPlan
-from jaxllm.engine.step import StepInputs, make_step_inputs, padded_sizes
+from jaxllm.contract import SamplingParams
+from jaxllm.contract import StepPlan
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.executor.step import StepInputs, make_step_inputs, padded_sizes
 
 LIMITS = dict(min_tokens=8, seq_cap=4, table_width=6)
 

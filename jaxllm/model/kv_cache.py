@@ -1,15 +1,14 @@
-"""The device KV pool (per layer, rBlocks) and the per-step attention metadata, as pytrees.
+"""The device KV pool (per layer, rBlocks) as a pytree; the per-step attention metadata is
+pallas_kernels.dispatch.AttentionBatch.
 
 The pool is passed into every step and returned from it, donated, never kept in a module
-(../shared/DESIGN.md decision 5). Each layer has its own arrays so a kernel reads a layer's
+(docs/ARCHITECTURE.md, decision 5). Each layer has its own arrays so a kernel reads a layer's
 pool without slicing (a slice of a stacked pool would be copied before a custom call).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
@@ -72,24 +71,3 @@ def init_kv_cache(config: LlamaConfig, num_blocks: int, block_size: int, dtype="
         else:
             layers.append(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
     return KVCache(layers)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class AttentionBatch:
-    """Where this step's tokens go in the pool and what they attend to.
-
-    block_tables [num_seqs, max_blocks] int32, kv_lens [num_seqs] int32 (after this step's
-    tokens are written), cu_q_lens [num_seqs + 1] int32 (packed query tokens per sequence),
-    slot_mapping [num_tokens] int32 (block * block_size + row; -1 for padding tokens).
-    `decode` (static) marks steps where every sequence has exactly one query token.
-    parts: None, or on an engine of several instances a step with borrowed rBlocks, this instance's
-    sharding.dist_step.DistParts (attention then runs where the KV lives: DistAttention).
-    """
-
-    block_tables: jax.Array
-    kv_lens: jax.Array
-    cu_q_lens: jax.Array
-    slot_mapping: jax.Array
-    parts: Any = None
-    decode: bool = dataclasses.field(default=False, metadata=dict(static=True))

@@ -2,8 +2,9 @@
 
 A step is `(graphdef, state, kv_pool, inputs, *, kernels)`: `inputs` is what a mesh shards (in_specs)
 and what process 0 broadcasts each step on a multi-host run; `kernels` (pallas_kernels.dispatch.Kernels)
-is the static description of each op's implementation and schedule that a tuner supplies. The runner
-jits these functions with the KV pool donated; nothing here reads a live Sequence or queries a device.
+is the static description of each op's implementation and schedule that a tuner supplies. The executor
+jits these functions with the KV pool donated (jaxllm.executor.programs, per instance on a mesh of several);
+nothing here reads a live Sequence or queries a device.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.engine.kv_cache import AttentionBatch, KVCache
-from jaxllm.engine.sampling import greedy_tokens, sample_tokens, token_logprobs
-from jaxllm.engine.scheduler import StepPlan
+from jaxllm.contract import StepPlan
+from jaxllm.executor.sampler import greedy_tokens, sample_tokens, token_logprobs
+from jaxllm.model.kv_cache import KVCache
 from jaxllm.tuner.buckets import pad_to_bucket, pow2_at_least
-from pallas_kernels.dispatch import Kernels
+from pallas_kernels.dispatch import AttentionBatch, Kernels
 
 
 @jax.tree_util.register_dataclass
@@ -45,7 +46,7 @@ class StepInputs:
     top_k: np.ndarray | jax.Array
     top_p: np.ndarray | jax.Array
     seed: np.ndarray | jax.Array
-    parts: Any = None  # on several instances, a step with borrowed rBlocks: sharding.dist_step.DistParts
+    parts: Any = None  # on several instances, a step with borrowed rBlocks: sharding.dist_attention.DistParts
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,53 @@
+"""A sequence as the schedulers see it: a request's prompt and output ids, its sampling parameters and
+where it stands (waiting, running, finished; tokens whose KV is computed; its prefix-cache keys). Pure Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxllm.contract import SamplingParams
+
+__all__ = ["Sequence", "Status"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int  # prompt + new tokens may not exceed this (the context limit)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    # One entry per output id when params.logprobs is set: (its logprob, ((id, logprob), ...) top k).
+    output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    reuse_prefix: bool = True  # may start from cached rBlocks (False: every position is computed)
+    num_cached_prompt: int = 0  # tokens whose KV came from the prefix cache at its last admission
+    block_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its first full rBlocks
+    num_registered: int = 0  # of its current rBlocks, the first this many are in the prefix cache
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a step's chunk of a long context)."""
+        split = len(self.prompt_ids)
+        if end <= split:
+            return self.prompt_ids[start:end]
+        if start >= split:
+            return self.output_ids[start - split:end - split]
+        return self.prompt_ids[start:] + self.output_ids[:end - split]

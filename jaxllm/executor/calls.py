@@ -1,0 +1,82 @@
+"""What process 0 tells the other processes of a multi-process run before each program it runs.
+
+Every process runs every program (../DESIGN decision: one SPMD program over the mesh): process 0 plans, and
+before each call it sends a `StepCall` (which program, with which statics) and its host inputs through
+`CallChannel`; every other process receives them in `Executor.follow()` and runs the same call. The call's
+fields travel as a few int32 words beside the inputs (sharding.multihost.StepBroadcast, a JAX collective);
+their meaning is written here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import numpy as np
+
+from sharding import multihost
+
+__all__ = ["BlockCopies", "CallChannel", "Op", "StepCall", "TokenSource"]
+
+
+class Op(enum.IntEnum):
+    DECODE = 0
+    PREFILL = 1
+    LOGITS = 2
+    COPY = 3  # rBlocks copied between instances' pools (recalls)
+
+
+class TokenSource(enum.IntEnum):
+    FRESH = 0  # the inputs as sent; their sampling arrays are placed on the devices now
+    CONTINUED = 1  # a decode continuation: the previous step's sampled tokens and sampling arrays, on the devices
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """One program call: its op, and the statics that pick the compiled variant (every process must run the
+    same one). variant: the index of the bucket's tuner variant; borrowed: the DistAttention variant."""
+
+    op: Op
+    greedy: bool = False
+    logprobs: bool = False
+    variant: int = 0
+    borrowed: bool = False
+    source: TokenSource = TokenSource.FRESH
+
+    def to_wire(self) -> np.ndarray:
+        return np.array([self.op, self.greedy, self.logprobs, self.variant, self.borrowed, self.source], np.int32)
+
+    @classmethod
+    def from_wire(cls, words: np.ndarray) -> StepCall:
+        op, greedy, logprobs, variant, borrowed, source = (int(w) for w in words)
+        return cls(Op(op), bool(greedy), bool(logprobs), variant, bool(borrowed), TokenSource(source))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockCopies:
+    """An Op.COPY call's inputs: rBlocks src[m] -> dst[m] (global ids; -1: padding) [M] int32."""
+
+    src: np.ndarray
+    dst: np.ndarray
+
+
+class CallChannel:
+    """Process 0's `send(call, inputs)` / `stop()`, paired with every other process's `receive()`."""
+
+    def __init__(self):
+        self._broadcast = multihost.StepBroadcast()
+
+    def send(self, call: StepCall, inputs) -> None:
+        self._broadcast.send({"call": call.to_wire(), "inputs": inputs})
+
+    def receive(self) -> tuple[StepCall, object] | None:
+        """The next call and its inputs (NumPy leaves), or None once process 0 stopped."""
+        message = self._broadcast.receive()
+        if message is None:
+            return None
+        return StepCall.from_wire(message["call"]), message["inputs"]
+
+    def stop(self) -> None:
+        self._broadcast.stop()

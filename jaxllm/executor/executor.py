@@ -1,0 +1,360 @@
+"""The executor: the one place that runs an engine's steps on the devices, for every mesh.
+
+One GPU is the 1 x 1 mesh of `instance x tensor`; tensor parallelism and lending instances are larger meshes of
+the same executor: one jitted program per bucket and variant (jaxllm.executor.programs), one warm-up, one
+logits path, one leader/follower path (jaxllm.executor.calls), the tuner's variants and decode continuations
+for all of them. Its parts, one file each: `inputs` (a plan padded to its bucket and stacked per instance),
+`programs` (the jitted steps and their compile counters), `calls` (what process 0 sends the others),
+`in_flight` (a dispatched step).
+
+Shapes come from a small set of buckets (jaxllm.tuner.buckets), so a long-running server compiles a bounded
+number of programs, all at warm-up: a decode step is shaped by its sequence count (a power of two), a
+prefill step by its token count, the rBlock-table width by the context limit. A decode step whose
+sequences are all greedy has its own variant (argmax, no sampler sort); a step in which some sequence wants
+log-probabilities has a variant that returns them (with max_logprobs > 0). Each bucket has the Kernels
+variants its StepTuner lists (jaxllm.tuner.protocol): every instance of a step runs the same variant, the one
+the tuner picks for the busiest instance's rows. A step in which some sequence has rBlocks on another
+instance runs the borrowed variant (DistAttention, with the bucket's first tuner variant), compiled at
+warm-up beside the plain ones when instances lend; a step with nothing borrowed runs no collective.
+
+`dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode continuation
+takes its input tokens straight from the previous step's device output, so the host queues step N+1 while
+step N runs instead of leaving the devices idle during every dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxllm.contract import StepPlan
+from jaxllm.executor.calls import BlockCopies, CallChannel, Op, StepCall, TokenSource
+from jaxllm.executor.in_flight import InFlight, host_array
+from jaxllm.executor.inputs import InputLayout, token_rows
+from jaxllm.executor.programs import StepPrograms
+from jaxllm.executor.step import StepInputs, bucket
+from jaxllm.model.kv_cache import KVCache
+from jaxllm.model.llama import Llama
+from jaxllm.tuner.buckets import Buckets
+from jaxllm.tuner.fixed import FixedTuner
+from jaxllm.tuner.protocol import StepTuner
+from pallas_kernels import compat
+from pallas_kernels.dispatch import Kernels, default_kernels
+from sharding import multihost
+from sharding.dist_attention import DistAttention
+from sharding.mesh import make_mesh
+from sharding.tensor_parallel import tensor_parallel_kernels
+
+__all__ = ["Executor", "InFlight", "host_array"]
+
+_OPS = {Op.DECODE: "decode", Op.PREFILL: "prefill", Op.LOGITS: "logits"}
+_SAMPLING = ("tokens", "temperature", "top_k", "top_p", "seed")
+
+
+class Executor:
+    """The StepRunner (jaxllm.engine.step_runner) of every mesh. Holds the model's state and the KV pool on a mesh; runs one step at a time (see the module docstring).
+
+    mesh: the `instance x tensor` mesh the state and the pool are placed on (sharding.rules.shard_params /
+    kv_pool_shardings); None: one device, the 1 x 1 mesh of the default device. instances: the mesh's
+    instance axis; the pool then holds instances x blocks_per_instance rBlocks (global id = instance *
+    blocks_per_instance + local). borrowing: steps may have rBlocks on other instances (lending on), so the
+    borrowed variant is compiled at warm-up.
+    kernels: the backend's Kernels (unwrapped; default from `backend`); tuner: the StepTuner that lists each
+    bucket's variants and picks one per step (default FixedTuner(kernels)); set it before warm-up.
+
+    On a multi-process mesh every process holds an Executor over the same mesh and runs the same programs:
+    process 0 sends each call through a CallChannel before running it, and every other process runs
+    `follow()`, which receives and repeats them until process 0's `stop_followers()`.
+    """
+
+    def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int, table_width: int,
+                 backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None, mesh=None,
+                 instances: int = 1, borrowing: bool = False, max_logprobs: int = 0, tuner: StepTuner | None = None):
+        if not 0 <= max_logprobs <= model.config.vocab_size:
+            raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
+        if kv_cache.num_blocks % instances:
+            raise ValueError(f"the KV pool's {kv_cache.num_blocks} rBlocks do not split among {instances} instances")
+        graphdef, self.state = nnx.split(model)
+        self.config = model.config
+        self.kv_cache = kv_cache
+        self.mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
+        self.instances = instances
+        self.blocks_per_instance = kv_cache.num_blocks // instances
+        self.borrowing = borrowing and instances > 1
+        self.max_logprobs = max_logprobs  # top tokens the logprob variants return (0: never run)
+        multi_process = jax.process_count() > 1
+        self.programs = StepPrograms(graphdef, self.state, kv_cache, self.mesh, instances=instances,
+                                     replicated_io=multi_process)
+        self.buckets = Buckets(max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, table_width=table_width,
+                               min_tokens=min_tokens)
+        self.layout = InputLayout(instances=instances, blocks_per_instance=self.blocks_per_instance,
+                                  block_size=kv_cache.block_size, min_tokens=min_tokens, seq_cap=self.buckets.seq_cap,
+                                  table_width=table_width)
+        # Resolved once, here: inside the trace no backend name is read and no device is asked.
+        base = kernels or default_kernels(backend, head_dim=model.config.head_dim)
+        self.kernels = tensor_parallel_kernels(base, self.mesh)
+        self.tuner = tuner if tuner is not None else FixedTuner(base)
+        self._variants: dict[tuple[bool, int], tuple[Kernels, ...]] = {}
+        self.channel = CallChannel() if multi_process else None
+        self._last: InFlight | None = None  # the last step dispatched (a continuation's only possible source)
+        # Served steps (warm-up's not counted) per bucket, (decode, padded size) -> steps; the padding they
+        # carried (padded minus real tokens, all instances); steps that ran DistAttention; rBlocks copied.
+        self.bucket_steps: dict[tuple[bool, int], int] = {}
+        self.padding_tokens = 0
+        self.borrowed_steps = 0
+        self.copied_blocks = 0
+        if compat.on_gpu():
+            compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
+
+    # ----- what it is -----
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def table_width(self) -> int:
+        return self.layout.table_width
+
+    @property
+    def compile_count(self) -> int:
+        """Programs traced (each a compile) so far: the figure that must stay flat after warm-up."""
+        return self.programs.compile_count
+
+    @property
+    def xla_compiles(self) -> int:
+        return self.programs.xla_compiles
+
+    @property
+    def persistent_cache_hits(self) -> int:
+        return self.programs.persistent_cache_hits
+
+    def tuner_stats(self) -> dict[str, int]:
+        return dict(self.tuner.stats())
+
+    def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
+        """The tuner's variants of this bucket, wrapped for the mesh (memoised: asked once per bucket)."""
+        key = (decode, padded_size)
+        if key not in self._variants:
+            listed = tuple(self.tuner.variants(decode, padded_size))
+            if not listed:
+                raise ValueError(f"the tuner lists no variant for the {'decode' if decode else 'prefill'} bucket "
+                                 f"{padded_size}: it must list at least one (variants()[0] is the fallback)")
+            self._variants[key] = tuple(tensor_parallel_kernels(k, self.mesh) for k in listed)
+        return self._variants[key]
+
+    def kernels_for(self, decode: bool, padded_size: int, variant: int = 0, *, borrowed: bool = False) -> Kernels:
+        """The kernels a step of this bucket runs (`padded_size`: sequences for decode, tokens for prefill): the
+        bucket's variant number `variant` (0: the tuner's fallback); a borrowed step: variant 0 with DistAttention."""
+        listed = self.variants(decode, padded_size)
+        if not 0 <= variant < len(listed):
+            raise ValueError(f"variant {variant} of the {'decode' if decode else 'prefill'} bucket {padded_size} "
+                             f"does not exist: the tuner lists {len(listed)}")
+        if borrowed:
+            return dataclasses.replace(listed[0], distributed=DistAttention())
+        return listed[variant]
+
+    def padded_sizes(self, decode: bool, size: int) -> tuple[int, int]:
+        """(tokens, sequences) a step of `size` (sequences for decode, tokens for one instance's prefill) is
+        padded to: Buckets.padded (ValueError past the largest bucket)."""
+        return self.buckets.padded(decode, size)
+
+    # ----- steps -----
+
+    def dispatch(self, plan: StepPlan, *, token_source: InFlight | None = None) -> InFlight:
+        """Start one step on the devices and return at once, without waiting for its tokens. The plan's
+        block copies (recalls) are queued first.
+
+        token_source: the in-flight (or finished) step this one continues (the scheduler's plan_continuation):
+        a decode step of the same sequences in the same order. Its sampled-token array, still on the
+        devices, becomes this step's input tokens, so step N+1 is queued before step N's tokens reach the
+        host. Both are decode steps of the same sequence counts, hence the same padded shapes.
+        """
+        if plan.block_copies is not None and len(plan.block_copies):
+            self._copy_blocks(plan.block_copies)
+        if plan.num_seqs == 0:  # a step of copies alone
+            return InFlight(plan, None, None, np.zeros(0, np.int64))
+        batch = self.layout.build(plan)
+        decode = plan.is_decode
+        variant = self._choose(plan, batch)
+        if token_source is not None:
+            src = token_source.plan
+            if not (decode and src.is_decode and np.array_equal(src.seq_ids, plan.seq_ids)):
+                raise ValueError("token_source must be a decode step of the same sequences, in the same order, "
+                                 f"as the step it feeds ({src.num_seqs} vs {plan.num_seqs} sequences)")
+            if self.channel is not None and token_source is not self._last:
+                raise ValueError("on a multi-process run a continuation must follow the step it continues: the "
+                                 "other processes keep only their last step's tokens")
+            call = StepCall(Op.DECODE, token_source.greedy, plan.wants_logprobs, variant, batch.borrowed,
+                            TokenSource.CONTINUED)
+            self._announce(call, batch.inputs)
+            inputs = _continued(batch.inputs, token_source)
+        else:
+            if np.any(plan.token_ids < 0):
+                raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
+            # Padding rows are greedy, so "no row samples" is "every sequence is greedy".
+            greedy = decode and not np.any(plan.temperature > 0)
+            call = StepCall(Op.DECODE if decode else Op.PREFILL, greedy, plan.wants_logprobs, variant, batch.borrowed)
+            self._announce(call, batch.inputs)
+            inputs = self._placed(batch.inputs)
+        out = self._run(call, inputs)
+        tokens, logprobs = out if call.logprobs else (out, None)
+        self._last = InFlight(plan, tokens, inputs, batch.rows, greedy=call.greedy, device_logprobs=logprobs)
+        return self._last
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
+        return self.dispatch(plan).tokens()
+
+    def logits(self, plan: StepPlan) -> np.ndarray:
+        """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
+        batch = self.layout.build(plan)
+        call = StepCall(Op.LOGITS, variant=self._choose(plan, batch), borrowed=batch.borrowed)
+        self._announce(call, batch.inputs)
+        out = host_array(self._run(call, self._placed(batch.inputs)))
+        rows = token_rows(plan, self.instances, batch.inputs.num_tokens)
+        return out.reshape(-1, out.shape[-1])[rows]
+
+    def _choose(self, plan: StepPlan, batch) -> int:
+        """The tuner's variant for this step (host-side; the busiest instance's rows size it), counting the
+        step in its bucket. A borrowed step runs variant 0."""
+        decode = plan.is_decode
+        self.bucket_steps[(decode, batch.size)] = self.bucket_steps.get((decode, batch.size), 0) + 1
+        self.padding_tokens += batch.inputs.tokens.size - plan.num_tokens
+        if batch.borrowed:
+            self.borrowed_steps += 1
+            return 0
+        return int(self.tuner.choose(batch.heaviest, decode, batch.size))
+
+    def _run(self, call: StepCall, inputs: StepInputs):
+        """Run one program on placed inputs, updating the KV pool; returns its device outputs [I, ...]."""
+        decode = call.op == Op.DECODE
+        size = inputs.num_seqs if decode else inputs.num_tokens
+        statics = dict(kernels=self.kernels_for(decode, size, call.variant, borrowed=call.borrowed))
+        if call.op != Op.LOGITS:
+            if call.logprobs:  # absent: the plain variant
+                statics["logprobs"] = self.max_logprobs
+            if decode:
+                statics["greedy"] = call.greedy
+        out, self.kv_cache = self.programs.run(_OPS[call.op], self.state, self.kv_cache, inputs, **statics)
+        return out
+
+    def _placed(self, inputs: StepInputs) -> StepInputs:
+        """Tokens and sampling arrays on the devices once, so the continuations that reuse them transfer
+        nothing (and jit sees the same committed arguments every step: a host array and a committed one of
+        one shape are traced apart)."""
+        placed = jax.device_put(tuple(getattr(inputs, name) for name in _SAMPLING), self.programs.io_sharding)
+        return dataclasses.replace(inputs, **dict(zip(_SAMPLING, placed)))
+
+    def _copy_blocks(self, copies: np.ndarray) -> None:
+        """Copy rBlocks (global source, global destination) [M, 2] on the devices, all reads before any write."""
+        m = bucket(len(copies), 8)
+        src, dst = np.full(m, -1, np.int32), np.full(m, -1, np.int32)
+        src[:len(copies)], dst[:len(copies)] = copies[:, 0], copies[:, 1]
+        self._announce(StepCall(Op.COPY), BlockCopies(src, dst))
+        self.kv_cache = self.programs.copy_blocks(self.kv_cache, src, dst)
+        self.copied_blocks += len(copies)
+
+    # ----- warm-up -----
+
+    def bucket_shapes(self) -> list[tuple[bool, int, bool, bool]]:
+        """Every (decode, size, greedy, logprobs) a step can take: sequences for decode, tokens for prefill
+        (Buckets.shapes); decode steps in both variants (greedy only, or with the sampler); every shape also
+        in its logprob variant when max_logprobs > 0."""
+        shapes = [(shape.decode, shape.size, greedy) for shape in self.buckets.shapes()
+                  for greedy in ((False, True) if shape.decode else (False,))]
+        return [shape + (logprobs,) for logprobs in ((False, True) if self.max_logprobs else (False,))
+                for shape in shapes]
+
+    def warm_up_plan(self) -> list[tuple[StepCall, int]]:
+        """Every (call, bucket size) warm-up compiles, one compile each: bucket_shapes x the tuner's variants
+        of each bucket (a variant equal to an earlier one of its bucket is the same program, listed once), and
+        with borrowing each shape's borrowed variant."""
+        plan = []
+        for decode, size, greedy, logprobs in self.bucket_shapes():
+            op = Op.DECODE if decode else Op.PREFILL
+            listed = self.variants(decode, size)
+            plan += [(StepCall(op, greedy, logprobs, i), size) for i, k in enumerate(listed) if k not in listed[:i]]
+            if self.borrowing:
+                plan.append((StepCall(op, greedy, logprobs, 0, borrowed=True), size))
+        return plan
+
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every program serving can meet now (warm_up_plan, its total said first; with borrowing the
+        recall copy too), so serving compiles nothing new."""
+        from jaxllm.progress import Progress
+
+        plan = self.warm_up_plan()
+        copies = 1 if self.borrowing else 0
+        if progress:
+            buckets = len(self.buckets.decode_sizes), len(self.buckets.prefill_sizes)
+            borrowed = ", each also with borrowed rBlocks, and the recall copy" if copies else ""
+            print(f"[jaxllm] warm-up: {len(plan) + copies} compiles ({buckets[0]} decode + {buckets[1]} prefill "
+                  f"buckets x tuner variants x greedy/logprob variants{borrowed})", file=sys.stderr, flush=True)
+        with Progress(len(plan) + copies, "warm-up compiles", enabled=progress) as bar:
+            for call, size in plan:
+                inputs = self.layout.inert(call.op == Op.DECODE, size, call.borrowed)
+                self._announce(call, inputs)
+                jax.block_until_ready(self._run(call, self._placed(inputs)))
+                bar.update(1, detail=f"{_OPS[call.op]} {size}{' greedy' if call.greedy else ''}"
+                                     f"{' logprobs' if call.logprobs else ''}"
+                                     f"{f' variant {call.variant}' if call.variant else ''}"
+                                     f"{' borrowed' if call.borrowed else ''}")
+            if copies:
+                self._copy_blocks(np.zeros((1, 2), np.int32))  # the smallest copy bucket: rBlock 0 onto itself
+                self.copied_blocks -= 1
+                bar.update(1, detail="recall copy")
+
+    # ----- multi-process runs -----
+
+    def _announce(self, call: StepCall, inputs) -> None:
+        """Process 0: hand one call to every other process (their follow() runs it too)."""
+        if self.channel is not None:
+            self.channel.send(call, inputs)
+
+    def follow(self) -> int:
+        """Processes other than 0: run every call process 0 sends, as it runs them, until it stops; returns the
+        number of calls run."""
+        if self.channel is None or multihost.is_leader():
+            raise ValueError("Executor.follow runs on the processes other than 0 of a multi-process run "
+                             f"(this is process {jax.process_index()} of {jax.process_count()})")
+        calls = 0
+        while (received := self.channel.receive()) is not None:
+            call, inputs = received
+            if call.op == Op.COPY:
+                self.kv_cache = self.programs.copy_blocks(self.kv_cache, inputs.src, inputs.dst)
+            elif call.source == TokenSource.CONTINUED:
+                inputs = _continued(inputs, self._last)
+                self._last = self._followed(call, inputs)
+            else:
+                inputs = self._placed(inputs)
+                self._last = self._followed(call, inputs)
+            calls += 1
+        self.channel = None
+        return calls
+
+    def _followed(self, call: StepCall, inputs: StepInputs) -> InFlight:
+        out = self._run(call, inputs)
+        if call.op == Op.LOGITS:
+            return self._last
+        tokens = out[0] if call.logprobs else out  # the logprob variant also returns its (unread) arrays
+        return InFlight(None, tokens, inputs, np.zeros(0, np.int64), greedy=call.greedy)
+
+    def stop_followers(self) -> None:
+        """Process 0 at shutdown: the other processes' follow() returns (they exit). Idempotent; a no-op on
+        one process."""
+        if self.channel is not None and multihost.is_leader():
+            self.channel.stop()
+            self.channel = None
+
+
+def _continued(inputs: StepInputs, source: InFlight) -> StepInputs:
+    """A continuation step's inputs: the previous step's sampled tokens (still on the devices) and its
+    sampling arrays (same sequences, same order: same parameters, already on the devices)."""
+    prev = source.inputs
+    return dataclasses.replace(inputs, tokens=source.device_tokens, temperature=prev.temperature, top_k=prev.top_k,
+                               top_p=prev.top_p, seed=prev.seed)

@@ -1,0 +1,157 @@
+"""The jitted programs of one engine over its mesh (one device being the 1 x 1 mesh), and their compile counters.
+
+Each step function of step.py becomes one jitted program, jitted with the model's graphdef bound (not passed:
+as a static argument it would be hashed on every call, ~0.7 ms for a 32-layer model), the KV pool donated
+(updated in place: out sharding == in sharding) and its inputs stacked on a leading instance axis [I, ...]:
+  - one instance: the step runs on instance 0's rows, no shard_map;
+  - several: the step runs per instance inside a `shard_map` manual over `instance` (the `tensor` axis stays
+    with XLA; the tensor wrappers of sharding/ go manual over `tensor` only inside it), each instance on its
+    own rows and its own pool shard. Inputs and outputs are split over `instance`, so a step in which nothing
+    is borrowed moves nothing between devices: no collective. (A multi-process run keeps them replicated:
+    process 0 reads every instance's tokens, and the other processes get their inputs by broadcast.)
+The recall copy (`copy_blocks`) moves rBlocks between instances' pools. Every trace of a program is counted
+(`compile_count`), and the XLA compiles and persistent-cache reads behind them (`xla_compiles`,
+`persistent_cache_hits`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.executor.step import StepInputs, decode_step, logits_step, prefill_step
+from jaxllm.tuner.compile_cache import compile_events
+from sharding.mesh import INSTANCE
+
+__all__ = ["StepPrograms"]
+
+
+def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shardings, donate: int = 1):
+    """fn(state, pool, inputs, **statics) jitted with shardings and the pool donated, called as jax.jit's
+    result is. jit takes no keyword arguments alongside in_shardings, so the static ones travel
+    positionally (a keyword left out takes fn's default)."""
+    defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items() if name in static_argnames}
+    first = len(in_shardings)
+
+    def positional(*args):
+        return fn(*args[:first], **dict(zip(static_argnames, args[first:])))
+
+    jitted = jax.jit(positional, static_argnums=tuple(range(first, first + len(static_argnames))),
+                     donate_argnums=(donate,), in_shardings=in_shardings, out_shardings=out_shardings)
+
+    def call(*args, **statics):
+        return jitted(*args, *(statics.get(name, defaults.get(name)) for name in static_argnames))
+
+    return call
+
+
+class StepPrograms:
+    """The step programs of one engine (see the module docstring).
+
+    graphdef: the model's (nnx.split); state, pool: placed on `mesh` already (their shardings are the
+    programs'); instances: the mesh's instance axis; replicated_io: inputs and outputs whole on every
+    device (a multi-process run) instead of split over `instance`.
+    """
+
+    def __init__(self, graphdef, state, pool, mesh, *, instances: int, replicated_io: bool):
+        self.graphdef = graphdef
+        self.mesh = mesh
+        self.instances = instances
+        self.compile_count = 0
+        self.xla_compiles = 0  # executables XLA compiled for these programs (compile_cache.CompileEvents)
+        self.persistent_cache_hits = 0  # ... and those read from the persistent compilation cache instead
+        split = instances > 1 and not replicated_io
+        self.io_sharding = NamedSharding(mesh, P(INSTANCE) if split else P())
+        self.pool_shardings = jax.tree.map(lambda x: x.sharding, pool)
+        shardings = (jax.tree.map(lambda x: x.sharding, state), self.pool_shardings, self.io_sharding)
+        jit = functools.partial(_jit_on_mesh, in_shardings=shardings, out_shardings=(self.io_sharding,
+                                                                                     self.pool_shardings))
+        self._decode = jit(self._per_instance(decode_step), static_argnames=("kernels", "greedy", "logprobs"))
+        self._prefill = jit(self._per_instance(prefill_step), static_argnames=("kernels", "logprobs"))
+        self._logits = jit(self._per_instance(logits_step), static_argnames=("kernels",))
+        self._copy = None if instances == 1 else _jit_on_mesh(
+            self._counted(self._copy_local), static_argnames=(),
+            in_shardings=(self.pool_shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
+            out_shardings=self.pool_shardings, donate=0)
+
+    # ----- the steps -----
+
+    def _counted(self, fn):
+        """fn, counting its traces (each a cache miss, hence a compile) in compile_count."""
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            self.compile_count += 1
+            return fn(*args, **kwargs)
+        return traced
+
+    def _per_instance(self, fn):
+        """fn (a step function of step.py) with the graphdef bound, on inputs [I, ...] -> outputs [I, ...]."""
+        graphdef, mesh = self.graphdef, self.mesh
+
+        def local(state, pool, inputs, **statics):
+            out, pool = fn(graphdef, state, pool, jax.tree.map(lambda x: x[0], inputs), **statics)
+            return jax.tree.map(lambda x: x[None], out), pool
+
+        if self.instances == 1:
+            return self._counted(functools.wraps(fn)(local))
+
+        def per_instance(state, pool, inputs, **statics):
+            return jax.shard_map(functools.partial(local, **statics), mesh=mesh,
+                                 in_specs=(P(), P(INSTANCE), P(INSTANCE)), out_specs=(P(INSTANCE), P(INSTANCE)),
+                                 axis_names={INSTANCE}, check_vma=False)(state, pool, inputs)
+
+        return self._counted(functools.wraps(fn)(per_instance))
+
+    def run(self, op: str, state, pool, inputs: StepInputs, **statics):
+        """Run program `op` ("decode", "prefill" or "logits") with its statics (kernels, greedy, logprobs);
+        returns (outputs [I, ...], pool). Counts the XLA compiles behind the call."""
+        program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
+        before = compile_events()
+        out = program(state, pool, inputs, **statics)
+        self._count(before)
+        return out
+
+    def _count(self, before) -> None:
+        """Add the XLA compiles and persistent-cache reads since `before` (a compile happens inside the call
+        that needs it, on this thread)."""
+        delta = compile_events() - before
+        self.xla_compiles += delta.xla_compiles
+        self.persistent_cache_hits += delta.cache_hits
+
+    # ----- recalls -----
+
+    def copy_blocks(self, pool, src: np.ndarray, dst: np.ndarray):
+        """The pool with rBlocks src[m] copied to dst[m] (global ids; -1: padding), across instances; every
+        read before any write, so a swap is two copies."""
+        if self._copy is None:
+            raise ValueError("rBlock copies move KV between instances; this engine has one")
+        before = compile_events()
+        pool = self._copy(pool, src, dst)
+        self._count(before)
+        return pool
+
+    def _copy_local(self, pool, src, dst):
+        nb = jax.tree.leaves(pool)[0].shape[0] // self.instances
+
+        def local(pool, src, dst):
+            me = jax.lax.axis_index(INSTANCE)
+
+            def move(x):
+                mine = (src >= 0) & (src // nb == me)
+                taken = jnp.where(mine.reshape((-1,) + (1,) * (x.ndim - 1)), x[jnp.where(mine, src % nb, 0)], 0)
+                # Summed in float32 whatever the pool's dtype (int8 and bf16 values are exact there, and only
+                # one instance puts in each rBlock): XLA's CPU all-reduce of bf16 fails to compile.
+                moved = jax.lax.psum(taken.astype(jnp.float32), INSTANCE)
+                target = jnp.where((dst >= 0) & (dst // nb == me), dst % nb, x.shape[0])  # out of range: dropped
+                return x.at[target].set(moved.astype(x.dtype), mode="drop")
+
+            return jax.tree.map(move, pool)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(INSTANCE), P(), P()), out_specs=P(INSTANCE),
+                             axis_names={INSTANCE}, check_vma=False)(pool, src, dst)

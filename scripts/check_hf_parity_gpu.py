@@ -115,10 +115,9 @@ def jaxllm_logits(directory: str, ids: np.ndarray, last: int, block_size: int) -
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.model.kv_cache import init_kv_cache
-from pallas_kernels.dispatch import AttentionBatch
     from jaxllm.model.checkpoints import load_hf
-    from pallas_kernels.dispatch import default_kernels
+    from jaxllm.model.kv_cache import init_kv_cache
+    from pallas_kernels.dispatch import AttentionBatch, default_kernels
 
     model = load_hf(directory, dtype="bfloat16", progress=False)
     _log(f"[jaxllm] rope {model.config.rope_scaling}, theta {model.config.rope_theta}, on {jax.devices()[0]}")

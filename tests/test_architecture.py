@@ -1,9 +1,12 @@
-"""The layering rules of DESIGN.md, checked on the source with `ast`:
+"""The layering rules of docs/ARCHITECTURE.md, checked on the source with `ast`:
 
 - no module reads another object's underscore member (`x._name` where x is not self/cls; dunders
   are fine; a short allow-list names the few stdlib/jax hooks that have no public spelling);
-- imports point one way: pallas_kernels imports nothing of ours, sharding no jaxllm/serve, jaxllm
-  nothing from serve except its entry point jaxllm/serve.py.
+- imports point one way between top-level packages: pallas_kernels imports nothing of ours, sharding no
+  jaxllm/serve, jaxllm nothing from serve except its entry point jaxllm/serve.py;
+- and one way inside jaxllm, between its layers (JAXLLM_LAYERS): the contract below everything, the model
+  and the tuner above it, the executor above those, the engine (pure Python: no jax) beside the executor,
+  the front (LLM, entry points) on top. Each layer names the layers and top-level packages it may import.
 """
 
 import ast
@@ -102,3 +105,77 @@ def test_imports_point_one_way(package):
             if top in RULES[package] and not (rel == "jaxllm/serve.py" and top == "serve"):
                 bad.append(f"{rel}:{line}: imports {module}")
     assert not bad
+
+
+# jaxllm's layers: which of jaxllm's layers, and which of our other top-level packages, each may import.
+# A module's layer is its subpackage (jaxllm/<layer>/...), or "front" for the modules at jaxllm's top, except
+# the leaf utilities in LEAVES, which import nothing of ours and which anyone may import.
+JAXLLM_LAYERS = {
+    "contract": (set(), set()),
+    "model": ({"contract"}, {"pallas_kernels"}),
+    "tuner": ({"contract"}, {"pallas_kernels"}),
+    "executor": ({"contract", "model", "tuner"}, {"pallas_kernels", "sharding"}),
+    "engine": ({"contract", "model"}, set()),
+    "front": ({"contract", "model", "tuner", "executor", "engine"}, {"pallas_kernels", "sharding"}),
+}
+LEAVES = {"progress"}
+NO_JAX = {"contract", "engine"}  # plain values and host-side logic: importable (and testable) without jax
+JAX_PACKAGES = {"jax", "jaxlib", "flax", "optax", "orbax"}
+
+
+def _jaxllm_layer(rel: str) -> str:
+    parts = rel.split("/")
+    if len(parts) > 2:
+        return parts[1]
+    name = parts[1].removesuffix(".py")
+    return name if name in LEAVES else "front"
+
+
+def _jaxllm_files():
+    return [rel for rel in _files() if rel.startswith("jaxllm/")]
+
+
+def layering_violations(rel: str, source: str) -> list[str]:
+    """What `source` (the file jaxllm/`rel`) imports against JAXLLM_LAYERS, LEAVES and NO_JAX."""
+    layer = _jaxllm_layer(rel)
+    bad = []
+    for line, top, module in imported_packages(source):
+        where = f"{rel}:{line}: imports {module}"
+        if layer in NO_JAX and top in JAX_PACKAGES:
+            bad.append(where + f" (the {layer} layer imports no jax)")
+        if top == "jaxllm":
+            parts = module.split(".")
+            if len(parts) < 2:
+                continue  # `import jaxllm`: the lazy public names
+            target = parts[1] if parts[1] in JAXLLM_LAYERS or parts[1] in LEAVES else "front"
+            if target in LEAVES:
+                if layer in LEAVES:
+                    bad.append(where + " (a leaf imports nothing of ours)")
+                continue
+            if layer in LEAVES or (target != layer and target not in JAXLLM_LAYERS[layer][0]):
+                bad.append(where + f" ({layer} may not import {target})")
+        elif top in OURS and top not in ("jaxllm", "serve"):
+            allowed = set() if layer in LEAVES else JAXLLM_LAYERS[layer][1]
+            if top not in allowed:
+                bad.append(where + f" ({layer} may not import {top})")
+    return bad
+
+
+def test_the_layer_checker_sees_what_it_must():
+    assert layering_violations("jaxllm/model/llama.py", "from jaxllm.engine.core import X\nimport sharding.mesh\n")
+    assert layering_violations("jaxllm/tuner/fixed.py", "from jaxllm.engine.scheduler import StepPlan\n")
+    assert layering_violations("jaxllm/engine/threaded.py", "from jaxllm.llm import LLM\n")
+    assert layering_violations("jaxllm/engine/core.py", "import jax.numpy as jnp\n")
+    assert layering_violations("jaxllm/engine/core.py", "from jaxllm.executor.executor import Executor\n")
+    assert layering_violations("jaxllm/contract/step_plan.py", "from jaxllm.model.config import LlamaConfig\n")
+    assert layering_violations("jaxllm/executor/executor.py", "from jaxllm.engine.core import EngineCore\n")
+    assert layering_violations("jaxllm/progress.py", "from jaxllm.model.config import LlamaConfig\n")
+    assert not layering_violations("jaxllm/executor/executor.py", "from jaxllm.model.llama import Llama\n"
+                                   "from jaxllm.progress import Progress\nfrom sharding.mesh import make_mesh\n")
+    assert not layering_violations("jaxllm/llm.py", "from jaxllm.engine.core import EngineCore\n")
+    assert not layering_violations("jaxllm/engine/output.py", "from jaxllm.model.tokenizer import StreamDecoder\n")
+
+
+@pytest.mark.parametrize("rel", _jaxllm_files())
+def test_jaxllm_layers_import_one_way(rel):
+    assert not layering_violations(rel, (ROOT / rel).read_text())

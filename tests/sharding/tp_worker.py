@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxllm.model.kv_cache import init_kv_cache
+
 from pallas_kernels.dispatch import AttentionBatch  # noqa: E402
 from jaxllm.model import llama  # noqa: E402
 from jaxllm.model.config import LlamaConfig  # noqa: E402

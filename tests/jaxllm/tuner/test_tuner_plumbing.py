@@ -43,7 +43,7 @@ class _Listing:
         return {}
 
 
-def _runner(tuner=None) -> Runner:
+def _runner(tuner=None) -> Executor:
     config = LlamaConfig.tiny(num_layers=1)
     return Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 4, 8, jnp.float32), max_seqs=2,
                   max_tokens_per_step=8, table_width=2, tuner=tuner)

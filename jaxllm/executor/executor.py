@@ -78,7 +78,11 @@ class Executor:
             raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
         if kv_cache.num_blocks % instances:
             raise ValueError(f"the KV pool's {kv_cache.num_blocks} rBlocks do not split among {instances} instances")
-        graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        # Committed where they lie (no copy): jit keys an uncommitted argument apart from a committed one, and
+        # the donated pool comes back committed from the first step, which would trace every program twice.
+        placed = lambda tree: jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree))  # noqa: E731
+        self.state, kv_cache = placed(state), placed(kv_cache)
         self.config = model.config
         self.kv_cache = kv_cache
         self.mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])

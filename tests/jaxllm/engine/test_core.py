@@ -7,7 +7,7 @@ from jaxllm.contract import SamplingParams
 
 def test_cancel_frees_rblocks_within_one_step_and_stops_tokens():
     llm = LLM("tiny", max_context=128, options=EngineOptions(block_size=4, max_tokens_per_step=32), progress=False)
-    core, allocator = llm.core, llm.allocator
+    core, allocator = llm.core, llm.scheduler.allocator
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
     victim = core.add(Request(llm.tokenizer.encode("cancel me"), params))
     other = core.add(Request(llm.tokenizer.encode("keep me"), SamplingParams(max_new_tokens=6, ignore_eos=True)))

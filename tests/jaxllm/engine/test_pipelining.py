@@ -64,7 +64,7 @@ def _both(llm, continuations, fn):
 def _check_idle(llm):
     assert not llm.core.has_step_in_flight(), "a step was left in flight"
     assert not llm.scheduler.has_work()
-    assert llm.allocator.num_free == llm.allocator.num_blocks, "rBlocks leaked"
+    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks, "rBlocks leaked"
 
 
 @pytest.mark.parametrize("kwargs", [GREEDY, SEEDED], ids=["greedy", "seeded"])

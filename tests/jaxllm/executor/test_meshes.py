@@ -1,0 +1,128 @@
+"""One executor for every mesh, on CPU host devices: the same greedy and seeded tokens through one device, tensor
+parallel 2 and 4, 2 and 4 lending instances and 2 instances x tensor parallel 2 (with loans, recalls or swaps on
+the instance meshes); and with instances, as on one device, the tuner's variants are compiled and chosen,
+decode continuations feed each step from the last one's device tokens, and nothing compiles after warm-up.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxllm.contract import SamplingParams
+from jaxllm.engine.core import Request
+from jaxllm.llm import LLM, EngineOptions
+from tests.devices import needs_host_devices
+from tests.jaxllm.tokens import assert_same_greedy
+
+pytestmark = [needs_host_devices, pytest.mark.slow, pytest.mark.xdist_group("jaxllm_meshes")]
+
+BLOCK = 16
+SEED = 20261128
+# Per instance 8 rBlocks (128 tokens) on the instance meshes: the two long requests outgrow their homes and
+# borrow (from each other: a circular debt), the short one ends early and its home recalls.
+MESHES = {"tp1": dict(num_blocks=32), "tp2": dict(tensor_parallel=2, num_blocks=32),
+          "tp4": dict(tensor_parallel=4, num_blocks=32), "i2": dict(instances=2, num_blocks=8),
+          "i4": dict(instances=4, num_blocks=8), "i2xtp2": dict(instances=2, tensor_parallel=2, num_blocks=8)}
+
+
+def _requests(params: SamplingParams) -> list[Request]:
+    rng = np.random.default_rng(SEED)
+    long_a, long_b, short = ([int(t) for t in rng.integers(3, 250, n)] for n in (100, 100, 20))
+    return [Request(long_a, dataclasses.replace(params, max_new_tokens=40)),
+            Request(long_b, dataclasses.replace(params, max_new_tokens=40)),
+            Request(short, dataclasses.replace(params, max_new_tokens=30))]
+
+
+def _tokens(llm: LLM, requests: list[Request]) -> list[list[int]]:
+    outputs = llm.run(requests)
+    return [[t for out in outputs[i] for t in out.token_ids] for i in sorted(outputs)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    greedy = _requests(SamplingParams(ignore_eos=True))
+    sampled = _requests(SamplingParams(ignore_eos=True, temperature=0.9, top_k=50, seed=7))
+    out = {}
+    for name, options in MESHES.items():
+        llm = LLM("tiny", options=EngineOptions(block_size=BLOCK, max_seqs=4, **options), progress=False)
+        out[name] = dict(llm=llm, greedy=_tokens(llm, greedy), greedy_stats=llm.core.stats(),
+                         sampled=_tokens(llm, sampled))
+    return greedy, out
+
+
+@pytest.mark.parametrize("mesh", sorted(set(MESHES) - {"tp1"}))
+def test_every_mesh_generates_the_tokens_of_one_device(runs, mesh):
+    requests, out = runs
+    reference = out["tp1"]
+    for request, got, want in zip(requests, out[mesh]["greedy"], reference["greedy"]):
+        assert_same_greedy(reference["llm"], list(request.prompt_ids), got, want)
+    assert out[mesh]["sampled"] == reference["sampled"]
+    stats = out[mesh]["greedy_stats"]
+    assert stats.preemptions_total == 0 and stats.pool_blocks_free == stats.pool_blocks
+    if "i" in mesh:  # the instance meshes lent, and moved lent rBlocks home (a recall or a circular-debt swap)
+        assert stats.loans_total > 0 and stats.dist_steps_total > 0, stats
+        assert stats.recalled_blocks_total + stats.swapped_pairs_total > 0, stats
+        assert stats.borrowed_blocks == 0
+
+
+class _TwoVariants:
+    """A StepTuner with two distinct variants per bucket (the same math: a threshold the CPU path never reads
+    differs) that picks by the step's token count: both get used."""
+
+    def __init__(self, base):
+        self.listed = (base, dataclasses.replace(base, mosaic_min_tokens=base.mosaic_min_tokens + 1))
+        self.chosen: list[int] = []
+
+    def variants(self, decode, padded_size):
+        return self.listed
+
+    def choose(self, plan, decode, padded_size):
+        self.chosen.append(int(plan.kv_extent[0]) % 2)
+        return self.chosen[-1]
+
+    def stats(self):
+        return {"predictions": len(self.chosen), "cache_hits": 0}
+
+
+def test_instances_compile_and_choose_tuner_variants_pipeline_and_compile_nothing_after_warm_up(monkeypatch):
+    options = EngineOptions(block_size=BLOCK, max_seqs=2, max_tokens_per_step=32, instances=2, num_blocks=12,
+                            tuner="fixed")
+    llm = LLM("tiny", options=options, progress=False)
+    tuner = _TwoVariants(llm.executor.tuner.kernels)
+    llm.executor.tuner = tuner  # before anything asked it for variants
+    plan = llm.executor.warm_up_plan()
+    assert {call.variant for call, _ in plan} == {0, 1} and any(call.borrowed for call, _ in plan)
+    llm.warm_up(progress=False)
+    warm = llm.compile_count
+    assert warm == len(plan) + 1  # and the recall copy
+    continued = []
+    dispatch = llm.executor.dispatch
+
+    def counting(plan, token_source=None):
+        continued.append(token_source is not None)
+        return dispatch(plan, token_source=token_source)
+
+    monkeypatch.setattr(llm.executor, "dispatch", counting)
+    rng = np.random.default_rng(SEED)
+    requests = [Request([int(t) for t in rng.integers(3, 250, n)], SamplingParams(max_new_tokens=12, ignore_eos=True))
+                for n in (230, 30)]  # the long one borrows
+    got = _tokens(llm, requests)
+    assert llm.compile_count == warm
+    assert set(tuner.chosen) == {0, 1}
+    assert sum(continued) > 0  # steps fed from the previous step's device tokens
+    assert llm.core.stats().dist_steps_total > 0
+    unpipelined = LLM("tiny", options=dataclasses.replace(options, pipeline=False), progress=False)
+    assert _tokens(unpipelined, requests) == got  # same shapes, same tokens
+
+
+def test_instances_share_cached_prefixes():
+    llm = LLM("tiny", options=EngineOptions(block_size=BLOCK, instances=2, num_blocks=16), progress=False)
+    rng = np.random.default_rng(SEED + 1)
+    system = [int(t) for t in rng.integers(3, 250, 3 * BLOCK)]
+    first = llm.generate([system + [5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0].token_ids
+    assert llm.core.stats().prefix_cache_hit_tokens == 0
+    again = llm.generate([system + [5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0].token_ids
+    stats = llm.core.stats()
+    assert stats.prefix_cache_hit_tokens == 3 * BLOCK and stats.prefix_cache_blocks >= 3
+    assert again == first

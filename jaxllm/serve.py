@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
             llm.warm_up(progress=not args.quiet)
-        engine = Engine(llm, max_waiting=args.max_queue)
+        engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=args.max_queue)
         for front in (server, http):
             if front is not None:
                 front.attach(engine, args.model)

@@ -1,7 +1,7 @@
 """The gRPC service over an `Engine`: servicer, health, reflection, metrics, graceful shutdown.
 
     server = Server(ServerConfig(port=0))   # binds and starts at once; health says NOT_SERVING
-    llm = LLM(...); engine = Engine(llm, max_waiting=...)   # load and warm up meanwhile
+    llm = LLM(...); engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=...)   # load, warm up
     server.attach(engine, model_name)       # health flips to SERVING
     ...
     server.shutdown()                       # stop accepting, drain within the grace period, stop
@@ -93,7 +93,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
 
     def attach(self, engine: Engine, model_name: str) -> None:
         info = engine.info()
-        self.tokenizer = engine.llm.tokenizer
+        self.tokenizer = engine.tokenizer
         self.limits = RequestLimits(context_limit=info.context_limit,
                                     vocab_size=info.vocab_size,
                                     default_max_tokens=self.config.default_max_tokens,

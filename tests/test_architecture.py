@@ -102,3 +102,17 @@ def test_imports_point_one_way(package):
             if top in RULES[package] and not (rel == "jaxllm/serve.py" and top == "serve"):
                 bad.append(f"{rel}:{line}: imports {module}")
     assert not bad
+
+
+# The front of jaxllm: the Python API and the entry points, over the engine.
+FRONT_ENDS = {"jaxllm", "jaxllm.llm", "jaxllm.serve", "jaxllm.generate", "jaxllm.cli"}
+
+
+def test_the_engine_imports_no_front_end():
+    """Inside jaxllm too, imports point down: nothing in jaxllm/engine/ imports LLM or an entry point."""
+    bad = []
+    for rel in _files():
+        if rel.startswith("jaxllm/engine/"):
+            bad += [f"{rel}:{line}: imports {module}" for line, _, module in imported_packages((ROOT / rel).read_text())
+                    if module in FRONT_ENDS]
+    assert not bad

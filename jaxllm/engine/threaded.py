@@ -1,9 +1,12 @@
-"""A thread-safe front of an `LLM`'s EngineCore: one background thread runs steps while callers submit and cancel.
+"""A thread-safe front of an EngineCore: one background thread runs steps while callers submit and cancel.
 
 The servers (gRPC, HTTP, any multi-threaded caller) talk to this; `LLM.generate/stream` drive the
-same EngineCore synchronously. Requests are validated on submit, so a bad one is refused
-before it is queued; an accepted request always ends with exactly one final event (finished,
-cancelled, or failed with the engine's error), never silently.
+same EngineCore synchronously. It is built from the core, the tokenizer and the engine's EngineInfo
+(`Engine(llm.core, llm.tokenizer, llm.info())` where an `LLM` is loaded), and front ends read what
+they need from it (`tokenizer`, `limits`, `info()`, `stats()`). Requests are checked on submit
+against the core's one RequestLimits, so a bad one is refused before it is queued; an accepted
+request always ends with exactly one final event (finished, cancelled, or failed with the engine's
+error), never silently.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ import threading
 import time
 from typing import Iterator
 
-from jaxllm.engine.core import EngineInfo, EngineStats, Request, RequestOutput
+from jaxllm.engine.core import EngineCore, EngineInfo, EngineStats, Request, RequestOutput
 from jaxllm.engine.output import RequestTimings
-from jaxllm.engine.requests import check_params, prompt_token_ids
+from jaxllm.engine.requests import RequestLimits, check_params, prompt_token_ids
 from jaxllm.engine.sampling import SamplingParams
-from jaxllm.llm import LLM
 
 
 class QueueFull(RuntimeError):
@@ -85,12 +87,25 @@ class _Pending:
 
 
 class Engine:
-    """A thread-safe front of an `LLM`'s EngineCore (see the module docstring)."""
+    """A thread-safe front of an EngineCore (see the module docstring).
 
-    def __init__(self, llm: LLM, *, max_waiting: int = 1024):
-        self.llm = llm
+    Args:
+      core: the engine core; from now on only this engine's thread drives it.
+      tokenizer: encodes text prompts (the core's own).
+      info: what the core runs (`LLM.info()`); `info()` returns it with `max_queue` set.
+      max_waiting: requests waiting to run before `submit` raises QueueFull.
+    """
+
+    def __init__(self, core: EngineCore, tokenizer, info: EngineInfo, *, max_waiting: int = 1024):
+        limits = core.limits
+        if (info.context_limit, info.vocab_size) != (limits.context_limit, limits.vocab_size):
+            raise ValueError(f"info describes another engine: context limit {info.context_limit} and vocabulary "
+                             f"{info.vocab_size}, where the core's limits have {limits.context_limit} and "
+                             f"{limits.vocab_size}")
+        self.tokenizer = tokenizer
         self.max_waiting = max_waiting
-        self._core = llm.core
+        self._core = core
+        self._info = dataclasses.replace(info, max_queue=max_waiting)
         self._lock = threading.Condition()
         self._incoming: list[_Pending] = []
         self._cancels: set[int] = set()
@@ -104,13 +119,18 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for: the core's RequestLimits, the one object every check reads."""
+        return self._core.limits
+
     # ----- callers' side -----
 
     def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; raises ValueError for bad input (jaxllm.engine.requests' rules), QueueFull,
         EngineStopped."""
-        limits = self._core.limits
-        ids = prompt_token_ids(prompt, self.llm.tokenizer, limits)
+        limits = self.limits
+        ids = prompt_token_ids(prompt, self.tokenizer, limits)
         check_params(params, len(ids), limits)
         with self._lock:
             if not self._accepting:
@@ -133,8 +153,8 @@ class Engine:
                 self._lock.notify_all()
 
     def info(self) -> EngineInfo:
-        """What is loaded (model, dtypes, limits, pool); frozen."""
-        return dataclasses.replace(self.llm.info(), max_queue=self.max_waiting)
+        """What is loaded (model, dtypes, limits, pool) and this engine's queue limit; frozen."""
+        return self._info
 
     def stats(self) -> EngineStats:
         """Counters and current load, a snapshot; requests queued here and not yet in the core count as

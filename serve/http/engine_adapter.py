@@ -56,7 +56,7 @@ class EngineAdapter:
 
     def check(self, prompt: str | list[int], sampling: Sampling) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, SamplingParams), or a ValueError naming the field and the limit (-> 400)."""
-        ids = prompt_token_ids(prompt, self.engine.llm.tokenizer, self.limits)
+        ids = prompt_token_ids(prompt, self.engine.tokenizer, self.limits)
         params = sampling_params(self.limits, len(ids), max_tokens=sampling.max_tokens,
                                  temperature=sampling.temperature, top_k=sampling.top_k,
                                  top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
@@ -67,15 +67,15 @@ class EngineAdapter:
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text of chat messages under the checkpoint's own chat template (Llama-2's `[INST]`
         format without one): `LLM.chat`'s function; ValueError naming the bad message (-> 400)."""
-        return chat_prompt(self.engine.llm.tokenizer, messages)
+        return chat_prompt(self.engine.tokenizer, messages)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (for `echo` of a token-id prompt)."""
-        return self.engine.llm.tokenizer.decode(ids)
+        return self.engine.tokenizer.decode(ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, decoded alone (log-probability entries name tokens by it)."""
-        return self.engine.llm.tokenizer.decode([token_id])
+        return self.engine.tokenizer.decode([token_id])
 
     def submit(self, ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a checked request; raises QueueFull (-> 429) or EngineStopped (-> 503)."""

@@ -89,7 +89,7 @@ def test_python_api_engine_and_grpc_agree_at_max_context_64(llm):
 
     limits = RequestLimits(context_limit=llm.context_limit, vocab_size=llm.config.vocab_size)
     assert llm.context_limit == 64
-    engine = Engine(llm)
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
     try:
         for n, max_tokens, ok in ((63, 1, True), (64, 1, False), (60, 4, True), (60, 5, False)):
             ids = [7] * n

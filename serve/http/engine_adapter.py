@@ -1,9 +1,9 @@
 """The HTTP front end's one window onto the engine: request checks, limits, model facts, load readings.
 
 Everything the OpenAI API layer needs from `jaxllm` goes through `EngineAdapter`: the request checks
-are jaxllm's own (`jaxllm.engine.requests`, the ones `LLM` and gRPC use, so every front end refuses the
-same requests with the same messages), and the model facts and load readings come from the engine's
-`info()` / `stats()` snapshots.
+are jaxllm's own (`jaxllm.engine.requests`, the ones `LLM` and gRPC use, against the engine's one
+`limits`, so every front end refuses the same requests with the same messages), and the model facts
+and load readings come from the engine's `info()` / `stats()` snapshots.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ class Sampling:
 class EngineAdapter:
     """A loaded, warm engine as the OpenAI API sees it."""
 
-    def __init__(self, engine: Engine, model_name: str, *, default_max_tokens: int = 256,
-                 max_stop_strings: int = 16, max_stop_length: int = 256):
+    def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        info = engine.info()
-        self.limits = RequestLimits(context_limit=info.context_limit, vocab_size=info.vocab_size,
-                                    default_max_tokens=default_max_tokens, max_stop_strings=max_stop_strings,
-                                    max_stop_length=max_stop_length, max_logprobs=info.max_logprobs)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for: the engine's (EngineOptions' request limits, built once by LLM)."""
+        return self.engine.limits
 
     @property
     def context_limit(self) -> int:

@@ -5,8 +5,8 @@ same EngineCore synchronously. It is built from the core, the tokenizer and the 
 (`Engine(llm.core, llm.tokenizer, llm.info())` where an `LLM` is loaded), and front ends read what
 they need from it (`tokenizer`, `limits`, `info()`, `stats()`). Requests are checked on submit
 against the core's one RequestLimits, so a bad one is refused before it is queued; an accepted
-request always ends with exactly one final event (finished, cancelled, or failed with the engine's
-error), never silently.
+request always ends with exactly one final output (finished, cancelled, or "error" with the engine's
+message), never silently. Streams yield the core's own RequestOutputs, under this engine's request ids.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from typing import Iterator
 
 from jaxllm.engine.core import EngineCore, EngineInfo, EngineStats, Request, RequestOutput
-from jaxllm.engine.output import RequestTimings
 from jaxllm.engine.requests import RequestLimits, check_params, prompt_token_ids
 from jaxllm.engine.sampling import SamplingParams
 
@@ -32,43 +31,28 @@ class EngineStopped(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One streamed update of a request: new text and token ids; `finish_reason` set on the last."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    timings: RequestTimings | None = None  # on the last event: the request's TTFT and TPOT
-    # None unless the request asked (SamplingParams.logprobs); one entry per token id, as RequestOutput's.
-    logprobs: tuple | None = None
-
-
 class RequestStream:
-    """Iterate for events; `cancel()` (or leaving the iteration) frees the request's rBlocks."""
+    """Iterate for the request's outputs; `cancel()` (or leaving the iteration) frees its rBlocks."""
 
     def __init__(self, engine: "Engine", request_id: int, prompt_tokens: int):
         self._engine = engine
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
-        self._events: queue.Queue[Event] = queue.Queue()
+        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
         self.finished = threading.Event()
 
-    def put(self, event: Event) -> None:
-        """Deliver an event (the engine's thread does); the last one marks the stream finished."""
-        self._events.put(event)
-        if event.finish_reason is not None:
+    def put(self, output: RequestOutput) -> None:
+        """Deliver an output (the engine's thread does); the last one marks the stream finished."""
+        self._outputs.put(output)
+        if output.finished:
             self.finished.set()
 
-    def __iter__(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[RequestOutput]:
         try:
             while True:
-                event = self._events.get()
-                yield event
-                if event.finish_reason is not None:
+                output = self._outputs.get()
+                yield output
+                if output.finished:
                     return
         finally:
             if not self.finished.is_set():
@@ -213,14 +197,15 @@ class Engine:
                 cancels, self._cancels = self._cancels, set()
                 stop = self._stop
             for pending in incoming:
+                stream = pending.stream
                 try:
                     core_id = core.add(pending.request)
                 except ValueError as e:  # submit checked it; only a limit changed meanwhile could land here
-                    self._deliver(pending.stream, Event("", [], "error", prompt_tokens=pending.stream.prompt_tokens,
+                    self._deliver(stream, RequestOutput(stream.request_id, "", (), stream.prompt_tokens, 0, "error",
                                                         error=f"{type(e).__name__}: {e}"))
                     continue
-                self._core_ids[pending.stream.request_id] = core_id
-                self._by_core_id[core_id] = pending.stream
+                self._core_ids[stream.request_id] = core_id
+                self._by_core_id[core_id] = stream
             for request_id in cancels:
                 core_id = self._core_ids.get(request_id)
                 if core_id is not None:
@@ -243,21 +228,21 @@ class Engine:
                     self._emit(core.cancel(core_id), error=f"{type(e).__name__}: {e}")
 
     def _emit(self, output: RequestOutput | None, error: str | None = None) -> None:
+        """Hand a core output to its stream, under the stream's request id; `error` makes it an "error"."""
         if output is None:
             return
         stream = self._by_core_id.get(output.request_id)
         if stream is None:
             return
-        reason = "error" if error is not None else output.finish_reason
-        self._deliver(stream, Event(output.text, list(output.token_ids), reason, prompt_tokens=output.prompt_tokens,
-                                    completion_tokens=output.completion_tokens, error=error, timings=output.timings,
-                                    logprobs=output.logprobs))
         if output.finished:
             del self._by_core_id[output.request_id]
             self._core_ids.pop(stream.request_id, None)
+        if error is not None:
+            output = dataclasses.replace(output, finish_reason="error", error=error)
+        self._deliver(stream, dataclasses.replace(output, request_id=stream.request_id))
 
-    def _deliver(self, stream: RequestStream, event: Event) -> None:
-        if event.finish_reason is not None:
+    def _deliver(self, stream: RequestStream, output: RequestOutput) -> None:
+        if output.finished:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
-        stream.put(event)
+        stream.put(output)

@@ -1,11 +1,12 @@
 """The threaded Engine over an EngineCore: built from the core, the tokenizer and the EngineInfo (no LLM),
-it shows front ends the core's one RequestLimits."""
+it shows front ends the core's one RequestLimits, and its streams yield the core's RequestOutputs."""
 
 import dataclasses
 
 import pytest
 
 from jaxllm import LLM, EngineOptions
+from jaxllm.engine.core import RequestOutput
 from jaxllm.engine.sampling import SamplingParams
 from jaxllm.engine.threaded import Engine
 
@@ -34,3 +35,36 @@ def test_engine_shows_the_cores_tokenizer_limits_and_info(llm, engine):
 def test_info_of_another_engine_is_refused(llm):
     with pytest.raises(ValueError, match="context limit 32 and vocabulary 259, where the core's limits have 64"):
         Engine(llm.core, llm.tokenizer, dataclasses.replace(llm.info(), context_limit=32))
+
+
+def test_streams_yield_the_cores_outputs_under_the_engines_ids(llm):
+    prompts = [[5, 6, 7], [9] * 10]
+    reference = llm.generate(prompts, max_new_tokens=4, ignore_eos=True)  # before the engine thread drives the core
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
+    try:
+        streams = [engine.submit(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in prompts]
+        outputs = [list(stream) for stream in streams]
+    finally:
+        engine.shutdown(grace_s=5.0)
+    assert streams[0].request_id != streams[1].request_id
+    for prompt, stream, outs, ref in zip(prompts, streams, outputs, reference):
+        assert all(type(o) is RequestOutput and o.request_id == stream.request_id and o.error is None for o in outs)
+        assert [t for o in outs for t in o.token_ids] == ref.token_ids
+        assert "".join(o.text for o in outs) == ref.text
+        assert all(o.finish_reason is None for o in outs[:-1])
+        last = outs[-1]
+        assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == ("length", len(prompt), 4)
+        assert last.timings is not None
+
+
+def test_a_failed_step_ends_its_requests_with_one_error_output(llm, engine, monkeypatch):
+    def dispatch(plan, *, token_source=None):
+        raise RuntimeError("the device is gone")
+
+    monkeypatch.setattr(llm.runner, "dispatch", dispatch)
+    stream = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=4))
+    outputs = list(stream)
+    assert len(outputs) == 1 and outputs[0].request_id == stream.request_id
+    assert (outputs[0].finish_reason, outputs[0].error) == ("error", "RuntimeError: the device is gone")
+    monkeypatch.undo()
+    assert list(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=2)))[-1].finish_reason in ("length", "stop")

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 import jaxllm
+from jaxllm.engine.core import Request
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
@@ -120,8 +121,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                           f"request is {size} bytes, over the limit {self.config.max_message_bytes}")
         engine = self._ready_engine(context)
         try:
-            ids, params = to_engine_request(request, engine.tokenizer, engine.limits)
-            stream = engine.submit(ids, params)
+            ids, params = to_engine_request(request, engine.tokenizer, engine.limits)  # the one check
+            stream = engine.submit_checked([Request(ids, params)])[0]
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:

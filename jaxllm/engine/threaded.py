@@ -16,7 +16,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from jaxllm.engine.core import EngineCore, EngineInfo, EngineStats, Request, RequestOutput
 from jaxllm.engine.requests import RequestLimits, check_params, prompt_token_ids
@@ -110,25 +110,36 @@ class Engine:
 
     # ----- callers' side -----
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; raises ValueError for bad input (jaxllm.engine.requests' rules), QueueFull,
-        EngineStopped."""
-        limits = self.limits
-        ids = prompt_token_ids(prompt, self.tokenizer, limits)
-        check_params(params, len(ids), limits)
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams) -> RequestStream:
+        """Check a request against `limits` and queue it; raises ValueError for bad input
+        (jaxllm.engine.requests' rules), QueueFull, EngineStopped."""
+        ids = prompt_token_ids(prompt, self.tokenizer, self.limits)
+        check_params(params, len(ids), self.limits)
+        return self.submit_checked([Request(ids, params)])[0]
+
+    def submit_checked(self, requests: Sequence[Request]) -> list[RequestStream]:
+        """Queue requests their caller has checked against `limits` (gRPC and HTTP do, once per request,
+        with jaxllm.engine.requests), all of them or none: QueueFull if the queue has no room for every
+        one, EngineStopped. A request the core's own check refuses ends with one "error" output."""
+        now = time.monotonic()
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
             waiting = len(self._incoming) + self._core.stats().queue_depth
-            if waiting >= self.max_waiting:
-                self._requests_rejected += 1
-                raise QueueFull(f"{waiting} requests are already waiting (limit {self.max_waiting})")
-            request_id = next(self._ids)
-            stream = RequestStream(self, request_id, len(ids))
-            self._streams[request_id] = stream
-            self._incoming.append(_Pending(stream, Request(ids, params, arrival=time.monotonic())))
+            if waiting + len(requests) > self.max_waiting:
+                self._requests_rejected += len(requests)
+                more = f": no room for {len(requests)} more" if len(requests) > 1 else ""
+                raise QueueFull(f"{waiting} requests are already waiting (limit {self.max_waiting}){more}")
+            streams = []
+            for request in requests:
+                if request.arrival is None:
+                    request = dataclasses.replace(request, arrival=now)
+                stream = RequestStream(self, next(self._ids), len(request.prompt_ids))
+                self._streams[stream.request_id] = stream
+                self._incoming.append(_Pending(stream, request))
+                streams.append(stream)
             self._lock.notify_all()
-        return stream
+        return streams
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -200,7 +211,7 @@ class Engine:
                 stream = pending.stream
                 try:
                     core_id = core.add(pending.request)
-                except ValueError as e:  # submit checked it; only a limit changed meanwhile could land here
+                except ValueError as e:  # its caller did not check it (submit_checked says what happens)
                     self._deliver(stream, RequestOutput(stream.request_id, "", (), stream.prompt_tokens, 0, "error",
                                                         error=f"{type(e).__name__}: {e}"))
                     continue

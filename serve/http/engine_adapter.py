@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.engine.core import Request
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
 from jaxllm.engine.sampling import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
@@ -77,9 +78,10 @@ class EngineAdapter:
         """One token's text, decoded alone (log-probability entries name tokens by it)."""
         return self.engine.tokenizer.decode([token_id])
 
-    def submit(self, ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a checked request; raises QueueFull (-> 429) or EngineStopped (-> 503)."""
-        return self.engine.submit(ids, params)
+    def submit(self, checked: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
+        """Queue requests `check` passed, all of them or none: QueueFull (-> 429) or EngineStopped (-> 503)
+        leaves nothing queued."""
+        return self.engine.submit_checked([Request(ids, params) for ids, params in checked])
 
     def stop_accepting(self) -> None:
         self.engine.stop_accepting()

@@ -1,4 +1,5 @@
-"""gRPC and HTTP in this process over one threaded Engine: both read the engine's one RequestLimits.
+"""gRPC and HTTP in this process over one threaded Engine: both read the engine's one RequestLimits, and
+an HTTP request of several choices is queued all together or not at all.
 
 A small engine (tiny model, max_context 64, request limits set in EngineOptions, two waiting slots)
 with both servers attached, as `python -m jaxllm.serve --http-port` runs them; no warm-up, so the
@@ -91,3 +92,21 @@ def test_unset_max_tokens_is_the_engines_default(servers):
     status, body = _post(http, "/completions", dict(model="tiny", prompt="a", ignore_eos=True))
     assert status == 200 and body["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
     assert sum(len(m.token_ids) for m in _generate(stub, prompt="a", ignore_eos=True)) == DEFAULT_MAX_TOKENS
+
+
+def test_choices_that_do_not_all_fit_are_refused_with_none_queued(servers):
+    engine, stub, http = servers
+    before = engine.stats()
+    status, body = _post(http, "/completions", dict(model="tiny", prompt="a", max_tokens=2, n=MAX_WAITING + 1))
+    assert status == 429 and body["error"]["code"] == "queue_full", body
+    assert f"limit {MAX_WAITING}" in body["error"]["message"]
+    after = engine.stats()
+    assert (after.requests_total, after.queue_depth, after.running) == (before.requests_total, 0, 0)
+    assert after.requests_rejected == before.requests_rejected + MAX_WAITING + 1
+    # A bad prompt after a good one: refused before either is queued.
+    status, body = _post(http, "/completions", dict(model="tiny", prompt=["a", "x" * 70], max_tokens=2))
+    assert status == 400 and body["error"]["message"].startswith("prompt 1: prompt has 71 tokens"), body
+    assert engine.stats().requests_total == before.requests_total
+    status, body = _post(http, "/completions", dict(model="tiny", prompt="a", max_tokens=2, n=MAX_WAITING))
+    assert status == 200 and [c["index"] for c in body["choices"]] == list(range(MAX_WAITING))
+    assert engine.stats().requests_total == before.requests_total + MAX_WAITING

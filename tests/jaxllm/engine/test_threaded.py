@@ -1,14 +1,15 @@
 """The threaded Engine over an EngineCore: built from the core, the tokenizer and the EngineInfo (no LLM),
-it shows front ends the core's one RequestLimits, and its streams yield the core's RequestOutputs."""
+it shows front ends the core's one RequestLimits, its streams yield the core's RequestOutputs, and a group of
+requests is queued all together or not at all."""
 
 import dataclasses
 
 import pytest
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.engine.core import RequestOutput
+from jaxllm.engine.core import Request, RequestOutput
 from jaxllm.engine.sampling import SamplingParams
-from jaxllm.engine.threaded import Engine
+from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +69,30 @@ def test_a_failed_step_ends_its_requests_with_one_error_output(llm, engine, monk
     assert (outputs[0].finish_reason, outputs[0].error) == ("error", "RuntimeError: the device is gone")
     monkeypatch.undo()
     assert list(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=2)))[-1].finish_reason in ("length", "stop")
+
+
+def test_submit_checked_queues_all_or_none(engine):
+    before = engine.stats()
+    requests = [Request([7, i], SamplingParams(max_new_tokens=1)) for i in range(3)]
+    with pytest.raises(QueueFull, match=r"0 requests are already waiting \(limit 2\): no room for 3 more"):
+        engine.submit_checked(requests)
+    after = engine.stats()
+    assert (after.requests_total, after.queue_depth, after.running) == (before.requests_total, 0, 0)
+    assert after.requests_rejected == before.requests_rejected + 3
+    assert engine.idle()
+    assert [list(s)[-1].finish_reason for s in engine.submit_checked(requests[:2])] == ["length"] * 2
+    engine.stop_accepting()
+    with pytest.raises(EngineStopped):
+        engine.submit_checked(requests[:1])
+    assert engine.stats().requests_total == before.requests_total + 2
+
+
+def test_a_request_the_core_refuses_ends_with_one_error_output(engine):
+    """submit_checked trusts its caller's check; the core checks again, and a refusal is the request's last
+    output, not the engine's end."""
+    bad = Request([7] * 60, SamplingParams(max_new_tokens=5))  # 60 + 5 > the context limit 64
+    bad_stream, good_stream = engine.submit_checked([bad, Request([7] * 3, SamplingParams(max_new_tokens=2))])
+    (output,) = list(bad_stream)
+    assert (output.request_id, output.finish_reason) == (bad_stream.request_id, "error")
+    assert "max_tokens 5 is over the limit 4" in output.error
+    assert list(good_stream)[-1].finish_reason == "length"

@@ -163,15 +163,6 @@ class Engine:
             prompt_tokens_total=stats.prompt_tokens_total + sum(len(r.prompt_ids) for r in incoming),
             queue_depth=stats.queue_depth + len(incoming))
 
-    def queue_depth(self) -> int:
-        return self.stats().queue_depth
-
-    def num_running(self) -> int:
-        return self.stats().running
-
-    def pool_usage(self) -> float:
-        return self.stats().pool_usage
-
     def stop_accepting(self) -> None:
         with self._lock:
             self._accepting = False

@@ -2,7 +2,10 @@
 it shows front ends the core's one RequestLimits, its streams yield the core's RequestOutputs, and a group of
 requests is queued all together or not at all."""
 
+import ast
 import dataclasses
+import inspect
+import pathlib
 
 import pytest
 
@@ -96,3 +99,19 @@ def test_a_request_the_core_refuses_ends_with_one_error_output(engine):
     assert (output.request_id, output.finish_reason) == (bad_stream.request_id, "error")
     assert "max_tokens 5 is over the limit 4" in output.error
     assert list(good_stream)[-1].finish_reason == "length"
+
+
+# Public methods only tests call, and why they stay.
+TEST_HOOKS = {"idle": "the check that nothing is left accepted or in flight (pipelining and queueing tests)"}
+
+
+def test_every_public_method_is_used_by_the_packages():
+    """No dead API: each public method of Engine is called somewhere in jaxllm/, serve/ or scripts/ (a
+    name-based scan, so it can miss a method that shares a name with something else, never accuse one)."""
+    root = pathlib.Path(__file__).resolve().parents[3]
+    used = set()
+    for package in ("jaxllm", "serve", "scripts"):
+        for path in (root / package).rglob("*.py"):
+            used |= {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)}
+    methods = {name for name, _ in inspect.getmembers(Engine, inspect.isfunction) if not name.startswith("_")}
+    assert methods - used == set(TEST_HOOKS)

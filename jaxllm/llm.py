@@ -80,9 +80,15 @@ class EngineOptions:
     # JAX's persistent compilation cache in this directory (created if missing), so a restart compiles
     # nothing; None: $JAXLLM_COMPILE_CACHE if set, else off.
     compile_cache_dir: str | None = None
+    # What one request may ask for (jaxllm.engine.requests.RequestLimits, built once from these; every
+    # front end reads that one object): max_tokens of a request that sets none (capped at the room its
+    # prompt leaves), stop strings per request, characters per stop string.
+    default_max_tokens: int = 256
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "instances"):
+        for name in ("tensor_parallel", "instances", "default_max_tokens", "max_stop_strings", "max_stop_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -176,8 +182,12 @@ class LLM:
         self.model_name = model
         self.pool_dtype = pool_dtype
         self.num_blocks = num_blocks * instances  # every instance's pool
+        # The one RequestLimits: the core checks against it, and every front end reads it from there.
         self.limits = RequestLimits(context_limit=min(self.max_context, reach * block_size),
-                                    vocab_size=self.config.vocab_size, max_logprobs=self.options.max_logprobs)
+                                    vocab_size=self.config.vocab_size, max_logprobs=self.options.max_logprobs,
+                                    default_max_tokens=self.options.default_max_tokens,
+                                    max_stop_strings=self.options.max_stop_strings,
+                                    max_stop_length=self.options.max_stop_length)
         self.core = EngineCore(self.scheduler, self.executor, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)
 

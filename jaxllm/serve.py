@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(OpenAI logprobs / top_logprobs); 0 refuses logprobs and compiles no logprob step variants "
                    "(default: 20)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none (default: 256)")
+    p.add_argument("--max-stop-strings", type=int, default=16, help="stop strings one request may give (default: 16)")
+    p.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string (default: 256)")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted, in bytes (default: 4 MiB)")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get on SIGTERM (default: 10)")
     p.add_argument("--no-warm-up", action="store_true", help="skip compiling every step shape before SERVING "
@@ -93,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                                 max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
                                 prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
                                 lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
-                                tuner=args.tuner, compile_cache_dir=args.compile_cache)
+                                tuner=args.tuner, compile_cache_dir=args.compile_cache,
+                                default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
+                                max_stop_length=args.max_stop_length)
         start_processes(args)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -106,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig(host=args.host, port=args.port, metrics_port=metrics_port,
                               max_running=args.max_running, max_queue=args.max_queue,
-                              max_message_bytes=args.max_message_bytes, default_max_tokens=args.default_max_tokens,
-                              grace_period_s=args.grace_period)
+                              max_message_bytes=args.max_message_bytes, grace_period_s=args.grace_period)
         server = None if args.http_only else Server(config)
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
             llm.warm_up(progress=not args.quiet)
-        engine = Engine(llm, max_waiting=args.max_queue)
+        engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=args.max_queue)
         for front in (server, http):
             if front is not None:
                 front.attach(engine, args.model)
@@ -217,7 +220,7 @@ def _http_server(args, server):
 
     config = HttpConfig(host=args.host, port=args.http_port, api_key=args.api_key or None,
                         max_body_bytes=args.max_message_bytes, max_running=args.max_running,
-                        max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
+                        max_queue=args.max_queue)
     if server is None:
         return HttpServer(config, engine_metrics=True)
     return HttpServer(config, server.registry)

@@ -1,7 +1,7 @@
 """The gRPC service over an `Engine`: servicer, health, reflection, metrics, graceful shutdown.
 
     server = Server(ServerConfig(port=0))   # binds and starts at once; health says NOT_SERVING
-    llm = LLM(...); engine = Engine(llm, max_waiting=...)   # load and warm up meanwhile
+    llm = LLM(...); engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=...)   # load, warm up
     server.attach(engine, model_name)       # health flips to SERVING
     ...
     server.shutdown()                       # stop accepting, drain within the grace period, stop
@@ -24,12 +24,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 import jaxllm
+from jaxllm.engine.core import Request
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
 from serve.client import grpc_target
 from serve.metrics import Registry, register_engine_metrics, serve_metrics
-from serve.validation import RequestLimits, to_engine_request
+from serve.validation import to_engine_request
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LLMService"].full_name  # "jaxllm.v1.LLMService"
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED}
@@ -46,10 +47,7 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: pick a free port
     max_running: int = 256  # the engine's max_seqs (for sizing the thread pool)
     max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
-    max_message_bytes: int = 4 << 20
-    default_max_tokens: int = 256
-    max_stop_strings: int = 16
-    max_stop_length: int = 256
+    max_message_bytes: int = 4 << 20  # request limits beyond this are the engine's (EngineOptions)
     grace_period_s: float = 10.0
 
     def __post_init__(self):
@@ -57,8 +55,7 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        for name in ("max_running", "max_queue", "max_message_bytes", "default_max_tokens", "max_stop_strings",
-                     "max_stop_length"):
+        for name in ("max_running", "max_queue", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.grace_period_s < 0:
@@ -87,18 +84,9 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         self.config = config
         self.engine: Engine | None = None
         self.model_name = ""
-        self.limits: RequestLimits | None = None
-        self.tokenizer = None
         self.metrics = _Metrics(registry, self)
 
     def attach(self, engine: Engine, model_name: str) -> None:
-        info = engine.info()
-        self.tokenizer = engine.llm.tokenizer
-        self.limits = RequestLimits(context_limit=info.context_limit,
-                                    vocab_size=info.vocab_size,
-                                    default_max_tokens=self.config.default_max_tokens,
-                                    max_stop_strings=self.config.max_stop_strings,
-                                    max_stop_length=self.config.max_stop_length)
         self.model_name = model_name
         self.engine = engine
 
@@ -133,8 +121,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                           f"request is {size} bytes, over the limit {self.config.max_message_bytes}")
         engine = self._ready_engine(context)
         try:
-            ids, params = to_engine_request(request, self.tokenizer, self.limits)
-            stream = engine.submit(ids, params)
+            ids, params = to_engine_request(request, engine.tokenizer, engine.limits)  # the one check
+            stream = engine.submit_checked([Request(ids, params)])[0]
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
@@ -162,12 +150,12 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             yield response
 
     def Tokenize(self, request, context):  # noqa: N802
-        self._ready_engine(context)  # UNAVAILABLE until the model is loaded
-        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text))
+        engine = self._ready_engine(context)  # UNAVAILABLE until the model is loaded
+        return pb.TokenizeResponse(token_ids=engine.tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context):  # noqa: N802
         engine = self._ready_engine(context)
-        info = engine.info()
+        info, limits = engine.info(), engine.limits
         return pb.ModelInfoResponse(
             model=self.model_name, architecture=info.architecture, dtype=info.dtype,
             vocab_size=info.vocab_size, num_layers=info.num_layers, hidden_size=info.hidden_size,
@@ -175,8 +163,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             kv_block_size=info.block_size, kv_num_blocks=info.num_blocks, kv_dtype=info.kv_dtype,
             max_running=info.max_seqs, max_queue=info.max_queue or 0, tensor_parallel=info.tensor_parallel,
             instances=info.instances, processes=info.processes, devices=info.devices,
-            default_max_tokens=self.limits.default_max_tokens, max_stop_strings=self.limits.max_stop_strings,
-            max_stop_length=self.limits.max_stop_length, backend=jax.default_backend(), version=jaxllm.__version__)
+            default_max_tokens=limits.default_max_tokens, max_stop_strings=limits.max_stop_strings,
+            max_stop_length=limits.max_stop_length, backend=jax.default_backend(), version=jaxllm.__version__)
 
 
 def _serve_reflection_v1(servicer, server) -> None:

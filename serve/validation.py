@@ -10,11 +10,12 @@ from __future__ import annotations
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
 from jaxllm.contract import SamplingParams
 
-__all__ = ["RequestLimits", "to_engine_request"]
+__all__ = ["to_engine_request"]
 
 
 def to_engine_request(request, tokenizer, limits: RequestLimits) -> tuple[list[int], SamplingParams]:
-    """Validate a GenerateRequest; raises ValueError (-> INVALID_ARGUMENT) naming the field and the limit."""
+    """Validate a GenerateRequest against the engine's limits (`Engine.limits`); raises ValueError
+    (-> INVALID_ARGUMENT) naming the field and the limit."""
     has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
     if has_text and has_ids:
         raise ValueError("prompt and prompt_token_ids are both set; send exactly one of them")

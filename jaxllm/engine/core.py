@@ -52,8 +52,10 @@ class Request:
 class RequestOutput:
     """What one step produced for one request: new text and token ids; `finish_reason` set on the last.
 
+    The one output type from the core to every front end (the threaded Engine's streams yield it too).
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or the context
-    limit), "cancelled". timings are set on the last output. logprobs: None unless the request asked
+    limit), "cancelled", or "error" (set by the threaded Engine when a step failed, with `error` its
+    message). timings are set on the last output. logprobs: None unless the request asked
     (SamplingParams.logprobs = k); then one entry per new token id, `(its logprob, ((id, logprob), ...))`
     with the k most likely tokens first.
     """
@@ -66,6 +68,7 @@ class RequestOutput:
     finish_reason: str | None = None
     timings: RequestTimings | None = None
     logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
+    error: str | None = None  # finish_reason "error": what failed
 
     @property
     def finished(self) -> bool:

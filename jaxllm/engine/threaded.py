@@ -1,9 +1,12 @@
-"""A thread-safe front of an `LLM`'s EngineCore: one background thread runs steps while callers submit and cancel.
+"""A thread-safe front of an EngineCore: one background thread runs steps while callers submit and cancel.
 
 The servers (gRPC, HTTP, any multi-threaded caller) talk to this; `LLM.generate/stream` drive the
-same EngineCore synchronously. Requests are validated on submit, so a bad one is refused
-before it is queued; an accepted request always ends with exactly one final event (finished,
-cancelled, or failed with the engine's error), never silently.
+same EngineCore synchronously. It is built from the core, the tokenizer and the engine's EngineInfo
+(`Engine(llm.core, llm.tokenizer, llm.info())` where an `LLM` is loaded), and front ends read what
+they need from it (`tokenizer`, `limits`, `info()`, `stats()`). Requests are checked on submit
+against the core's one RequestLimits, so a bad one is refused before it is queued; an accepted
+request always ends with exactly one final output (finished, cancelled, or "error" with the engine's
+message), never silently. Streams yield the core's own RequestOutputs, under this engine's request ids.
 """
 
 from __future__ import annotations
@@ -13,13 +16,11 @@ import itertools
 import queue
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
-from jaxllm.engine.core import EngineInfo, EngineStats, Request, RequestOutput
-from jaxllm.engine.output import RequestTimings
-from jaxllm.engine.requests import check_params, prompt_token_ids
 from jaxllm.contract import SamplingParams
-from jaxllm.llm import LLM
+from jaxllm.engine.core import EngineCore, EngineInfo, EngineStats, Request, RequestOutput
+from jaxllm.engine.requests import RequestLimits, check_params, prompt_token_ids
 
 
 class QueueFull(RuntimeError):
@@ -30,43 +31,28 @@ class EngineStopped(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One streamed update of a request: new text and token ids; `finish_reason` set on the last."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    timings: RequestTimings | None = None  # on the last event: the request's TTFT and TPOT
-    # None unless the request asked (SamplingParams.logprobs); one entry per token id, as RequestOutput's.
-    logprobs: tuple | None = None
-
-
 class RequestStream:
-    """Iterate for events; `cancel()` (or leaving the iteration) frees the request's rBlocks."""
+    """Iterate for the request's outputs; `cancel()` (or leaving the iteration) frees its rBlocks."""
 
     def __init__(self, engine: "Engine", request_id: int, prompt_tokens: int):
         self._engine = engine
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
-        self._events: queue.Queue[Event] = queue.Queue()
+        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
         self.finished = threading.Event()
 
-    def put(self, event: Event) -> None:
-        """Deliver an event (the engine's thread does); the last one marks the stream finished."""
-        self._events.put(event)
-        if event.finish_reason is not None:
+    def put(self, output: RequestOutput) -> None:
+        """Deliver an output (the engine's thread does); the last one marks the stream finished."""
+        self._outputs.put(output)
+        if output.finished:
             self.finished.set()
 
-    def __iter__(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[RequestOutput]:
         try:
             while True:
-                event = self._events.get()
-                yield event
-                if event.finish_reason is not None:
+                output = self._outputs.get()
+                yield output
+                if output.finished:
                     return
         finally:
             if not self.finished.is_set():
@@ -85,12 +71,25 @@ class _Pending:
 
 
 class Engine:
-    """A thread-safe front of an `LLM`'s EngineCore (see the module docstring)."""
+    """A thread-safe front of an EngineCore (see the module docstring).
 
-    def __init__(self, llm: LLM, *, max_waiting: int = 1024):
-        self.llm = llm
+    Args:
+      core: the engine core; from now on only this engine's thread drives it.
+      tokenizer: encodes text prompts (the core's own).
+      info: what the core runs (`LLM.info()`); `info()` returns it with `max_queue` set.
+      max_waiting: requests waiting to run before `submit` raises QueueFull.
+    """
+
+    def __init__(self, core: EngineCore, tokenizer, info: EngineInfo, *, max_waiting: int = 1024):
+        limits = core.limits
+        if (info.context_limit, info.vocab_size) != (limits.context_limit, limits.vocab_size):
+            raise ValueError(f"info describes another engine: context limit {info.context_limit} and vocabulary "
+                             f"{info.vocab_size}, where the core's limits have {limits.context_limit} and "
+                             f"{limits.vocab_size}")
+        self.tokenizer = tokenizer
         self.max_waiting = max_waiting
-        self._core = llm.core
+        self._core = core
+        self._info = dataclasses.replace(info, max_queue=max_waiting)
         self._lock = threading.Condition()
         self._incoming: list[_Pending] = []
         self._cancels: set[int] = set()
@@ -104,27 +103,43 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for: the core's RequestLimits, the one object every check reads."""
+        return self._core.limits
+
     # ----- callers' side -----
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; raises ValueError for bad input (jaxllm.engine.requests' rules), QueueFull,
-        EngineStopped."""
-        limits = self._core.limits
-        ids = prompt_token_ids(prompt, self.llm.tokenizer, limits)
-        check_params(params, len(ids), limits)
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams) -> RequestStream:
+        """Check a request against `limits` and queue it; raises ValueError for bad input
+        (jaxllm.engine.requests' rules), QueueFull, EngineStopped."""
+        ids = prompt_token_ids(prompt, self.tokenizer, self.limits)
+        check_params(params, len(ids), self.limits)
+        return self.submit_checked([Request(ids, params)])[0]
+
+    def submit_checked(self, requests: Sequence[Request]) -> list[RequestStream]:
+        """Queue requests their caller has checked against `limits` (gRPC and HTTP do, once per request,
+        with jaxllm.engine.requests), all of them or none: QueueFull if the queue has no room for every
+        one, EngineStopped. A request the core's own check refuses ends with one "error" output."""
+        now = time.monotonic()
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
             waiting = len(self._incoming) + self._core.stats().queue_depth
-            if waiting >= self.max_waiting:
-                self._requests_rejected += 1
-                raise QueueFull(f"{waiting} requests are already waiting (limit {self.max_waiting})")
-            request_id = next(self._ids)
-            stream = RequestStream(self, request_id, len(ids))
-            self._streams[request_id] = stream
-            self._incoming.append(_Pending(stream, Request(ids, params, arrival=time.monotonic())))
+            if waiting + len(requests) > self.max_waiting:
+                self._requests_rejected += len(requests)
+                more = f": no room for {len(requests)} more" if len(requests) > 1 else ""
+                raise QueueFull(f"{waiting} requests are already waiting (limit {self.max_waiting}){more}")
+            streams = []
+            for request in requests:
+                if request.arrival is None:
+                    request = dataclasses.replace(request, arrival=now)
+                stream = RequestStream(self, next(self._ids), len(request.prompt_ids))
+                self._streams[stream.request_id] = stream
+                self._incoming.append(_Pending(stream, request))
+                streams.append(stream)
             self._lock.notify_all()
-        return stream
+        return streams
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -133,8 +148,8 @@ class Engine:
                 self._lock.notify_all()
 
     def info(self) -> EngineInfo:
-        """What is loaded (model, dtypes, limits, pool); frozen."""
-        return dataclasses.replace(self.llm.info(), max_queue=self.max_waiting)
+        """What is loaded (model, dtypes, limits, pool) and this engine's queue limit; frozen."""
+        return self._info
 
     def stats(self) -> EngineStats:
         """Counters and current load, a snapshot; requests queued here and not yet in the core count as
@@ -147,15 +162,6 @@ class Engine:
             stats, requests_total=stats.requests_total + len(incoming), requests_rejected=rejected,
             prompt_tokens_total=stats.prompt_tokens_total + sum(len(r.prompt_ids) for r in incoming),
             queue_depth=stats.queue_depth + len(incoming))
-
-    def queue_depth(self) -> int:
-        return self.stats().queue_depth
-
-    def num_running(self) -> int:
-        return self.stats().running
-
-    def pool_usage(self) -> float:
-        return self.stats().pool_usage
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -193,14 +199,15 @@ class Engine:
                 cancels, self._cancels = self._cancels, set()
                 stop = self._stop
             for pending in incoming:
+                stream = pending.stream
                 try:
                     core_id = core.add(pending.request)
-                except ValueError as e:  # submit checked it; only a limit changed meanwhile could land here
-                    self._deliver(pending.stream, Event("", [], "error", prompt_tokens=pending.stream.prompt_tokens,
+                except ValueError as e:  # its caller did not check it (submit_checked says what happens)
+                    self._deliver(stream, RequestOutput(stream.request_id, "", (), stream.prompt_tokens, 0, "error",
                                                         error=f"{type(e).__name__}: {e}"))
                     continue
-                self._core_ids[pending.stream.request_id] = core_id
-                self._by_core_id[core_id] = pending.stream
+                self._core_ids[stream.request_id] = core_id
+                self._by_core_id[core_id] = stream
             for request_id in cancels:
                 core_id = self._core_ids.get(request_id)
                 if core_id is not None:
@@ -223,21 +230,21 @@ class Engine:
                     self._emit(core.cancel(core_id), error=f"{type(e).__name__}: {e}")
 
     def _emit(self, output: RequestOutput | None, error: str | None = None) -> None:
+        """Hand a core output to its stream, under the stream's request id; `error` makes it an "error"."""
         if output is None:
             return
         stream = self._by_core_id.get(output.request_id)
         if stream is None:
             return
-        reason = "error" if error is not None else output.finish_reason
-        self._deliver(stream, Event(output.text, list(output.token_ids), reason, prompt_tokens=output.prompt_tokens,
-                                    completion_tokens=output.completion_tokens, error=error, timings=output.timings,
-                                    logprobs=output.logprobs))
         if output.finished:
             del self._by_core_id[output.request_id]
             self._core_ids.pop(stream.request_id, None)
+        if error is not None:
+            output = dataclasses.replace(output, finish_reason="error", error=error)
+        self._deliver(stream, dataclasses.replace(output, request_id=stream.request_id))
 
-    def _deliver(self, stream: RequestStream, event: Event) -> None:
-        if event.finish_reason is not None:
+    def _deliver(self, stream: RequestStream, output: RequestOutput) -> None:
+        if output.finished:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
-        stream.put(event)
+        stream.put(output)

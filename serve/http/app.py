@@ -5,8 +5,8 @@
     state.adapter = EngineAdapter(engine, "tiny")
 
 A generation request becomes one engine request per (prompt, choice); they are checked all
-together before any is queued (a bad one costs no queue slot), then queued together (a full
-queue cancels those already queued and answers 429). Streams are server-sent events in OpenAI's
+together before any is queued (a bad one costs no queue slot), then queued together, all or none
+(a full queue answers 429 with none of them queued). Streams are server-sent events in OpenAI's
 chunk format ending `data: [DONE]`; a client that goes away has its engine requests cancelled.
 """
 
@@ -204,16 +204,21 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
 
 
 def _submit(state: ApiState, adapter: EngineAdapter, job: _Job) -> StreamGroup:
+    """Queue every engine request of the job, all or none: a refusal leaves nothing queued or running."""
     group = StreamGroup(state.pool)
     try:
-        for index, ids, params in job.prompts:
-            group.add(index, adapter.submit(ids, params))
+        streams = adapter.submit([(ids, params) for _, ids, params in job.prompts])
     except QueueFull as e:
-        group.cancel()
         raise APIError(429, f"server busy: {e}; retry later", code="queue_full") from None
     except EngineStopped as e:
-        group.cancel()
         raise APIError(503, f"{e}; retry on another instance", code="shutting_down") from None
+    try:
+        for (index, _, _), stream in zip(job.prompts, streams):
+            group.add(index, stream)
+    except BaseException:  # e.g. the pool shut down: no request may run on with nobody reading it
+        for stream in streams:
+            stream.cancel()
+        raise
     return group
 
 

@@ -13,11 +13,13 @@ import asyncio
 import concurrent.futures
 from typing import AsyncIterator
 
+from jaxllm.engine.core import RequestOutput
 from serve.http.engine_adapter import RequestStream
 
 
 class StreamGroup:
-    """Engine requests of one HTTP request: `events()` yields (index, Event) until every one has finished."""
+    """Engine requests of one HTTP request: `events()` yields (index, RequestOutput) until every one has
+    finished."""
 
     def __init__(self, pool: concurrent.futures.ThreadPoolExecutor):
         self._pool = pool
@@ -39,7 +41,7 @@ class StreamGroup:
                 stream.cancel()
                 return
 
-    async def events(self) -> AsyncIterator[tuple[int, object]]:
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self._open:
             index, event = await self._queue.get()
             if event.finish_reason is not None:

@@ -1,15 +1,16 @@
 """The HTTP front end's one window onto the engine: request checks, limits, model facts, load readings.
 
 Everything the OpenAI API layer needs from `jaxllm` goes through `EngineAdapter`: the request checks
-are jaxllm's own (`jaxllm.engine.requests`, the ones `LLM` and gRPC use, so every front end refuses the
-same requests with the same messages), and the model facts and load readings come from the engine's
-`info()` / `stats()` snapshots.
+are jaxllm's own (`jaxllm.engine.requests`, the ones `LLM` and gRPC use, against the engine's one
+`limits`, so every front end refuses the same requests with the same messages), and the model facts
+and load readings come from the engine's `info()` / `stats()` snapshots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.engine.core import Request
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
 from jaxllm.contract import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
@@ -36,14 +37,14 @@ class Sampling:
 class EngineAdapter:
     """A loaded, warm engine as the OpenAI API sees it."""
 
-    def __init__(self, engine: Engine, model_name: str, *, default_max_tokens: int = 256,
-                 max_stop_strings: int = 16, max_stop_length: int = 256):
+    def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        info = engine.info()
-        self.limits = RequestLimits(context_limit=info.context_limit, vocab_size=info.vocab_size,
-                                    default_max_tokens=default_max_tokens, max_stop_strings=max_stop_strings,
-                                    max_stop_length=max_stop_length, max_logprobs=info.max_logprobs)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for: the engine's (EngineOptions' request limits, built once by LLM)."""
+        return self.engine.limits
 
     @property
     def context_limit(self) -> int:
@@ -56,7 +57,7 @@ class EngineAdapter:
 
     def check(self, prompt: str | list[int], sampling: Sampling) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, SamplingParams), or a ValueError naming the field and the limit (-> 400)."""
-        ids = prompt_token_ids(prompt, self.engine.llm.tokenizer, self.limits)
+        ids = prompt_token_ids(prompt, self.engine.tokenizer, self.limits)
         params = sampling_params(self.limits, len(ids), max_tokens=sampling.max_tokens,
                                  temperature=sampling.temperature, top_k=sampling.top_k,
                                  top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
@@ -67,19 +68,20 @@ class EngineAdapter:
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text of chat messages under the checkpoint's own chat template (Llama-2's `[INST]`
         format without one): `LLM.chat`'s function; ValueError naming the bad message (-> 400)."""
-        return chat_prompt(self.engine.llm.tokenizer, messages)
+        return chat_prompt(self.engine.tokenizer, messages)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (for `echo` of a token-id prompt)."""
-        return self.engine.llm.tokenizer.decode(ids)
+        return self.engine.tokenizer.decode(ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, decoded alone (log-probability entries name tokens by it)."""
-        return self.engine.llm.tokenizer.decode([token_id])
+        return self.engine.tokenizer.decode([token_id])
 
-    def submit(self, ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a checked request; raises QueueFull (-> 429) or EngineStopped (-> 503)."""
-        return self.engine.submit(ids, params)
+    def submit(self, checked: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
+        """Queue requests `check` passed, all of them or none: QueueFull (-> 429) or EngineStopped (-> 503)
+        leaves nothing queued."""
+        return self.engine.submit_checked([Request(ids, params) for ids, params in checked])
 
     def stop_accepting(self) -> None:
         self.engine.stop_accepting()

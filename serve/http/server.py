@@ -36,14 +36,11 @@ class HttpConfig:
     max_n: int = 16
     max_running: int = 256  # the engine's max_seqs and waiting limit: the bridge's thread pool covers both
     max_queue: int = 256
-    default_max_tokens: int = 256
-    max_stop_strings: int = 16
-    max_stop_length: int = 256
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"http port must be in [0, 65535], got {self.port}")
-        for name in ("max_running", "max_queue", "default_max_tokens", "max_stop_strings", "max_stop_length"):
+        for name in ("max_running", "max_queue"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         ApiConfig(self.api_key, self.max_body_bytes, self.max_n)  # its own checks
@@ -99,9 +96,7 @@ class HttpServer:
 
     def attach(self, engine, model_name: str) -> None:
         """Start answering with `engine` (loaded and warm) under `model_name`; /health turns 200."""
-        self.state.adapter = EngineAdapter(engine, model_name, default_max_tokens=self.config.default_max_tokens,
-                                           max_stop_strings=self.config.max_stop_strings,
-                                           max_stop_length=self.config.max_stop_length)
+        self.state.adapter = EngineAdapter(engine, model_name)
 
     def stop_accepting(self) -> None:
         """New requests get 503 and /health 503; streams in flight go on until the engine ends them."""

@@ -154,7 +154,7 @@ def test_engine_pipelines_and_cancels(llm, continuations):
     params = SamplingParams(max_new_tokens=12, **SEEDED)
     reference = _with_pipeline(llm, False, lambda: llm.generate(PROMPTS[:3], max_new_tokens=12, **SEEDED))
     continuations.clear()
-    engine = Engine(llm)
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
     try:
         victim = engine.submit(PROMPTS[3], SamplingParams(max_new_tokens=200))
         streams = [engine.submit(p, params) for p in PROMPTS[:3]]
@@ -176,7 +176,7 @@ def test_engine_pipelines_and_cancels(llm, continuations):
 def test_engine_rejects_bad_token_ids(llm):
     from jaxllm.engine.threaded import Engine
 
-    engine = Engine(llm)
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
     before = engine.stats().requests_total  # the core's count since start-up: generate()'s requests too
     try:
         for ids, message in (([], "prompt is empty"), ([5, llm.config.vocab_size], "outside the vocabulary"),

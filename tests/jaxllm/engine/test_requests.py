@@ -1,6 +1,8 @@
 """Request limits: every limit on both sides (at the limit accepted, one past refused), and the Python
 API, the threaded Engine and the gRPC adapter agreeing on the same prompts (max_context=64)."""
 
+import ast
+import pathlib
 import types
 
 import pytest
@@ -87,9 +89,9 @@ def test_python_api_engine_and_grpc_agree_at_max_context_64(llm):
     validation = pytest.importorskip("serve.validation")
     from jaxllm.engine.threaded import Engine
 
-    limits = RequestLimits(context_limit=llm.context_limit, vocab_size=llm.config.vocab_size)
     assert llm.context_limit == 64
-    engine = Engine(llm)
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
+    limits = engine.limits
     try:
         for n, max_tokens, ok in ((63, 1, True), (64, 1, False), (60, 4, True), (60, 5, False)):
             ids = [7] * n
@@ -120,3 +122,33 @@ def test_text_prompt_at_the_limit(llm):
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         llm.stream(text, max_new_tokens=0)  # checked at the call, before any iteration
     assert not llm.scheduler.has_work()
+
+
+def test_request_limits_come_from_the_options():
+    options = EngineOptions(block_size=4, max_tokens_per_step=32, default_max_tokens=3, max_stop_strings=20,
+                            max_stop_length=8, max_logprobs=2)
+    llm = LLM("tiny", max_context=64, options=options, progress=False)
+    assert llm.limits == RequestLimits(context_limit=64, vocab_size=llm.config.vocab_size, default_max_tokens=3,
+                                       max_stop_strings=20, max_stop_length=8, max_logprobs=2)
+    assert llm.core.limits is llm.limits
+    assert len(llm.generate("a", max_new_tokens=1, stop=["s"] * 20)) == 1
+    with pytest.raises(ValueError, match="stop has 21 strings, over the limit 20"):
+        llm.generate("a", max_new_tokens=1, stop=["s"] * 21)
+
+
+@pytest.mark.parametrize("name", ["default_max_tokens", "max_stop_strings", "max_stop_length"])
+def test_options_refuse_a_request_limit_below_one(name):
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer, got 0"):
+        EngineOptions(**{name: 0})
+
+
+def test_request_limits_are_built_in_one_place():
+    """LLM builds the one RequestLimits from its options; front ends read it (Engine.limits), never build their own."""
+    root = pathlib.Path(__file__).resolve().parents[3]
+    built = []
+    for package in ("jaxllm", "serve", "scripts"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "RequestLimits":
+                    built.append(path.relative_to(root).as_posix())
+    assert built == ["jaxllm/llm.py"]

@@ -11,7 +11,7 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.engine.core import Request, RequestOutput
-from jaxllm.engine.sampling import SamplingParams
+from jaxllm.contract import SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 
 
@@ -65,7 +65,7 @@ def test_a_failed_step_ends_its_requests_with_one_error_output(llm, engine, monk
     def dispatch(plan, *, token_source=None):
         raise RuntimeError("the device is gone")
 
-    monkeypatch.setattr(llm.runner, "dispatch", dispatch)
+    monkeypatch.setattr(llm.executor, "dispatch", dispatch)
     stream = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=4))
     outputs = list(stream)
     assert len(outputs) == 1 and outputs[0].request_id == stream.request_id

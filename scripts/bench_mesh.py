@@ -13,6 +13,9 @@
     generates --skew-long tokens, the rest --skew-short; routing balances prompt tokens, so the long ones
     share instances), each instance's pool --skew-blocks rBlocks: throughput and preemptions with lending
     on and off.
+(d) step: the decode step of every device as an instance, each with --step-seqs sequences of --step-context
+    tokens (nothing borrowed: no collective), against one device's step with --step-seqs sequences, in one run
+    (the same executor; the ratio is what lending instances cost when they lend nothing).
 
 --dry-run runs the same code on the CPU's host devices with the tiny model and small pools (the test suite
 does, on 8 devices), to keep the script working where no GPU is.
@@ -195,9 +198,41 @@ def skew(args, devices: int) -> dict:
                 long=args.skew_long, short=args.skew_short, pool_blocks=args.skew_blocks, **out)
 
 
+def step(args, devices: int) -> dict:
+    """(d): the decode step of `devices` instances with --step-seqs sequences each, against one instance's."""
+    from jaxllm.engine.core import Request
+    from jaxllm.contract import SamplingParams
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for instances in sorted({1, devices}):
+        llm = _engine(args.model, dry_run=args.dry_run, max_context=args.step_context + args.new_tokens + 64,
+                      instances=instances, max_seqs=args.step_seqs, num_blocks=args.step_blocks,
+                      block_size=args.block_size, max_tokens_per_step=args.step_seqs * args.step_context,
+                      prefix_caching=False)
+        requests = [Request(rng.integers(3, 259, size=args.step_context).tolist(),
+                            SamplingParams(max_new_tokens=args.step_new_tokens, ignore_eos=True))
+                    for _ in range(instances * args.step_seqs)]
+        _log(f"[step] {instances} instance(s) x {args.step_seqs} sequences of {args.step_context} tokens")
+        outputs, _, decode = _drive(llm, requests)
+        ms = [1e3 * t for t in decode[4:]]  # the first decode steps compile
+        stats = llm.core.stats()
+        rows.append(dict(instances=instances, sequences=instances * args.step_seqs,
+                         decode_ms_per_step=float(np.median(ms)), spread=harness.spread(ms), steps=len(ms),
+                         generated=_generated(outputs), dist_steps=stats.dist_steps_total, compiles=llm.compile_count))
+        llm.close()
+        del llm
+        gc.collect()
+    one = rows[0]["decode_ms_per_step"]
+    for row in rows:
+        row["ratio_to_one_instance"] = row["decode_ms_per_step"] / one
+    return dict(context=args.step_context, sequences_per_instance=args.step_seqs, rows=rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["longest", "tensor", "skew"], choices=["longest", "tensor", "skew"])
+    p.add_argument("--parts", nargs="+", default=["longest", "tensor", "skew", "step"],
+                   choices=["longest", "tensor", "skew", "step"])
     p.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU's host devices, small pools")
     p.add_argument("--model", default=None, help="(a) and (c)'s model (default: llama2-7b; tiny with --dry-run)")
     p.add_argument("--tp-model", default=None, help="(b)'s model (default: llama2-70b; tiny with --dry-run)")
@@ -216,6 +251,10 @@ def main(argv=None) -> int:
     p.add_argument("--skew-blocks", type=int, default=32, help="(c): rBlocks an instance")
     p.add_argument("--skew-lending", nargs="+", default=["on", "off"], choices=["on", "off"],
                    help="(c): lending modes to run (one a process keeps two engines' memory apart)")
+    p.add_argument("--step-seqs", type=int, default=2, help="(d): sequences an instance")
+    p.add_argument("--step-context", type=int, default=1024, help="(d): prompt tokens a sequence")
+    p.add_argument("--step-new-tokens", type=int, default=64, help="(d): tokens each sequence generates")
+    p.add_argument("--step-blocks", type=int, default=64, help="(d): rBlocks an instance")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
     if args.dry_run:
@@ -231,6 +270,7 @@ def main(argv=None) -> int:
         args.skew_requests, args.skew_prompt = min(args.skew_requests, 4), min(args.skew_prompt, 40)
         args.skew_long, args.skew_short, args.skew_blocks = min(args.skew_long, 40), min(args.skew_short, 4), 6
         args.skew_instances = args.skew_instances or 2
+        args.step_context, args.step_new_tokens, args.step_blocks = 40, 8, 8
     args.model = args.model or "llama2-7b"
     args.tp_model = args.tp_model or "llama2-70b"
     import jax
@@ -240,7 +280,7 @@ def main(argv=None) -> int:
     floor = None if args.dry_run else harness.hbm_floor_tb_s(device)
     result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model)
     for part, run in (("longest", lambda: longest(args, devices, floor)), ("tensor", lambda: tensor(args, devices, floor)),
-                      ("skew", lambda: skew(args, devices))):
+                      ("skew", lambda: skew(args, devices)), ("step", lambda: step(args, devices))):
         if part in args.parts:
             _log(f"[{part}] on {devices} x {device}")
             result[part] = run()

@@ -1,6 +1,6 @@
 """scripts/bench_mesh.py --dry-run on 8 CPU host devices with the tiny model: the multi-GPU run's script
-(longest sequence spread by lending, tensor parallel decode, instances under skew with lending on and off)
-works end to end and reports what it measured."""
+(longest sequence spread by lending, tensor parallel decode, instances under skew with lending on and off, the
+decode step of 8 instances against one) works end to end and reports what it measured."""
 
 import json
 import os
@@ -34,3 +34,6 @@ def test_bench_mesh_dry_run_on_8_host_devices(tmp_path):
     assert skew["on"]["preemptions"] == 0 and skew["on"]["rblocks_lent"] > 0
     assert skew["off"]["preemptions"] > 0 and skew["off"]["rblocks_lent"] == 0
     assert skew["on"]["generated"] == skew["off"]["generated"]
+    one, eight = r["step"]["rows"]
+    assert (one["instances"], eight["instances"]) == (1, 8) and eight["sequences"] == 8 * one["sequences"]
+    assert eight["dist_steps"] == 0 and eight["decode_ms_per_step"] > 0 and eight["ratio_to_one_instance"] > 0

@@ -63,6 +63,7 @@ class InstanceSchedulers:
         self.schedulers = [Scheduler(a, block_size, max_tokens_per_step=max_tokens_per_step, max_seqs=max_seqs,
                                      prefix_caching=prefix_caching, seq_ids=itertools.count(i, instances))
                            for i, a in enumerate(self.allocators)]
+        self._last: tuple[StepPlan, list[tuple[int, StepPlan]]] | None = None  # the last joined plan, its parts
 
     # ----- requests -----
 
@@ -104,24 +105,34 @@ class InstanceSchedulers:
         plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan()) is not None]
         if not plans and not copies:
             return None
-        return join_plans(plans, block_copies=copies)
+        return self._joined(plans, copies)
+
+    def _joined(self, plans: list[tuple[int, StepPlan]], copies: np.ndarray | None = None) -> StepPlan:
+        """join_plans, remembering the parts: a continuation of the joined plan starts from them."""
+        joined = join_plans(plans, block_copies=copies)
+        self._last = (joined, plans)
+        return joined
 
     def plan_continuation(self, prev: StepPlan) -> StepPlan | None:
         """The decode step after `prev` (see Scheduler.plan_continuation) when every instance that ran in prev
         can continue and no other instance has work waiting; otherwise None."""
         if prev.instances is None or not prev.is_decode or prev.block_copies is not None:
             return None
-        bounds = prev.instance_bounds(self.instances)
-        ran = [i for i in range(self.instances) if bounds[i + 1] > bounds[i]]
+        if self._last is not None and self._last[0] is prev:
+            parts = self._last[1]  # the plans prev was joined from
+        else:
+            bounds = prev.instance_bounds(self.instances)
+            parts = [(i, prev.rows(bounds[i], bounds[i + 1])) for i in range(self.instances) if bounds[i + 1] > bounds[i]]
+        ran = {i for i, _ in parts}
         if any(self.schedulers[i].has_work() for i in range(self.instances) if i not in ran):
             return None
         plans = []
-        for i in ran:
-            following = self.schedulers[i].plan_continuation(prev.rows(bounds[i], bounds[i + 1]))
+        for i, part in parts:
+            following = self.schedulers[i].plan_continuation(part)
             if following is None:
                 return None  # rBlocks grown for the others stay theirs: harmless, the next plan uses them
             plans.append((i, following))
-        return join_plans(plans)
+        return self._joined(plans)
 
     def _recall(self) -> np.ndarray | None:
         """The GManager's recall plan as rBlock copies [M, 2] (global source, global destination), tables and
@@ -183,14 +194,18 @@ def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | Non
                         sample=np.zeros(0, bool), temperature=np.zeros(0, np.float32), top_k=empty,
                         top_p=np.zeros(0, np.float32), seed=empty, instances=empty, block_copies=block_copies)
     width = max(p.block_tables.shape[1] for _, p in plans)
-    tables = [np.pad(p.block_tables, ((0, 0), (0, width - p.block_tables.shape[1]))) for _, p in plans]
+    tables = np.zeros((sum(p.num_seqs for _, p in plans), width), np.int32)
+    row = 0
+    for _, p in plans:
+        tables[row:row + p.num_seqs, :p.block_tables.shape[1]] = p.block_tables
+        row += p.num_seqs
     offsets = np.cumsum([0] + [p.num_tokens for _, p in plans])
     cu = np.concatenate([[0]] + [p.cu_q_lens[1:] + off for (_, p), off in zip(plans, offsets)])
     cat = lambda name: np.concatenate([getattr(p, name) for _, p in plans])  # noqa: E731
     return StepPlan(
         seq_ids=cat("seq_ids"), token_ids=cat("token_ids"), positions=cat("positions"),
         slot_mapping=cat("slot_mapping"), cu_q_lens=cu.astype(np.int32), kv_lens=cat("kv_lens"),
-        block_tables=np.concatenate(tables), sample=cat("sample"), temperature=cat("temperature"),
+        block_tables=tables, sample=cat("sample"), temperature=cat("temperature"),
         top_k=cat("top_k"), top_p=cat("top_p"), seed=cat("seed"),
         logprobs=None if any(p.logprobs is None for _, p in plans) else cat("logprobs"),
         instances=np.concatenate([np.full(p.num_seqs, i, np.int32) for i, p in plans]),

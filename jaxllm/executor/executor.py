@@ -83,6 +83,7 @@ class Executor:
         # the donated pool comes back committed from the first step, which would trace every program twice.
         placed = lambda tree: jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree))  # noqa: E731
         self.state, kv_cache = placed(state), placed(kv_cache)
+        self.state_leaves = jax.tree.leaves(self.state)  # what the programs take (programs.py says why)
         self.config = model.config
         self.kv_cache = kv_cache
         self.mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
@@ -244,7 +245,7 @@ class Executor:
                 statics["logprobs"] = self.max_logprobs
             if decode:
                 statics["greedy"] = call.greedy
-        out, self.kv_cache = self.programs.run(_OPS[call.op], self.state, self.kv_cache, inputs, **statics)
+        out, self.kv_cache = self.programs.run(_OPS[call.op], self.state_leaves, self.kv_cache, inputs, **statics)
         return out
 
     def _placed(self, inputs: StepInputs) -> StepInputs:

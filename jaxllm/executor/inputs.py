@@ -12,6 +12,7 @@ rBlocks it holds. Host-side NumPy only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -32,15 +33,24 @@ class StepBatch:
 
     inputs: StepInputs [I, ...] (host arrays). rows: per plan row, its flat index in the step's [I * S]
     outputs. size: the bucket (sequences for decode, tokens for prefill). borrowed: some sequence has rBlocks
-    on another instance (inputs.parts set). heaviest: the rows of the instance with the most work, as a plan
-    (what the tuner sizes the step by: every instance runs the same kernels, the slowest sets the pace).
+    on another instance (inputs.parts set). plan, busiest: the plan and the instance with the most work.
     """
 
     inputs: StepInputs
     rows: np.ndarray
     size: int
     borrowed: bool
-    heaviest: StepPlan
+    plan: StepPlan
+    busiest: int = 0
+
+    @functools.cached_property
+    def heaviest(self) -> StepPlan:
+        """The busiest instance's rows as a plan: what the tuner sizes the step by (every instance runs the same
+        kernels, and the slowest sets the pace). Built when asked: a fixed tuner never asks."""
+        if self.plan.instances is None:
+            return self.plan
+        bounds = np.searchsorted(self.plan.instances, [self.busiest, self.busiest + 1], side="left")
+        return self.plan.rows(int(bounds[0]), int(bounds[1]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,45 +75,46 @@ class InputLayout:
         return self._build_instances(plan)
 
     def _build_instances(self, plan: StepPlan) -> StepBatch:
+        """Every instance's rows scattered into its slice of the stacked arrays at once (no loop over instances:
+        this runs on the host for every step, in the time the devices run the previous one)."""
         decode, bs, nb, n = plan.is_decode, self.block_size, self.blocks_per_instance, self.instances
         bounds = plan.instance_bounds(n)
         first_token = plan.cu_q_lens[bounds].astype(np.int64)
         counts, token_counts = np.diff(bounds), np.diff(first_token)
         size = int(counts.max() if decode else token_counts.max())
         t_pad, s_pad = padded_sizes(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
-        if int(counts.max()) > s_pad or plan.block_tables.shape[1] > self.table_width:
-            raise ValueError(f"an instance's {int(counts.max())} sequences x {plan.block_tables.shape[1]} rBlocks "
-                             f"exceed the executor's limits ({s_pad} x {self.table_width})")
+        width = plan.block_tables.shape[1]
+        if int(counts.max()) > s_pad or width > self.table_width:
+            raise ValueError(f"an instance's {int(counts.max())} sequences x {width} rBlocks exceed the executor's "
+                             f"limits ({s_pad} x {self.table_width})")
+        homes = plan.instances.astype(np.int64)
+        local_row = np.arange(plan.num_seqs) - bounds[homes]  # each row's place in its instance's rows
+        q_lens = np.diff(plan.cu_q_lens)
+        token_home = homes if decode else np.repeat(homes, q_lens)
+        local_token = np.arange(plan.num_tokens) - first_token[token_home]
+        out = inert_inputs(decode, t_pad, s_pad, self.table_width, n, borrowed=False)
+        out.tokens[token_home, local_token] = plan.token_ids
+        out.positions[token_home, local_token] = plan.positions
+        out.kv_lens[homes, local_row] = plan.kv_lens
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            getattr(out, name)[homes, local_row] = getattr(plan, name)
+        if not decode:
+            out.cu_q_lens[:] = token_counts[:, None]  # padding rows hold no query token
+            out.cu_q_lens[:, 0] = 0
+            out.cu_q_lens[homes, local_row + 1] = plan.cu_q_lens[1:] - first_token[homes]
         used = _used_entries(plan, bs)
-        borrowed = plan.instances is not None and bool(
-            np.any(used & (plan.block_tables // nb != plan.instances[:, None])))
-        per_instance, rows = [], np.zeros(plan.num_seqs, np.int64)
-        for i in range(n):
-            r0, r1, k0, k1 = bounds[i], bounds[i + 1], first_token[i], first_token[i + 1]
-            out = inert_step_inputs(decode, t_pad, s_pad, self.table_width)
-            m, t = r1 - r0, k1 - k0
-            out.tokens[:t] = plan.token_ids[k0:k1]
-            out.positions[:t] = plan.positions[k0:k1]
-            out.kv_lens[:m] = plan.kv_lens[r0:r1]
-            if not decode:
-                out.cu_q_lens[:] = t
-                out.cu_q_lens[:m + 1] = plan.cu_q_lens[r0:r1 + 1] - plan.cu_q_lens[r0]
-            if not borrowed:  # every rBlock at home: local ids, the ordinary step
-                local = np.where(used[r0:r1], plan.block_tables[r0:r1] - i * nb, 0)
-                out.block_tables[:m, :local.shape[1]] = local
-                out.slot_mapping[:t] = plan.slot_mapping[k0:k1] - i * nb * bs
-            for name in ("temperature", "top_k", "top_p", "seed"):
-                getattr(out, name)[:m] = getattr(plan, name)[r0:r1]
-            per_instance.append(out)
-            rows[r0:r1] = i * s_pad + np.arange(m)
-        stacked = _stack(per_instance)
+        borrowed = bool(np.any(used & (plan.block_tables // nb != homes[:, None])))
         if borrowed:
-            stacked = dataclasses.replace(stacked, parts=_dist_parts(plan, used, n, nb, bs, t_pad, s_pad,
-                                                                      self.table_width, bounds, first_token))
-        work = plan.kv_lens.astype(np.int64) if decode else np.diff(plan.cu_q_lens).astype(np.int64)
-        busiest = int(np.argmax(np.bincount(plan.instances, weights=work, minlength=n)))
-        heaviest = plan.rows(int(bounds[busiest]), int(bounds[busiest + 1]))
-        return StepBatch(stacked, rows, t_pad if not decode else s_pad, borrowed, heaviest)
+            # A borrowed step writes and attends through its parts: the ordinary tables and slots stay inert.
+            out = dataclasses.replace(out, parts=_dist_parts(plan, used, n, nb, bs, t_pad, s_pad, self.table_width,
+                                                             bounds, first_token))
+        else:  # every rBlock at home: local ids, the ordinary step
+            out.block_tables[homes, local_row, :width] = np.where(used, plan.block_tables - (homes * nb)[:, None], 0)
+            out.slot_mapping[token_home, local_token] = plan.slot_mapping - token_home * (nb * bs)
+        rows = homes * s_pad + local_row
+        work = plan.kv_lens if decode else q_lens
+        busiest = int(np.argmax(np.bincount(homes, weights=work, minlength=n)))
+        return StepBatch(out, rows, s_pad if decode else t_pad, borrowed, plan, busiest)
 
     def inert(self, decode: bool, size: int, borrowed: bool = False) -> StepInputs:
         """Warm-up inputs of one bucket (`size`: sequences for decode, tokens for prefill): real shapes,

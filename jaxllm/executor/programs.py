@@ -69,7 +69,10 @@ class StepPrograms:
         split = instances > 1 and not replicated_io
         self.io_sharding = NamedSharding(mesh, P(INSTANCE) if split else P())
         self.pool_shardings = jax.tree.map(lambda x: x.sharding, pool)
-        shardings = (jax.tree.map(lambda x: x.sharding, state), self.pool_shardings, self.io_sharding)
+        # The state travels as its flat list of leaves: flattening an nnx State (a Python call per Variable, ~200
+        # for a 32-layer model) on every step costs host time a step cannot spare; the program rebuilds it.
+        leaves, self.state_treedef = jax.tree.flatten(state)
+        shardings = ([x.sharding for x in leaves], self.pool_shardings, self.io_sharding)
         jit = functools.partial(_jit_on_mesh, in_shardings=shardings, out_shardings=(self.io_sharding,
                                                                                      self.pool_shardings))
         self._decode = jit(self._per_instance(decode_step), static_argnames=("kernels", "greedy", "logprobs"))
@@ -92,9 +95,10 @@ class StepPrograms:
 
     def _per_instance(self, fn):
         """fn (a step function of step.py) with the graphdef bound, on inputs [I, ...] -> outputs [I, ...]."""
-        graphdef, mesh = self.graphdef, self.mesh
+        graphdef, mesh, treedef = self.graphdef, self.mesh, self.state_treedef
 
-        def local(state, pool, inputs, **statics):
+        def local(state_leaves, pool, inputs, **statics):
+            state = jax.tree.unflatten(treedef, state_leaves)
             out, pool = fn(graphdef, state, pool, jax.tree.map(lambda x: x[0], inputs), **statics)
             return jax.tree.map(lambda x: x[None], out), pool
 
@@ -108,12 +112,13 @@ class StepPrograms:
 
         return self._counted(functools.wraps(fn)(per_instance))
 
-    def run(self, op: str, state, pool, inputs: StepInputs, **statics):
-        """Run program `op` ("decode", "prefill" or "logits") with its statics (kernels, greedy, logprobs);
-        returns (outputs [I, ...], pool). Counts the XLA compiles behind the call."""
+    def run(self, op: str, state_leaves: list, pool, inputs: StepInputs, **statics):
+        """Run program `op` ("decode", "prefill" or "logits") on the state's leaves (jax.tree.leaves of the state
+        the programs were built for) with its statics (kernels, greedy, logprobs); returns (outputs [I, ...],
+        pool). Counts the XLA compiles behind the call."""
         program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
         before = compile_events()
-        out = program(state, pool, inputs, **statics)
+        out = program(state_leaves, pool, inputs, **statics)
         self._count(before)
         return out
 

@@ -167,6 +167,12 @@ class RManager:
     def requests(self) -> tuple[int, ...]:
         return tuple(self._tables)
 
+    def placements(self, request: int) -> tuple[Placement, ...]:
+        """request's table, entry by entry (Allocation.table without the Allocation)."""
+        if request not in self._tables:
+            raise KeyError(f"instance {self.instance} has no request {request}")
+        return tuple(self._tables[request])
+
     def table(self, request: int) -> Allocation:
         if request not in self._tables:
             raise KeyError(f"instance {self.instance} has no request {request}")

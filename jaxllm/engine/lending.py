@@ -62,14 +62,15 @@ class LendingAllocator:
         """seq_id's table as global rBlock ids (empty before its first grow)."""
         if seq_id not in self.rmanager.requests():
             return []
-        return [self.global_id(p) for p in self.rmanager.table(seq_id).table]
+        nb = self.blocks_per_instance
+        return [p.instance * nb + p.block for p in self.rmanager.placements(seq_id)]
 
     # ----- what the scheduler changes -----
 
     def grow(self, seq_id: int, num_blocks_total: int) -> list[int]:
         """Make seq_id hold num_blocks_total rBlocks (local first, then borrowed); raises OutOfBlocks,
         taking nothing, when they are not free (in the mesh with lending, in this pool without)."""
-        have = len(self.rmanager.table(seq_id).table) if seq_id in self.rmanager.requests() else 0
+        have = len(self.rmanager.placements(seq_id)) if seq_id in self.rmanager.requests() else 0
         need = num_blocks_total - have
         if not self.lending and need > self.rmanager.num_free:
             raise OutOfBlocks(f"instance {self.instance}: sequence {seq_id} needs {need} more rBlocks, its pool has "

@@ -144,8 +144,9 @@ class Scheduler:
         need = [self._blocks_for(seq.num_tokens + 1) - len(self.allocator.blocks(seq.seq_id)) for seq in seqs]
         if sum(max(n, 0) for n in need) > self.allocator.num_free:
             return None  # checked first, so a shortage leaves every table as it was
-        for seq in seqs:
-            self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
+        for seq, more in zip(seqs, need):
+            if more > 0:  # most decode steps stay inside their last rBlock
+                self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
         total, longest = prev.kv_extent  # every sequence one token longer than in prev
         return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs],
                               kv_extent=(total + len(seqs), longest + 1))

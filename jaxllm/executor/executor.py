@@ -33,8 +33,9 @@ from flax import nnx
 
 from jaxllm.contract import StepPlan
 from jaxllm.executor.calls import BlockCopies, CallChannel, Op, StepCall, TokenSource
-from jaxllm.executor.in_flight import InFlight, host_array
+from jaxllm.executor.in_flight import InFlight, Launched, host_array
 from jaxllm.executor.inputs import InputLayout, token_rows
+from jaxllm.executor.launcher import Launcher
 from jaxllm.executor.programs import StepPrograms
 from jaxllm.executor.step import StepInputs, bucket
 from jaxllm.model.kv_cache import KVCache
@@ -85,7 +86,8 @@ class Executor:
         self.state, kv_cache = placed(state), placed(kv_cache)
         self.state_leaves = jax.tree.leaves(self.state)  # what the programs take (programs.py says why)
         self.config = model.config
-        self.kv_cache = kv_cache
+        self._pool = kv_cache  # touched by the launcher thread's calls alone (and by follow() on followers)
+        self.launcher = Launcher()
         self.mesh = mesh if mesh is not None else make_mesh(1, 1, jax.devices()[:1])
         self.instances = instances
         self.blocks_per_instance = kv_cache.num_blocks // instances
@@ -118,8 +120,14 @@ class Executor:
     # ----- what it is -----
 
     @property
+    def kv_cache(self) -> KVCache:
+        """The KV pool, once every call submitted so far has run."""
+        self.launcher.drain()
+        return self._pool
+
+    @property
     def block_size(self) -> int:
-        return self.kv_cache.block_size
+        return self._pool.block_size
 
     @property
     def table_width(self) -> int:
@@ -182,7 +190,7 @@ class Executor:
         if plan.block_copies is not None and len(plan.block_copies):
             self._copy_blocks(plan.block_copies)
         if plan.num_seqs == 0:  # a step of copies alone
-            return InFlight(plan, None, None, np.zeros(0, np.int64))
+            return InFlight(plan, Launched(None, None, None), np.zeros(0, np.int64))
         batch = self.layout.build(plan)
         decode = plan.is_decode
         variant = self._choose(plan, batch)
@@ -196,20 +204,23 @@ class Executor:
                                  "other processes keep only their last step's tokens")
             call = StepCall(Op.DECODE, token_source.greedy, plan.wants_logprobs, variant, batch.borrowed,
                             TokenSource.CONTINUED)
-            self._announce(call, batch.inputs)
-            inputs = _continued(batch.inputs, token_source)
         else:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
             # Padding rows are greedy, so "no row samples" is "every sequence is greedy".
             greedy = decode and not np.any(plan.temperature > 0)
             call = StepCall(Op.DECODE if decode else Op.PREFILL, greedy, plan.wants_logprobs, variant, batch.borrowed)
-            self._announce(call, batch.inputs)
-            inputs = self._placed(batch.inputs)
+        launched = self.launcher.submit(self._launch, call, batch.inputs, token_source)
+        self._last = InFlight(plan, launched, batch.rows, greedy=call.greedy)
+        return self._last
+
+    def _launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None) -> Launched:
+        """On the launcher thread: announce the call, place its inputs (or take the continued step's), run it."""
+        self._announce(call, inputs)
+        inputs = self._placed(inputs) if source is None else _continued(inputs, source.launched())
         out = self._run(call, inputs)
         tokens, logprobs = out if call.logprobs else (out, None)
-        self._last = InFlight(plan, tokens, inputs, batch.rows, greedy=call.greedy, device_logprobs=logprobs)
-        return self._last
+        return Launched(tokens, logprobs, inputs)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""
@@ -219,10 +230,13 @@ class Executor:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
         batch = self.layout.build(plan)
         call = StepCall(Op.LOGITS, variant=self._choose(plan, batch), borrowed=batch.borrowed)
-        self._announce(call, batch.inputs)
-        out = host_array(self._run(call, self._placed(batch.inputs)))
+        out = host_array(self.launcher.run(self._launch_logits, call, batch.inputs))
         rows = token_rows(plan, self.instances, batch.inputs.num_tokens)
         return out.reshape(-1, out.shape[-1])[rows]
+
+    def _launch_logits(self, call: StepCall, inputs: StepInputs):
+        self._announce(call, inputs)
+        return self._run(call, self._placed(inputs))
 
     def _choose(self, plan: StepPlan, batch) -> int:
         """The tuner's variant for this step (host-side; the busiest instance's rows size it), counting the
@@ -245,7 +259,7 @@ class Executor:
                 statics["logprobs"] = self.max_logprobs
             if decode:
                 statics["greedy"] = call.greedy
-        out, self.kv_cache = self.programs.run(_OPS[call.op], self.state_leaves, self.kv_cache, inputs, **statics)
+        out, self._pool = self.programs.run(_OPS[call.op], self.state_leaves, self._pool, inputs, **statics)
         return out
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
@@ -260,9 +274,12 @@ class Executor:
         m = bucket(len(copies), 8)
         src, dst = np.full(m, -1, np.int32), np.full(m, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = copies[:, 0], copies[:, 1]
-        self._announce(StepCall(Op.COPY), BlockCopies(src, dst))
-        self.kv_cache = self.programs.copy_blocks(self.kv_cache, src, dst)
+        self.launcher.submit(self._launch_copy, BlockCopies(src, dst))
         self.copied_blocks += len(copies)
+
+    def _launch_copy(self, copies: BlockCopies) -> None:
+        self._announce(StepCall(Op.COPY), copies)
+        self._pool = self.programs.copy_blocks(self._pool, copies.src, copies.dst)
 
     # ----- warm-up -----
 
@@ -303,8 +320,7 @@ class Executor:
         with Progress(len(plan) + copies, "warm-up compiles", enabled=progress) as bar:
             for call, size in plan:
                 inputs = self.layout.inert(call.op == Op.DECODE, size, call.borrowed)
-                self._announce(call, inputs)
-                jax.block_until_ready(self._run(call, self._placed(inputs)))
+                jax.block_until_ready(self.launcher.run(self._launch, call, inputs, None).tokens)
                 bar.update(1, detail=f"{_OPS[call.op]} {size}{' greedy' if call.greedy else ''}"
                                      f"{' logprobs' if call.logprobs else ''}"
                                      f"{f' variant {call.variant}' if call.variant else ''}"
@@ -312,6 +328,7 @@ class Executor:
             if copies:
                 self._copy_blocks(np.zeros((1, 2), np.int32))  # the smallest copy bucket: rBlock 0 onto itself
                 self.copied_blocks -= 1
+                self.launcher.drain()
                 bar.update(1, detail="recall copy")
 
     # ----- multi-process runs -----
@@ -331,9 +348,9 @@ class Executor:
         while (received := self.channel.receive()) is not None:
             call, inputs = received
             if call.op == Op.COPY:
-                self.kv_cache = self.programs.copy_blocks(self.kv_cache, inputs.src, inputs.dst)
+                self._pool = self.programs.copy_blocks(self._pool, inputs.src, inputs.dst)
             elif call.source == TokenSource.CONTINUED:
-                inputs = _continued(inputs, self._last)
+                inputs = _continued(inputs, self._last.launched())
                 self._last = self._followed(call, inputs)
             else:
                 inputs = self._placed(inputs)
@@ -347,19 +364,19 @@ class Executor:
         if call.op == Op.LOGITS:
             return self._last
         tokens = out[0] if call.logprobs else out  # the logprob variant also returns its (unread) arrays
-        return InFlight(None, tokens, inputs, np.zeros(0, np.int64), greedy=call.greedy)
+        return InFlight(None, Launched(tokens, None, inputs), np.zeros(0, np.int64), greedy=call.greedy)
 
     def stop_followers(self) -> None:
         """Process 0 at shutdown: the other processes' follow() returns (they exit). Idempotent; a no-op on
         one process."""
         if self.channel is not None and multihost.is_leader():
-            self.channel.stop()
+            self.launcher.run(self.channel.stop)  # after every call already submitted
             self.channel = None
 
 
-def _continued(inputs: StepInputs, source: InFlight) -> StepInputs:
+def _continued(inputs: StepInputs, source: Launched) -> StepInputs:
     """A continuation step's inputs: the previous step's sampled tokens (still on the devices) and its
     sampling arrays (same sequences, same order: same parameters, already on the devices)."""
     prev = source.inputs
-    return dataclasses.replace(inputs, tokens=source.device_tokens, temperature=prev.temperature, top_k=prev.top_k,
+    return dataclasses.replace(inputs, tokens=source.tokens, temperature=prev.temperature, top_k=prev.top_k,
                                top_p=prev.top_p, seed=prev.seed)

@@ -107,6 +107,28 @@ requests = [Request(prompt(int(rng.integers(200, 260))), SamplingParams(max_new_
 tokens(llm, requests)
 results["warm"] = dict(warm_up_compiles=warm, after=llm.compile_count - warm, **stats(llm))
 
+# Nothing borrowed, nothing distributed: on the same warm engine (every rBlock home again), a long request on
+# instance 0 and a short one on 1 (routing by load) each fit their home pool. Their joined decode steps pad the
+# short row's table with zeros, which name instance 0's rBlock 0: a run with no loan must still run no
+# DistAttention step.
+before = stats(llm)
+padded_elsewhere = []
+
+
+def _padding_names_another_instance(outputs):
+    plan = llm.core.last_plan
+    past = np.arange(plan.block_tables.shape[1])[None, :] >= -(-plan.kv_lens[:, None] // BLOCK)
+    elsewhere = plan.block_tables // llm.scheduler.blocks_per_instance != plan.instances[:, None]
+    padded_elsewhere.append(bool(np.any(past & elsewhere)))
+
+
+llm.run([Request(prompt(100), SamplingParams(max_new_tokens=6, ignore_eos=True)),
+         Request(prompt(20), SamplingParams(max_new_tokens=6, ignore_eos=True))], on_step=_padding_names_another_instance)
+after = stats(llm)
+results["unborrowed"] = dict(after, **{key: after[key] - before[key] for key in ("preemptions", "loans", "dist_steps")},
+                             borrowed_before=before["borrowed"], padded_steps=sum(padded_elsewhere),
+                             steps=len(padded_elsewhere))
+
 # Lending off: one instance's pool is the longest context; a longer prompt is refused, naming the limit.
 llm = engine("bfloat16", num_blocks=10, instances=2, lending=False)
 try:

@@ -50,6 +50,14 @@ def test_recall_copies_lent_rblocks_home_and_outputs_do_not_change(results):
     assert r["preemptions"] == 0 and _done(r), r
 
 
+def test_a_run_that_borrows_nothing_runs_no_dist_attention(results):
+    r = results["unborrowed"]
+    assert r["borrowed_before"] == 0 and r["loans"] == 0, r
+    assert r["padded_steps"] > 0, r  # zero padding named another instance's rBlock in some step
+    assert r["dist_steps"] == 0, r
+    assert r["preemptions"] == 0 and _done(r), r
+
+
 def test_lending_off_limits_a_sequence_to_its_instance_pool(results):
     assert results["lending_off_context_limit"] == 160
     assert "context limit 160" in results["refused"]

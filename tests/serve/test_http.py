@@ -22,6 +22,7 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from serve import jaxllm_pb2 as pb
+from serve.http import HttpConfig
 from serve.http.logprobs import top_by_text
 from serve.metrics import parse
 from tests.serve.test_server import ROOT, ServerProcess, _env
@@ -202,6 +203,22 @@ def test_n_choices_prompt_list_and_seed(client, llm):
     assert texts[0] != texts[1]
     assert out.usage.prompt_tokens == sum(len(llm.tokenizer.encode(p)) for p in prompts)  # once per prompt
     assert out.usage.completion_tokens == sum(len(ref.token_ids) for ref in refs.values())
+
+
+def test_n_at_its_maximum_is_accepted(client):
+    """n equal to the server's max_n (HttpConfig's default: the server sets no other) gives that many choices,
+    for completions (one prompt and two), chat, and streams; one more is refused (ERRORS below)."""
+    max_n = HttpConfig().max_n
+    out = client.completions.create(model="tiny", prompt="a", n=max_n, max_tokens=2, temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == list(range(max_n))
+    out = client.completions.create(model="tiny", prompt=["a", "b"], n=max_n, max_tokens=1, seed=3)
+    assert sorted(c.index for c in out.choices) == list(range(2 * max_n))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], n=max_n,
+                                          max_tokens=2, seed=3)
+    assert sorted(c.index for c in chat.choices) == list(range(max_n))
+    chunks = list(client.completions.create(model="tiny", prompt="a", n=max_n, max_tokens=2, seed=3, stream=True))
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert sorted(finished) == list(range(max_n))
 
 
 def test_a_prompt_of_exactly_the_allowance_is_served_one_more_refused(client, llm):

@@ -124,7 +124,7 @@ def _borrowing(scheds: InstanceSchedulers, plan) -> bool:
 def test_a_plan_is_borrowed_exactly_when_a_sequence_holds_a_lent_rblock():
     """Property: is_borrowed(plan) says whether some planned sequence holds an rBlock of another instance (the
     ledger's loans), whatever the table padding past each sequence's length holds: zeros (the joined plan's
-    padding, which names instance 0's rBlock 0) or any other instance's ids."""
+    padding, which names instance 0's rBlock 0), any other instance's ids, or ids of no instance."""
     rng = np.random.default_rng(5)
     seen = {True: 0, False: 0}
     padded_elsewhere = 0  # plans with padding that names another instance than the row's home
@@ -145,8 +145,8 @@ def test_a_plan_is_borrowed_exactly_when_a_sequence_holds_a_lent_rblock():
             used = -(-plan.kv_lens.astype(np.int64) // BLOCK)
             past = np.arange(plan.block_tables.shape[1])[None, :] >= used[:, None]
             padded_elsewhere += bool(np.any(past & (plan.block_tables // nb != plan.instances[:, None])))
-            for _ in range(3):  # the padding rewritten to random ids of any instance
-                noise = rng.integers(0, scheds.instances * nb, size=plan.block_tables.shape).astype(np.int32)
+            for _ in range(3):  # the padding rewritten to random ids of any instance, or of none (-1, past the mesh)
+                noise = rng.integers(-1, (scheds.instances + 1) * nb, size=plan.block_tables.shape).astype(np.int32)
                 tables = np.where(past, noise, plan.block_tables)
                 assert is_borrowed(dataclasses.replace(plan, block_tables=tables), nb, BLOCK) == want
             scheds.update(plan, rng.integers(0, 50, size=plan.num_seqs), EOS)

@@ -329,13 +329,13 @@ def test_a_finished_or_cancelled_sequence_leaves_no_record(prefix_caching):
     """Property: once a sequence ends (EOS, length, a stop string via finish, or a cancel while waiting, running
     or between plan and update), the scheduler holds nothing of it: not in its live map, its waiting or
     running lists, nor the allocator's tables; rBlocks come back only to the pool or the prefix cache."""
+    ends = {"cancel-waiting": 0, "cancel-running": 0, "cancel-in-step": 0, "finish": 0, "update": 0}
     for seed in range(6):
         rng = np.random.default_rng(seed)
         alloc = BlockAllocator(int(rng.integers(6, 20)))
         sched = Scheduler(alloc, 4, max_tokens_per_step=int(rng.integers(4, 24)), max_seqs=int(rng.integers(1, 6)),
                           prefix_caching=prefix_caching)
         ended: dict[int, Sequence] = {}
-        ends = {"cancel-waiting": 0, "cancel-running": 0, "cancel-in-step": 0, "finish": 0, "update": 0}
         for step in range(400):
             ctx = f"seed={seed} step={step}"
             for _ in range(int(rng.integers(0, 3))):
@@ -376,4 +376,4 @@ def test_a_finished_or_cancelled_sequence_leaves_no_record(prefix_caching):
         for seq in ended.values():
             _assert_no_record(sched, alloc, seq, f"seed={seed} at the end")
         assert not sched.has_work() and not alloc.owners() and alloc.num_free == alloc.num_blocks
-        assert min(ends.values()) > 0, ends
+    assert min(ends.values()) > 20, ends  # every way of ending, many times

@@ -71,6 +71,10 @@ class InstanceSchedulers:
     def running(self) -> list[Sequence]:
         return [seq for s in self.schedulers for seq in s.running]
 
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [seq for s in self.schedulers for seq in s.waiting]
+
     def load(self, instance: int) -> int:
         """Tokens queued and running on `instance` (what routing balances)."""
         s = self.schedulers[instance]

@@ -1,5 +1,6 @@
 """End-to-end generation on the tiny default: cached decode vs full recompute, sampling, errors."""
 
+import numpy as np
 import pytest
 
 from jaxllm import LLM, EngineOptions
@@ -78,6 +79,25 @@ def test_stream_matches_generate(llm):
     pieces = list(llm.stream(PROMPTS[3], max_new_tokens=12, temperature=0.5, seed=3))
     whole = llm.generate([PROMPTS[3]], max_new_tokens=12, temperature=0.5, seed=3)[0]
     assert "".join(pieces) == whole.text
+    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
+
+
+def test_text_is_the_decode_of_the_token_ids_without_a_stop_string(llm):
+    """Property: a completion that no stop string cut has text == decode(token ids), however its bytes end (the
+    random tiny model samples bytes that leave characters unfinished: the final flush's U+FFFD is kept), through
+    generate and stream alike."""
+    rng = np.random.default_rng(11)
+    unfinished = 0
+    for n in range(1, 9):  # one max_new_tokens per call: a mix of endings
+        prompts = [rng.integers(3, 259, size=int(rng.integers(2, 9))).tolist() for _ in range(4)]
+        for prompt, out in zip(prompts, llm.generate(prompts, max_new_tokens=n, temperature=1.0, seed=n)):
+            decoded = llm.tokenizer.decode(out.token_ids)
+            assert out.text == decoded, (prompt, out)
+            unfinished += decoded.endswith("\ufffd")
+        if n % 3 == 0:
+            out = llm.generate(prompts[:1], max_new_tokens=n, temperature=1.0, seed=n)[0]
+            assert "".join(llm.stream(prompts[0], max_new_tokens=n, temperature=1.0, seed=n)) == out.text
+    assert unfinished >= 3, unfinished
     assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
 
 

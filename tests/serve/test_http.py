@@ -16,11 +16,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import openai
 import pytest
 
 from jaxllm import LLM, EngineOptions
 from serve import jaxllm_pb2 as pb
+from serve.http import HttpConfig
 from serve.http.logprobs import top_by_text
 from serve.metrics import parse
 from tests.serve.test_server import ROOT, ServerProcess, _env
@@ -201,6 +203,44 @@ def test_n_choices_prompt_list_and_seed(client, llm):
     assert texts[0] != texts[1]
     assert out.usage.prompt_tokens == sum(len(llm.tokenizer.encode(p)) for p in prompts)  # once per prompt
     assert out.usage.completion_tokens == sum(len(ref.token_ids) for ref in refs.values())
+
+
+def test_n_at_its_maximum_is_accepted(client):
+    """n equal to the server's max_n (HttpConfig's default: the server sets no other) gives that many choices,
+    for completions (one prompt and two), chat, and streams; one more is refused (ERRORS below)."""
+    max_n = HttpConfig().max_n
+    out = client.completions.create(model="tiny", prompt="a", n=max_n, max_tokens=2, temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == list(range(max_n))
+    out = client.completions.create(model="tiny", prompt=["a", "b"], n=max_n, max_tokens=1, seed=3)
+    assert sorted(c.index for c in out.choices) == list(range(2 * max_n))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], n=max_n,
+                                          max_tokens=2, seed=3)
+    assert sorted(c.index for c in chat.choices) == list(range(max_n))
+    chunks = list(client.completions.create(model="tiny", prompt="a", n=max_n, max_tokens=2, seed=3, stream=True))
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert sorted(finished) == list(range(max_n))
+
+
+def test_a_prompt_of_exactly_the_allowance_is_served_one_more_refused(client, llm):
+    """Property, for a random id prompt and a text prompt: a prompt of context_limit - 1 tokens (the engine's
+    limit, as the same LLM in-process has it; /v1/models states it) completes, streamed or not, with the default
+    max_tokens (the room: one token), the same token as LLM.generate; one token more is a 400 naming the limit."""
+    limit = llm.context_limit
+    rng = np.random.default_rng(14)
+    prompts = [rng.integers(3, 259, size=limit - 1).tolist(), "x" * (limit - 2)]  # text: + BOS
+    for prompt in prompts:
+        ref = llm.generate([prompt], max_new_tokens=1)[0]
+        out = client.completions.create(model="tiny", prompt=prompt, temperature=0)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (ref.text, ref.finish_reason)
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (limit - 1, len(ref.token_ids))
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        longer = prompt + [7] if isinstance(prompt, list) else prompt + "x"
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt=longer, temperature=0)
+        assert f"has {limit} tokens, more than the context limit {limit} allows" in err.value.message
+        assert err.value.body["param"] == "prompt"
+    assert client.models.list().data[0].max_model_len == limit
 
 
 def test_stop_and_echo(client, llm):

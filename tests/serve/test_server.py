@@ -23,6 +23,7 @@ import urllib.request
 
 import grpc
 import jax
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -239,6 +240,28 @@ def test_stop_string_matches_generate(server, llm):
     text, ids, last = _stream(server.stub, _request("stop here", max_tokens=16, stop=[stop, "never matches"]))
     assert (text, ids, last.finish_reason) == (ref.text, ref.token_ids, pb.FINISH_REASON_STOP)
     assert stop not in text
+
+
+def test_a_prompt_of_exactly_the_allowance_is_served_one_more_refused(server, llm):
+    """Property, for a random id prompt and a text prompt: a prompt of context_limit - 1 tokens (the engine's
+    limit, as the same LLM in-process has it; ModelInfo states it) streams to a final message with the default
+    max_tokens (the room: one token), the same token as LLM.generate; one token more is INVALID_ARGUMENT naming
+    the limit."""
+    limit = llm.context_limit
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(3, 259, size=limit - 1).tolist(), "x" * (limit - 2)]  # text: + BOS
+    for prompt in prompts:
+        by_ids = not isinstance(prompt, str)
+        request = pb.GenerateRequest(prompt_token_ids=prompt) if by_ids else _request(prompt)
+        text, ids, last = _stream(server.stub, request)
+        ref = llm.generate([prompt], max_new_tokens=1)[0]
+        assert (ids, last.usage.prompt_tokens, last.finish_reason) == (ref.token_ids, limit - 1, _reason(ref))
+        longer = pb.GenerateRequest(prompt_token_ids=prompt + [7]) if by_ids else _request(prompt + "x")
+        with pytest.raises(grpc.RpcError) as err:
+            list(server.stub.Generate(longer, timeout=10))
+        assert err.value.code() == INVALID, err.value.details()
+        assert f"has {limit} tokens, more than the context limit {limit} allows" in err.value.details()
+    assert server.stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).max_context == limit
 
 
 def test_64_concurrent_streams_are_correct_and_independent(server, llm):

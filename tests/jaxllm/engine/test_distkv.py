@@ -8,6 +8,7 @@ only by the recall plans' copies, so a wrong plan shows up as a table entry hold
 import os
 import random
 
+import numpy as np
 import pytest
 
 from jaxllm.engine.distkv import GManager, InstanceSpec, OutOfBlocks, Placement, RManager
@@ -299,3 +300,113 @@ def test_random_operations_keep_every_invariant():
         device.check(gm)
     assert min(seen_ops.values()) > 500, seen_ops
     assert gm.counters["loans"] > 0 and gm.counters["recalled"] > 0, gm.counters
+
+
+# ----- properties over many random meshes (fixed seeds) -----
+
+def _random_mesh(rng, instances: int, hosts: int = 1):
+    return _mesh(*[(int(rng.integers(hosts)), int(rng.integers(3, 11)), int(rng.integers(0, 3)))
+                   for _ in range(instances)])
+
+
+def _grow_or_allocate(rng, gm, rms, next_request: int) -> tuple[int, int, int]:
+    """One random allocate or grow that the mesh can hold: (instance, request, rBlocks it adds)."""
+    live = [(rm, r) for rm in rms for r in rm.requests()]
+    if live and rng.random() < 0.5:
+        rm, r = live[int(rng.integers(len(live)))]
+        need = min(int(rng.integers(1, 5)), gm.total_free())
+        rm.grow(r, len(rm.table(r).table) + need)
+    else:
+        rm = rms[int(rng.integers(len(rms)))]
+        r, need = next_request, min(int(rng.integers(1, 7)), gm.total_free())
+        rm.allocate(r, need)
+    return rm.instance, r, need
+
+
+def test_a_debtor_never_lends_unless_the_mesh_would_otherwise_refuse():
+    """Property: in every borrow, no instance that owes rBlocks lends, unless the willing creditors (no debt,
+    free above reserve) cannot cover the loan: then (the last-resort pass) they are emptied to their reserves
+    first, and debtors lend no more than the shortfall."""
+    exercised = 0  # borrows where a debtor had rBlocks above its reserve and a willing creditor could cover it
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        gm, rms = _random_mesh(rng, int(rng.integers(3, 6)))
+        next_request = 0
+        for _ in range(300):
+            live = [(rm, r) for rm in rms for r in rm.requests()]
+            if live and rng.random() < 0.35:
+                rm, r = live[int(rng.integers(len(live)))]
+                rm.finish(r)
+                continue
+            if rng.random() < 0.3:
+                i = int(rng.integers(len(rms)))
+                gm.report(i, rms[i].num_free)
+            if gm.total_free() == 0:
+                continue
+            debtors = {i for i in gm.instances() if gm.borrowed(i)}
+            free = {rm.instance: rm.num_free for rm in rms}
+            loans_before = set(gm.loans())
+            home, request, added = _grow_or_allocate(rng, gm, rms, next_request)
+            next_request += 1
+            borrowed = added - min(added, free[home])
+            if not borrowed:
+                continue
+            willing = sum(max(0, free[rm.instance] - rm.spec.reserve) for rm in rms
+                          if rm.instance != home and rm.instance not in debtors)
+            new = [loan for loan in gm.loans() if loan not in loans_before]
+            assert len(new) == borrowed and all(loan.request == request for loan in new)
+            from_debtors = sum(loan.creditor in debtors for loan in new)
+            ctx = f"seed {seed}: instance {home} borrowed {borrowed}, willing {willing}, debtors {debtors}, free {free}"
+            if borrowed <= willing:
+                assert from_debtors == 0, ctx
+                exercised += any(free[d] > gm.rmanager(d).spec.reserve for d in debtors - {home})
+            else:
+                assert from_debtors <= borrowed - willing, ctx
+                assert all(rm.num_free <= rm.spec.reserve for rm in rms
+                           if rm.instance != home and rm.instance not in debtors), ctx
+            _audit(gm)
+    assert exercised > 50, exercised
+
+
+def test_loans_between_heartbeats_lower_the_reported_count():
+    """Property: between heartbeats the GManager ranks creditors by the last report less what it lent since
+    (never below 0), so a second loan goes to the next creditor once the first reports fewer free."""
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        gm, rms = _random_mesh(rng, int(rng.integers(3, 6)), hosts=2)
+        reported = {rm.instance: rm.spec.num_blocks for rm in rms}  # registering reports a full pool
+        next_request = 0
+        for _ in range(200):
+            live = [(rm, r) for rm in rms for r in rm.requests()]
+            if live and rng.random() < 0.3:
+                rm, r = live[int(rng.integers(len(live)))]
+                rm.finish(r)  # returns change no report: only a heartbeat does
+            elif rng.random() < 0.15:
+                i = int(rng.integers(len(rms)))
+                reported[i] = int(rng.integers(0, rms[i].spec.num_blocks + 1))  # stale or not
+                gm.report(i, reported[i])
+            elif gm.total_free():
+                before = set(gm.loans())
+                _grow_or_allocate(rng, gm, rms, next_request)
+                next_request += 1
+                for loan in set(gm.loans()) - before:
+                    reported[loan.creditor] = max(0, reported[loan.creditor] - 1)
+            for d in gm.instances():
+                host = gm.rmanager(d).spec.host
+                want = sorted((i for i in reported if i != d),
+                              key=lambda i: (gm.rmanager(i).spec.host != host, -reported[i], i))
+                assert gm.creditors(d) == want, (seed, d, reported)
+
+
+def test_two_loans_between_heartbeats_go_to_two_creditors():
+    """Property: creditors that reported the same free count share two back-to-back loans: the first goes to
+    the lowest id, which then reports fewer free, so the second goes to the next one."""
+    rng = np.random.default_rng(2024)
+    for _ in range(200):
+        creditors, size = int(rng.integers(2, 5)), int(rng.integers(2, 9))
+        gm, rms = _mesh((0, 1), *[(0, size)] * creditors)
+        first, second = (int(rng.integers(1, size)) for _ in range(2))
+        rms[0].allocate(1, 1 + first)  # one local rBlock, the rest borrowed
+        rms[0].allocate(2, second)
+        lenders = [{p.instance for p in rms[0].table(r).table if p.instance != 0} for r in (1, 2)]
+        assert lenders == [{1}, {2}], (creditors, size, first, second, lenders)

@@ -1,8 +1,10 @@
-"""The output processor alone, with a fake tokenizer of single-character tokens (no model, no device)."""
+"""The output processor alone, with fake tokenizers and the byte tokenizer (no model, no device)."""
 
+import numpy as np
 import pytest
 
 from jaxllm.engine.output import RequestClock, TextStream
+from jaxllm.model.tokenizer import REPLACEMENT_CHAR, ByteTokenizer
 
 ALPHABET = "abcdxyz"
 
@@ -117,3 +119,114 @@ def test_clock_records_ttft_and_tpot_once():
     clock.tokens_at(12.0, 0)  # a step that gave it nothing changes nothing
     timings = clock.timings()
     assert timings.ttft_s == 0.5 and timings.tpot_s == pytest.approx(0.5)
+
+
+# ----- properties over random token sequences (fixed seeds) -----
+
+# Characters of 1, 2, 3 and 4 UTF-8 bytes: a byte-token stream delivers the longer ones over several pushes.
+_CHARS = ["a", "b", "é", "日", "😀"]
+
+
+class PieceTokenizer:
+    """Token i is PIECES[i], a string of 1..3 characters: one push may add several characters at once."""
+
+    PIECES = ["a", "b", "ab", "ba", "aab", "é", "bé", "日", "a日b", "😀", "😀a"]
+
+    def decode(self, ids):
+        return "".join(self.PIECES[i] for i in ids)
+
+    decode_continuation = decode
+
+
+def _byte_ids(rng, length: int) -> list[int]:
+    """Random byte-token ids: whole characters, characters cut short, stray bytes, specials (BOS/EOS/pad)."""
+    tok, ids = ByteTokenizer(), []
+    while len(ids) < length:
+        kind = rng.random()
+        if kind < 0.7:
+            ids += tok.encode(str(rng.choice(_CHARS)), add_bos=False)
+        elif kind < 0.85:  # the first bytes of a multi-byte character, never completed
+            whole = tok.encode(str(rng.choice(_CHARS[2:])), add_bos=False)
+            ids += whole[:int(rng.integers(1, len(whole)))]
+        elif kind < 0.95:
+            ids.append(int(rng.integers(3, 259)))  # any byte, valid or not where it lands
+        else:
+            ids.append(int(rng.integers(0, 3)))  # no text
+    return ids
+
+
+def _stop_strings(rng) -> tuple[str, ...]:
+    """2..4 stop strings over the same few characters that overlap each other: prefixes, extensions and
+    shifted windows of one random string."""
+    base = "".join(rng.choice(_CHARS[:3], size=int(rng.integers(2, 6))))
+    out = set()
+    while len(out) < int(rng.integers(2, 5)):
+        i = int(rng.integers(0, len(base)))
+        j = int(rng.integers(i + 1, len(base) + 1))
+        out.add(base[i:j] + ("".join(rng.choice(_CHARS[:3], size=int(rng.integers(0, 2))))))
+    return tuple(sorted(out))
+
+
+def _stream(tokenizer, ids, stop) -> tuple[TextStream, list[str]]:
+    """Push ids as the core does (take after each), then finish; the text shown so far after every take."""
+    stream, shown = TextStream(tokenizer, stop), [""]
+    for token in ids:
+        stream.push(token)
+        shown.append(shown[-1] + stream.take())
+        if stream.stopped:
+            break
+    stream.finish()
+    shown.append(shown[-1] + stream.take(final=True))
+    return stream, shown
+
+
+def _expected_cut(tokenizer, ids, stop) -> str | None:
+    """The text a stop string leaves, from the definitions: after the first push whose stable text (the
+    decode so far, less a trailing incomplete character) holds some stop string, that text up to the
+    earliest one; None when no stop string ever completes."""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k]).rstrip(REPLACEMENT_CHAR)
+        starts = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if starts:
+            return text[:min(starts)]
+    return None
+
+
+def test_text_equals_the_decode_of_its_tokens_when_no_stop_string_cut_it():
+    """Property: with no stop string completing, the final text (and all the streamed pieces together) is
+    exactly decode(token ids), a trailing incomplete character's U+FFFD included (the final flush is kept)."""
+    rng = np.random.default_rng(6)
+    tok, cut_short = ByteTokenizer(), 0
+    for _ in range(500):
+        ids = _byte_ids(rng, int(rng.integers(1, 40)))
+        stop = () if rng.random() < 0.5 else ("z", "bz", "日z")  # stop strings that never complete: hold-back
+        stream, shown = _stream(tok, ids, stop)
+        assert not stream.stopped
+        assert stream.text == shown[-1] == tok.decode(ids), ids
+        cut_short += tok.decode(ids).endswith(REPLACEMENT_CHAR)
+    assert cut_short > 50, cut_short  # the flush mattered often
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), PieceTokenizer()], ids=["bytes", "pieces"])
+def test_several_stop_strings_never_show_a_prefix_of_the_one_that_completes(tokenizer):
+    """Property: with several overlapping stop strings, what a stream has shown is at every moment a prefix of
+    its final text; the final text is the decoded text up to the earliest stop string (none in it), or all
+    of it when none completes."""
+    rng = np.random.default_rng(7)
+    stopped = 0
+    for _ in range(600):
+        if isinstance(tokenizer, ByteTokenizer):
+            ids = _byte_ids(rng, int(rng.integers(1, 30)))
+        else:
+            ids = [int(i) for i in rng.integers(0, len(PieceTokenizer.PIECES), size=int(rng.integers(1, 15)))]
+        stop = _stop_strings(rng)
+        stream, shown = _stream(tokenizer, ids, stop)
+        want = _expected_cut(tokenizer, ids, stop)
+        ctx = (ids, stop, shown)
+        assert stream.stopped == (want is not None), ctx
+        final = tokenizer.decode(ids) if want is None else want
+        assert stream.text == shown[-1] == final, ctx
+        assert all(final.startswith(s) for s in shown), ctx
+        assert not any(s in final for s in stop), ctx
+        stopped += stream.stopped
+    assert 100 < stopped < 550, stopped  # both outcomes, many times

@@ -5,6 +5,7 @@ import ast
 import pathlib
 import types
 
+import numpy as np
 import pytest
 
 from jaxllm import LLM, EngineOptions
@@ -152,3 +153,57 @@ def test_request_limits_are_built_in_one_place():
                 if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "RequestLimits":
                     built.append(path.relative_to(root).as_posix())
     assert built == ["jaxllm/llm.py"]
+
+
+def test_every_entry_point_takes_a_prompt_of_exactly_the_allowance(llm):
+    """Property, over random prompts (token ids and text): LLM.generate, LLM.stream, the threaded Engine, the HTTP
+    adapter and the gRPC adapter each run a prompt of context_limit - 1 tokens, and LLM.logits takes
+    context_limit tokens; one token more is refused by each with a ValueError naming the context limit."""
+    validation = pytest.importorskip("serve.validation")
+    engine_adapter = pytest.importorskip("serve.http.engine_adapter")
+    from jaxllm.engine.threaded import Engine
+
+    rng = np.random.default_rng(12)
+    limit = llm.context_limit
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
+    http = engine_adapter.EngineAdapter(engine, "tiny")
+    grpc_limits = engine.limits
+    one = SamplingParams(max_new_tokens=1)
+    try:
+        prompts = [rng.integers(0, llm.config.vocab_size, size=limit - 1).tolist() for _ in range(2)]
+        prompts.append("".join(rng.choice(list("abc é"), size=limit)))  # text: BOS, then its UTF-8 bytes
+        for prompt in prompts:
+            if isinstance(prompt, str):  # cut to exactly the allowance once encoded
+                while len(llm.tokenizer.encode(prompt)) > limit - 1:
+                    prompt = prompt[:-1]
+                longer = prompt + "a"
+                assert len(llm.tokenizer.encode(prompt)) == limit - 1 == len(llm.tokenizer.encode(longer)) - 1
+            else:
+                longer = prompt + [7]
+            out = llm.generate(prompt, max_new_tokens=1)[0]
+            assert len(out.token_ids) <= 1 and out.finish_reason in ("length", "stop")
+            assert "".join(llm.stream(prompt, max_new_tokens=1)) == out.text
+            events = list(engine.submit(prompt, one))
+            assert events[-1].error is None and events[-1].prompt_tokens == limit - 1, events[-1]
+            ids, params = http.check(prompt, engine_adapter.Sampling())
+            assert len(ids) == limit - 1 and params.max_new_tokens == 1  # the default, capped at the room
+            (stream,) = http.submit([(ids, params)])
+            assert list(stream)[-1].error is None
+            if not isinstance(prompt, str):
+                assert len(validation.to_engine_request(_grpc_request(prompt), None, grpc_limits)[0]) == limit - 1
+            refusals = [lambda: llm.generate(longer, max_new_tokens=1), lambda: llm.stream(longer, max_new_tokens=1),
+                        lambda: engine.submit(longer, one), lambda: http.check(longer, engine_adapter.Sampling())]
+            if not isinstance(prompt, str):
+                refusals.append(lambda: validation.to_engine_request(_grpc_request(longer), None, grpc_limits))
+            for refuse in refusals:
+                with pytest.raises(ValueError, match=f"has {limit} tokens, more than the context limit {limit} allows"):
+                    refuse()
+        for _ in range(2):
+            ids = rng.integers(0, llm.config.vocab_size, size=limit).tolist()
+            assert llm.logits(ids).shape == (limit, llm.config.vocab_size)
+            with pytest.raises(ValueError, match=f"has {limit + 1} tokens, more than the context limit {limit}"):
+                llm.logits(ids + [7])
+    finally:
+        engine.shutdown(grace_s=5.0)
+    stats = llm.core.stats()
+    assert not llm.scheduler.has_work() and stats.pool_blocks_free == stats.pool_blocks

@@ -316,3 +316,65 @@ def test_preempted_sequence_computed_length_resets_to_zero():
     assert young.status is Status.WAITING and young.num_computed == 0 and young.num_preemptions == 1
     assert sched.waiting[0] is young and not alloc.blocks(young.seq_id)
     assert [s.seq_id for s in sched.running] == [old.seq_id]
+
+
+def _assert_no_record(sched: Scheduler, alloc: BlockAllocator, seq: Sequence, ctx) -> None:
+    assert seq.status is Status.FINISHED, ctx
+    assert sched.sequence(seq.seq_id) is None, f"{ctx}: sequence {seq.seq_id} is still in the live map"
+    assert seq not in sched.waiting and seq not in sched.running, ctx
+    assert seq.seq_id not in alloc.owners() and not alloc.blocks(seq.seq_id), f"{ctx}: it still owns rBlocks"
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_finished_or_cancelled_sequence_leaves_no_record(prefix_caching):
+    """Property: once a sequence ends (EOS, length, a stop string via finish, or a cancel while waiting, running
+    or between plan and update), the scheduler holds nothing of it: not in its live map, its waiting or
+    running lists, nor the allocator's tables; rBlocks come back only to the pool or the prefix cache."""
+    ends = {"cancel-waiting": 0, "cancel-running": 0, "cancel-in-step": 0, "finish": 0, "update": 0}
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        alloc = BlockAllocator(int(rng.integers(6, 20)))
+        sched = Scheduler(alloc, 4, max_tokens_per_step=int(rng.integers(4, 24)), max_seqs=int(rng.integers(1, 6)),
+                          prefix_caching=prefix_caching)
+        ended: dict[int, Sequence] = {}
+        for step in range(400):
+            ctx = f"seed={seed} step={step}"
+            for _ in range(int(rng.integers(0, 3))):
+                prompt = rng.integers(1, 6, size=int(rng.integers(1, 20))).tolist()  # few ids: shared prefixes
+                sched.add(prompt, SamplingParams(max_new_tokens=int(rng.integers(1, 12))), max_len=alloc.num_blocks * 4)
+            now_ended = []
+            live = sched.waiting + sched.running
+            if live and rng.random() < 0.2:
+                victim = live[int(rng.integers(len(live)))]
+                kind = "cancel-waiting" if victim.status is Status.WAITING else "cancel-running"
+                if rng.random() < 0.5:
+                    sched.cancel(victim)
+                else:
+                    sched.finish(victim, "stop")  # a stop string matched
+                    kind = "finish"
+                ends[kind] += 1
+                now_ended.append(victim)
+            plan = sched.plan()
+            if plan is not None:
+                in_step = [sched.sequence(i) for i in plan.seq_ids]
+                if rng.random() < 0.1:  # a client leaves while the step runs
+                    victim = in_step[int(rng.integers(len(in_step)))]
+                    sched.cancel(victim)
+                    ends["cancel-in-step"] += 1
+                    now_ended.append(victim)
+                sched.update(plan, rng.integers(0, 6, size=plan.num_seqs), EOS)  # 0 is EOS
+                for seq in in_step:
+                    if seq.status is Status.FINISHED and seq not in now_ended:
+                        ends["update"] += 1
+                        now_ended.append(seq)
+            for seq in now_ended:
+                _assert_no_record(sched, alloc, seq, ctx)
+                ended[seq.seq_id] = seq
+            assert set(alloc.owners()) <= {s.seq_id for s in sched.waiting + sched.running}, ctx
+        for seq in sched.waiting + sched.running:
+            sched.cancel(seq)
+            ended[seq.seq_id] = seq
+        for seq in ended.values():
+            _assert_no_record(sched, alloc, seq, f"seed={seed} at the end")
+        assert not sched.has_work() and not alloc.owners() and alloc.num_free == alloc.num_blocks
+    assert min(ends.values()) > 20, ends  # every way of ending, many times

@@ -157,3 +157,66 @@ def test_load_tuner_finds_the_shipped_model():
     tuner = load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="bfloat16", block_size=256)
     assert isinstance(tuner, LearnedTuner) and tuner.variants(True, 8)[0] is HOPPER
     assert isinstance(load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="int8"), FixedTuner)
+
+
+def test_every_repeated_key_is_a_cache_hit_whatever_variant_it_chose():
+    """Property: a step whose key was seen costs no prediction and counts as a hit, variant 0 (the base)
+    included; a new key costs exactly one prediction."""
+    rng = np.random.default_rng(8)
+    chose_base = 0
+    for model_seed in range(3):
+        tuner = LearnedTuner(HOPPER, _model(model_seed), heads=HEADS, block_size=256, prune=False, max_variants=99)
+        for _ in range(60):
+            decode = bool(rng.random() < 0.5)
+            n = int(rng.integers(1, 9))
+            kv = rng.integers(1, 200_000, size=n)
+            q = np.ones(n, np.int64) if decode else np.minimum(rng.integers(1, 512, size=n), kv)
+            bucket = 8 if decode else 4096
+            plan = _plan(kv, q)
+            before = tuner.stats()
+            index = tuner.choose(plan, decode, bucket)
+            seen = before["cache_keys"] == tuner.stats()["cache_keys"]
+            assert tuner.stats()["predictions"] == before["predictions"] + (not seen)
+            assert tuner.stats()["cache_hits"] == before["cache_hits"] + seen
+            before = tuner.stats()
+            assert tuner.choose(plan, decode, bucket) == index
+            assert tuner.stats() == {**before, "cache_hits": before["cache_hits"] + 1}, (index, before)
+            chose_base += index == 0
+    assert chose_base >= 10, chose_base
+
+
+def test_shape_features_of_a_32_8_x_128_model_by_hand():
+    """The 13 shape features pinned to numbers worked out by hand from their definitions (features.py), for
+    32 query heads, 8 KV heads of 128 (bf16: 2 bytes)."""
+    # Decode, bucket 4, two sequences of 3 and 12 keys: 15 keys, mean 7.5, variance 153/2 - 7.5^2 = 20.25,
+    # cv 4.5 / 7.5 = 0.6; each query sees all its keys: 15 pairs.
+    decode = StepFeatures(True, 4, np.array([3, 12]), np.array([1, 1]), (32, 8, 128)).vector()
+    want = [1, 2, 1, np.log2(3), 1, 4, np.log2(13), np.log2(8.5), 0.6, 4, 2, 11, 2]
+    np.testing.assert_allclose(decode, want, rtol=1e-6)
+    # Prefill, bucket 16: 3 new tokens of a 3-token sequence (they see 1, 2, 3 keys) and 4 new tokens after 8
+    # cached (they see 9..12): 6 + 42 = 48 pairs; 7 query tokens, the longest 4. int8 KV: 8 x 128 x 1 bytes.
+    prefill = StepFeatures(False, 16, np.array([3, 12]), np.array([3, 4]), (32, 8, 128), dtype_bytes=1).vector()
+    want = [0, 4, 1, 3, np.log2(5), 4, np.log2(13), np.log2(8.5), 0.6, np.log2(49), 2, 10, 2]
+    np.testing.assert_allclose(prefill, want, rtol=1e-6)
+
+
+def test_shape_features_in_closed_form():
+    """Property, over random draws: n equal decode sequences of L keys, and one prefill of Q new tokens after P
+    cached, give the features their definitions say (pairs: n L for decode, Q P + Q (Q + 1) / 2 for a causal
+    prefill; no spread)."""
+    rng = np.random.default_rng(9)
+    log2 = np.log2
+    for _ in range(200):
+        heads = (32, 8, 128)
+        n, length, bucket = int(rng.integers(1, 65)), int(rng.integers(1, 1 << 19)), 1 << int(rng.integers(0, 10))
+        f = StepFeatures(True, bucket, np.full(n, length), np.ones(n, np.int64), heads).vector()
+        total = n * length
+        want = [1, log2(bucket), log2(n), log2(1 + n), 1, log2(1 + total), log2(1 + length), log2(1 + length), 0,
+                log2(1 + total), 2, 11, log2(1 + length)]
+        np.testing.assert_allclose(f, want, rtol=1e-6, atol=1e-6)
+        q, p = int(rng.integers(1, 4097)), int(rng.integers(0, 1 << 18))
+        f = StepFeatures(False, bucket, np.array([p + q]), np.array([q]), heads).vector()
+        pairs = q * p + q * (q + 1) // 2
+        want = [0, log2(bucket), 0, log2(1 + q), log2(1 + q), log2(1 + p + q), log2(1 + p + q), log2(1 + p + q), 0,
+                log2(1 + pairs), 2, 11, log2(1 + p + q)]
+        np.testing.assert_allclose(f, want, rtol=1e-6, atol=1e-6)

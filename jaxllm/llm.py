@@ -291,7 +291,7 @@ class LLM:
         requests = []
         for i, prompt in enumerate(prompts):
             ids = prompt_token_ids(prompt, self.tokenizer, self.limits, what=f"prompt {i}")
-            requests.append(Request(ids, sampling_params(self.limits, len(ids), **sampling)))
+            requests.append(Request(ids, sampling_params(self.limits, len(ids), **sampling), checked=self.limits))
         return requests
 
     def run(self, requests: Iterable[Request],

@@ -122,7 +122,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         engine = self._ready_engine(context)
         try:
             ids, params = to_engine_request(request, engine.tokenizer, engine.limits)  # the one check
-            stream = engine.submit_checked([Request(ids, params)])[0]
+            stream = engine.submit_checked([Request(ids, params, checked=engine.limits)])[0]
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:

@@ -35,12 +35,15 @@ class Request:
     """One generation request: prompt token ids (already encoded) and how to sample.
 
     arrival: time.monotonic() when the request reached the front end (TTFT counts from it);
-    None means when `add` is called.
+    None means when `add` is called. checked: the RequestLimits its front end already checked it against
+    (jaxllm.engine.requests); the core checks it again only against other limits than its own, so a request
+    is checked once on its way in.
     """
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     arrival: float | None = None
+    checked: RequestLimits | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -196,9 +199,13 @@ class EngineCore:
     # ----- requests -----
 
     def add(self, request: Request) -> int:
-        """Queue a request (checked against the limits; ValueError if it breaks one); returns its id."""
-        ids = check_token_ids(request.prompt_ids, self.limits)
-        params = check_params(request.params, len(ids), self.limits)
+        """Queue a request (checked against the limits unless its front end did: ValueError if it breaks one);
+        returns its id."""
+        if request.checked is self.limits:
+            ids, params = list(request.prompt_ids), request.params
+        else:
+            ids = check_token_ids(request.prompt_ids, self.limits)
+            params = check_params(request.params, len(ids), self.limits)
         request_id = next(self._ids)
         seq = self.scheduler.add(ids, params, max_len=self.limits.context_limit)
         arrival = time.monotonic() if request.arrival is None else request.arrival

@@ -115,12 +115,13 @@ class Engine:
         (jaxllm.engine.requests' rules), QueueFull, EngineStopped."""
         ids = prompt_token_ids(prompt, self.tokenizer, self.limits)
         check_params(params, len(ids), self.limits)
-        return self.submit_checked([Request(ids, params)])[0]
+        return self.submit_checked([Request(ids, params, checked=self.limits)])[0]
 
     def submit_checked(self, requests: Sequence[Request]) -> list[RequestStream]:
         """Queue requests their caller has checked against `limits` (gRPC and HTTP do, once per request,
-        with jaxllm.engine.requests), all of them or none: QueueFull if the queue has no room for every
-        one, EngineStopped. A request the core's own check refuses ends with one "error" output."""
+        with jaxllm.engine.requests, and say so in Request.checked: the core does not check them again), all of
+        them or none: QueueFull if the queue has no room for every one, EngineStopped. A request not checked
+        against these limits is checked by the core, and one it refuses ends with one "error" output."""
         now = time.monotonic()
         with self._lock:
             if not self._accepting:

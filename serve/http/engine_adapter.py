@@ -81,7 +81,7 @@ class EngineAdapter:
     def submit(self, checked: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
         """Queue requests `check` passed, all of them or none: QueueFull (-> 429) or EngineStopped (-> 503)
         leaves nothing queued."""
-        return self.engine.submit_checked([Request(ids, params) for ids, params in checked])
+        return self.engine.submit_checked([Request(ids, params, checked=self.limits) for ids, params in checked])
 
     def stop_accepting(self) -> None:
         self.engine.stop_accepting()

@@ -207,3 +207,27 @@ def test_every_entry_point_takes_a_prompt_of_exactly_the_allowance(llm):
         engine.shutdown(grace_s=5.0)
     stats = llm.core.stats()
     assert not llm.scheduler.has_work() and stats.pool_blocks_free == stats.pool_blocks
+
+
+def test_a_request_is_checked_once_on_its_way_in(llm, monkeypatch):
+    """The front end checks a request against the one RequestLimits; the core, seeing it was checked against
+    its own limits, does not check it again (a request built by hand is checked by the core)."""
+    from jaxllm.engine import requests as requests_module
+    from jaxllm.engine.core import Request
+    from jaxllm.engine.threaded import Engine
+
+    checks = []
+    real = requests_module.check_length
+    monkeypatch.setattr(requests_module, "check_length", lambda *a, **k: checks.append(1) or real(*a, **k))
+    llm.generate([5, 6, 7], max_new_tokens=1)
+    assert len(checks) == 1
+    checks.clear()
+    llm.run([Request([5, 6, 7], SamplingParams(max_new_tokens=1))])  # not checked by a front end: the core does
+    assert len(checks) == 1
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
+    try:
+        checks.clear()
+        assert list(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=1)))[-1].error is None
+        assert len(checks) == 1
+    finally:
+        engine.shutdown(grace_s=5.0)

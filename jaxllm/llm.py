@@ -61,7 +61,7 @@ class EngineOptions:
     # preemptions). Greedy tokens are the same either way up to rounding: cached KV was computed in
     # another step, whose batch shape may round the matmuls differently.
     prefix_caching: bool = True
-    # The mesh (../shared/DESIGN.md decision 6): the model split tensor_parallel ways (KV-head groups,
+    # The mesh (docs/ARCHITECTURE.md, decision 7): the model split tensor_parallel ways (KV-head groups,
     # MLP columns), times `instances` (the instance axis: serving instances with a scheduler and an rBlock
     # pool each, num_blocks rBlocks apiece, running their own rows side by side in every step; requests go
     # to the least-loaded). 1 x 1 in one process: one device, no mesh at all.

@@ -1,6 +1,6 @@
 """The device mesh: axes `instance` (independent serving instances) and `tensor` (tensor parallelism).
 
-One SPMD program runs over the whole mesh (../shared/DESIGN.md decision 6). The tensor axis is the
+One SPMD program runs over the whole mesh (docs/ARCHITECTURE.md, decision 7). The tensor axis is the
 inner (fastest-varying) one, so a tensor-parallel group is N consecutive devices: `jax.devices()` lists
 each process's devices together, so a group stays inside one host (NVLink) whenever N <= the devices a
 host has, and only the instance axis crosses hosts.

@@ -1,6 +1,6 @@
 """Multi-process start-up and process 0's hand-over of each step's inputs, through JAX itself.
 
-Every process runs the same program (../shared/DESIGN.md decision 6). Process 0 schedules; before each
+Every process runs the same program (docs/ARCHITECTURE.md, decision 7). Process 0 schedules; before each
 step it sends the step's inputs (a pytree of NumPy arrays) to the others with
 `multihost_utils.broadcast_one_to_all`, a collective over all devices: no home-made RPC. A step's
 shapes come from a few buckets, so the inputs' layout (tree structure, shapes, dtypes) is sent only

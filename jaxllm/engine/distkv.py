@@ -116,7 +116,7 @@ class Allocation:
 
     def local_tables(self, block_size: int, num_tokens: int) -> dict[int, tuple[tuple[int, ...], int]]:
         """Per instance: (its rBlock ids in table order, how many of the sequence's `num_tokens` they hold):
-        a row of `dist_decode_attention`'s tables and lens (the partial last rBlock comes last where it is)."""
+        a row of a DistAttention decode step's tables and lens (sharding.dist_attention.DistParts) (the partial last rBlock comes last where it is)."""
         if not 0 <= num_tokens <= len(self.table) * block_size:
             raise ValueError(f"request {self.request}: {num_tokens} tokens do not fit its {len(self.table)} "
                              f"rBlocks of {block_size}")

@@ -1,7 +1,7 @@
 """`Buckets`: every static shape the engine compiles, and the rule that pads a step to one.
 
 A jitted step is compiled once per input shape, so serving must meet only shapes warm-up compiled
-(../../shared/DESIGN.md decision 4). The shapes are three axes:
+(docs/ARCHITECTURE.md, decision 4). The shapes are three axes:
 
 - decode steps: S sequences, one token each, S a power of two from 1 to pow2(max_seqs);
 - prefill / mixed steps: T tokens, a power of two from pow2(min_tokens) up to the first >=

@@ -44,12 +44,6 @@ def variable_value(variable: nnx.Variable) -> jax.Array:
     return variable.get_value() if hasattr(variable, "get_value") else variable.value
 
 
-def param_shapes(config: LlamaConfig, dtype) -> dict[tuple, tuple[int, ...]]:
-    """Every Param's nnx path -> its shape, without allocating."""
-    params = nnx.state(abstract_model(config, dtype=dtype), nnx.Param)
-    return {path: tuple(variable_value(v).shape) for path, v in nnx.to_flat_state(params)}
-
-
 def assemble(config: LlamaConfig, dtype, load_one) -> Llama:
     """A Llama whose every Param comes from load_one(path, shape, dtype) and whose inv_freq is computed."""
     graphdef, params, rest = nnx.split(abstract_model(config, dtype=dtype), nnx.Param, ...)

@@ -14,7 +14,7 @@ from tests.jaxllm.model.numpy_llama import numpy_llama_logits, random_hf_tensors
 
 
 def load_hf_tensors_into(model, tensors, config):
-    """Our parameter layout from HF tensors, written out here independently of jaxllm/model/weights.py."""
+    """Our parameter layout from HF tensors, written out here independently of jaxllm/model/checkpoints/."""
     D, H, hd = config.hidden_size, config.num_heads, config.head_dim
     put = lambda param, value: param.set_value(jnp.asarray(value, param[...].dtype)) if hasattr(param, "set_value") \
         else setattr(param, "value", jnp.asarray(value, param[...].dtype))

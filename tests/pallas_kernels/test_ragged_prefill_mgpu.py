@@ -12,6 +12,7 @@ from pallas_kernels import compat
 from pallas_kernels import ragged_prefill_mgpu as rpm
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 from pallas_kernels.testing import poisoned_ragged_batch
+from tests.seeds import seed
 
 _OUT_TOL = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 _GPU_OUT_TOL = {jnp.bfloat16: 4e-2, jnp.float16: 8e-3}
@@ -57,7 +58,7 @@ def _compare(args, out, residuals, tol):
 def test_interpret_matches_reference(case, ctas):
     case = dict(case)
     residuals, block_kv = case.pop("residuals"), case.pop("block_kv")
-    args = _batch(np.random.default_rng(), **case)
+    args = _batch(np.random.default_rng(seed(27380)), **case)
     try:
         res = rpm.ragged_prefill_mgpu(*args, return_residuals=residuals, interpret=True,
                                       config=rpm.MosaicPrefillConfig(block_kv=block_kv, cluster_ctas=ctas))
@@ -70,7 +71,7 @@ def test_interpret_matches_reference(case, ctas):
 
 @pytest.mark.parametrize("tile_q", [128, 256], ids=["cta-tiles", "cluster2-tiles"])
 def test_work_list_covers_every_token_once(tile_q):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(27381))
     q_lens = np.array([1, 128, 129, 64, 300, 0, 65])
     kv_lens = q_lens + rng.integers(0, 400, len(q_lens))
     num_tokens = int(q_lens.sum()) + 70
@@ -146,7 +147,7 @@ def test_gpu_matches_reference(dtype, group):
     q, k, *_ = _small()
     if not rpm.mgpu_supported(q, k):
         pytest.skip("needs a Hopper GPU")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(27382))
     q_lens = rng.integers(1, 700, 6).tolist()
     cached = [int(c) * (i % 2) for i, c in enumerate(rng.integers(0, 1500, 6))]
     args = _batch(rng, q_lens=q_lens, cached=cached, block_size=256, head_dim=128, num_kv_heads=2, group=group,

@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels import compat
 from pallas_kernels.rms_norm import (MAX_DIM, MAX_PARTS, MAX_PROGRAM_ELEMENTS, RmsNormBlockSizes, add_rms_norm,
                                      add_rms_norm_reference, default_block_sizes, rms_norm, rms_norm_reference)
+from tests.seeds import seed
 
 EPS = 1e-5
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
@@ -23,7 +24,7 @@ MAX_MISMATCH = 0.02
 
 
 def _seed() -> int:
-    return int(np.random.SeedSequence().entropy % 2**32)
+    return seed(94201)  # fixed: tests/seeds.py
 
 
 def _inputs(seed, t, d, dtype):

@@ -5,13 +5,13 @@ device keeps a tag per physical rBlock (which request's entry it holds), written
 only by the recall plans' copies, so a wrong plan shows up as a table entry holding another's KV.
 """
 
-import os
 import random
 
 import numpy as np
 import pytest
 
 from jaxllm.engine.distkv import GManager, InstanceSpec, OutOfBlocks, Placement, RManager
+from tests.seeds import seed
 
 
 def _mesh(*specs):
@@ -232,9 +232,7 @@ def test_errors_name_the_request_and_instance():
 # ----- 10,000 random operations -----
 
 def _seed() -> int:
-    seed = int(os.environ.get("JAXLLM_TEST_SEED", random.SystemRandom().randrange(2**32)))
-    print(f"seed={seed} (replay with JAXLLM_TEST_SEED={seed})")
-    return seed
+    return seed(97180)  # fixed: tests/seeds.py
 
 
 def test_random_operations_keep_every_invariant():

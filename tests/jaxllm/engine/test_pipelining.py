@@ -15,6 +15,7 @@ from jaxllm.contract import SamplingParams
 from jaxllm.contract import PENDING_TOKEN
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Status
+from tests.seeds import seed
 
 PROMPTS = ["a", "The quick brown fox", "Ragged batches mix very different lengths: " + "x" * 50, "日本語 🙂"]
 GREEDY = dict()
@@ -207,7 +208,7 @@ def _decode_plan(sched, prompts, rng, max_new_tokens=50):
 
 
 def test_continuation_plan_and_results():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(52299))
     sched, alloc = _scheduler(num_blocks=16)
     seqs, prev = _decode_plan(sched, [[5, 6, 7], [8] * int(rng.integers(4, 9))], rng)
     cont = sched.plan_continuation(prev)
@@ -233,7 +234,7 @@ def test_continuation_plan_and_results():
 
 
 def test_continuation_result_of_a_finished_sequence_is_dropped():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(52300))
     sched, alloc = _scheduler(num_blocks=16)
     seqs, prev = _decode_plan(sched, [[5, 6, 7], [8] * 6], rng)
     cont = sched.plan_continuation(prev)
@@ -246,7 +247,7 @@ def test_continuation_result_of_a_finished_sequence_is_dropped():
 
 
 def test_no_continuation_while_someone_waits():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(52301))
     sched, _ = _scheduler(num_blocks=16, max_seqs=1)
     seqs, prev = _decode_plan(sched, [[5, 6, 7]], rng)
     waiter = sched.add([1, 2], SamplingParams(), max_len=100)
@@ -254,7 +255,7 @@ def test_no_continuation_while_someone_waits():
 
 
 def test_no_continuation_past_the_length_limit():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(52302))
     sched, _ = _scheduler(num_blocks=16)
     _, prev = _decode_plan(sched, [[5, 6, 7], [9]], rng, max_new_tokens=2)  # prev samples the last token
     assert sched.plan_continuation(prev) is None
@@ -264,7 +265,7 @@ def test_no_continuation_past_the_length_limit():
 def test_no_continuation_when_rblocks_run_out_and_nobody_is_preempted(num_blocks):
     # Two sequences of 3 prompt tokens + 1 sampled fill one rBlock of 4 each; the continuation
     # writes position 4, so each needs a second rBlock: 2 needed, 0 or 1 free.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(52303))
     sched, alloc = _scheduler(num_blocks=num_blocks)
     seqs, prev = _decode_plan(sched, [[5, 6, 7], [8, 9, 10]], rng)
     owners, free = alloc.owners(), alloc.num_free

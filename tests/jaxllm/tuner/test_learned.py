@@ -21,6 +21,7 @@ from jaxllm.tuner.features import NUM_SHAPE_FEATURES, SMALL_STATS, length_stats,
 from jaxllm.tuner.learned import MAX_VARIANTS, keep_variants, op_ranker
 from jaxllm.tuner.protocol import StepTuner
 from pallas_kernels.dispatch import Kernels
+from tests.seeds import seed
 
 HOPPER = Kernels(decode_attention="triton", prefill_attention="mosaic", rope_kv_write="pallas", decode_layer="pallas")
 HEADS = (32, 8, 128)
@@ -65,7 +66,7 @@ def test_learned_tuner_is_a_step_tuner_with_the_base_first():
 
 
 def test_keep_variants_covers_the_worst_shortfall_before_frequent_small_wins():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(31875))
     # 4 candidates over 100 shapes: 1 wins by 2% on 90 of them, 2 by 30% on 5 (a narrow range of lengths),
     # 3 never wins. With room for one more than the base, the narrow big win is the one kept.
     pred = np.zeros((100, 4)) + rng.normal(0, 1e-4, (100, 4)) + np.log(np.array([1.0, 1.0, 1.0, 1.2]))
@@ -122,7 +123,7 @@ def test_features_of_a_scheduler_plan():
 
 @pytest.mark.parametrize("n", [1, 2, SMALL_STATS, SMALL_STATS + 1, 300])
 def test_length_stats_equal_a_float64_oracle_on_both_paths(n):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed(31876))
     kv = rng.integers(1, 512 * 1024, size=n).astype(np.int32)  # int32, as plans hold them: squares overflow
     q = np.minimum(rng.integers(1, 4096, size=n), kv).astype(np.int32)
     k64, q64 = kv.astype(np.float64), q.astype(np.float64)

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-import harness
+from common import harness
 
 
 def _log(msg: str) -> None:

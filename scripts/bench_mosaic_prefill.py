@@ -12,7 +12,7 @@ per-sequence calls inside the same jit: causal over a fresh sequence; after a pr
 over the prefix plus causal over the new tokens, merged by log-sum-exp. JAX's `attention_mgpu`
 (block_q 64, block_kv 128, 2 steps) applies to the single sequences only (no lengths, no prefix).
 TFLOP/s count the real causal work, 4 * heads * head_dim * visible (query, key) pairs, for all.
-Timing is scripts/harness.py's (median of reps inside one jit), all implementations of a case
+Timing is scripts/common/harness.py's (median of reps inside one jit), all implementations of a case
 timed in turns. Writes
 `<device>-<date>-<HHMM>-mosaic-prefill.json` under --out (default benchmarks/results/) and prints a table.
 """
@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
-from attention_cases import peer_prefill, prefill_errors, prefill_problem, reference_rows, sdpa_part  # noqa: E402
+from common import harness  # noqa: E402
+from common.attention_cases import (peer_prefill, prefill_errors, prefill_problem, reference_rows,  # noqa: E402
+                                    sdpa_part)
 
 from pallas_kernels import compat  # noqa: E402
 from pallas_kernels.ragged_prefill import ragged_prefill  # noqa: E402
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
                            table=table(rows), gpu_state=harness.gpu_state_table(rows),
                            elapsed_s=round(time.time() - bench.t0, 1), definitions=dict(
                                tflops="4 * heads * head_dim * visible causal (query, key) pairs / time, same for all",
-                               us="median over reps of elapsed / calls inside one jit (scripts/harness.py)",
+                               us="median over reps of elapsed / calls inside one jit (scripts/common/harness.py)",
                                max_abs_err="vs a float32 reference on each sequence's last 64 query rows",
                                x_cudnn="cuDNN time / Mosaic time (> 1: ours faster)")))
     print("\n" + table(rows), flush=True)

@@ -23,9 +23,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from device_trace import gpu_kernel_events
+from common import harness
+from common.device_trace import gpu_kernel_events
 from jaxllm.executor.sampler import greedy_tokens, sample_tokens
-import harness
 
 
 def _impls(rows: int):

@@ -29,7 +29,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import harness
+from common import harness
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import ragged_decode
 from pallas_kernels.residuals import merge_partials

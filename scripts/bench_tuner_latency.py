@@ -24,7 +24,7 @@ import types
 
 import numpy as np
 
-import harness
+from common import harness
 
 
 def _plans(decode: bool, bucket: int, heads, count: int):

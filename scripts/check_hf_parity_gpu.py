@@ -167,7 +167,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from harness import result_stem
+    from common.harness import result_stem
 
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()

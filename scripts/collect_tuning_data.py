@@ -39,8 +39,8 @@ import platform
 import sys
 import time
 
-import harness
-from tuning_collector import SMOKE, Collector, Plan, make_pools, slug
+from common import harness
+from common.tuning_collector import SMOKE, Collector, Plan, make_pools, slug
 
 
 def main(argv=None) -> int:

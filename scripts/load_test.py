@@ -29,8 +29,8 @@ import grpc  # noqa: E402
 from serve import jaxllm_pb2 as pb  # noqa: E402
 from serve import jaxllm_pb2_grpc as pb_grpc  # noqa: E402
 from serve.client import grpc_target  # noqa: E402
-from load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
-                         read_metric)
+from common.load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
+                                read_metric)
 
 
 def one_request(stub, request: pb.GenerateRequest, timeout: float | None) -> Result:

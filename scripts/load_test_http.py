@@ -26,8 +26,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
-                         read_metric)
+from common.load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
+                                read_metric)
 
 
 class Api:

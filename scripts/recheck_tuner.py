@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-import harness
-import tuning_collector as collect
+from common import harness
+from common import tuning_collector as collect
 
 
 def selected(evaluation: dict, below: float) -> list[dict]:

@@ -25,7 +25,7 @@ import types
 
 import numpy as np
 
-import harness
+from common import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""The benchmarks' clock/power sampler (scripts/gpu_state.py) on canned nvidia-smi output."""
+"""The benchmarks' clock/power sampler (scripts/common/gpu_state.py) on canned nvidia-smi output."""
 
 import datetime
 import io
@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
-from gpu_state import GpuSampler, _parse  # noqa: E402
+from common.gpu_state import GpuSampler, _parse  # noqa: E402
 
 
 class _FakeProcess:
@@ -59,7 +59,7 @@ def test_summary_keeps_only_samples_inside_the_windows():
 
 
 def test_start_without_nvidia_smi_gives_none(monkeypatch):
-    import gpu_state
+    from common import gpu_state
 
     monkeypatch.setattr(gpu_state.shutil, "which", lambda name: None)
     assert GpuSampler.start() is None

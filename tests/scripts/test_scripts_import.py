@@ -1,4 +1,5 @@
-"""Every benchmark script imports and answers --help on a CPU; the harness's device floor, spread and files."""
+"""Every command-line script answers --help on a CPU and imports only scripts/common; the harness's device floor,
+spread and files."""
 
 import ast
 import json
@@ -10,19 +11,21 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPTS = os.path.join(ROOT, "scripts")
+COMMON = os.path.join(SCRIPTS, "common")
 sys.path.insert(0, SCRIPTS)
 
-import harness  # noqa: E402
+from common import harness  # noqa: E402
 
-# Scripts with a command line; the rest of scripts/*.py are shared modules (harness, attention_cases, ...).
-CLI_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS)
-                     if f.endswith(".py") and "argparse" in open(os.path.join(SCRIPTS, f)).read())
-SHARED = {"harness", "attention_cases", "gpu_state", "device_trace", "load_report", "tuning_collector"}
+# scripts/*.py are the command-line scripts; the code they share is the package scripts/common.
+CLI_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py"))
+SHARED = sorted(f[:-3] for f in os.listdir(COMMON) if f.endswith(".py") and f != "__init__.py")
+SOURCES = [os.path.join("scripts", f) for f in CLI_SCRIPTS] + [os.path.join("scripts", "common", m + ".py")
+                                                                 for m in ["__init__", *SHARED]]
 
 
-def test_every_script_with_a_command_line_is_listed():
-    assert set(CLI_SCRIPTS) | {m + ".py" for m in SHARED} == {f for f in os.listdir(SCRIPTS) if f.endswith(".py")}
+def test_scripts_and_shared_modules_are_found():
     assert len(CLI_SCRIPTS) >= 11, CLI_SCRIPTS
+    assert {"harness", "attention_cases", "gpu_state", "device_trace", "kernel_inputs"} <= set(SHARED), SHARED
 
 
 @pytest.mark.parametrize("script", CLI_SCRIPTS)
@@ -36,19 +39,38 @@ def test_script_help_runs_on_the_cpu(script, monkeypatch, capsys):
     assert "usage:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("script", sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py")))
-def test_scripts_import_only_shared_modules_of_scripts(script):
-    """A script imports harness-like shared modules, never another benchmark script (nor its _helpers)."""
-    tree = ast.parse(open(os.path.join(SCRIPTS, script)).read())
-    local = {f[:-3] for f in os.listdir(SCRIPTS) if f.endswith(".py")}
+@pytest.mark.parametrize("module", SHARED)
+def test_shared_modules_have_no_command_line(module):
+    """A module with a command line belongs in scripts/, not among the code the scripts share."""
+    text = open(os.path.join(COMMON, module + ".py")).read()
+    assert "argparse" not in text and "__main__" not in text, f"scripts/common/{module}.py has a command line"
+
+
+def _imported_modules(tree) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) of every absolute import; `import a.b` gives ("a.b", [])."""
+    out = []
     for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-        for name in names:
-            top = name.split(".")[0]
-            assert top not in local or top in SHARED, f"{script} imports the script {name}"
-        if isinstance(node, ast.ImportFrom) and node.module in local:
-            assert not any(a.name.startswith("_") for a in node.names), f"{script}: private import from {node.module}"
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, [a.name for a in node.names]))
+    return out
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_scripts_import_only_the_shared_package(source):
+    """A script imports public names of scripts/common, never another script (nor its _helpers); so do the
+    shared modules."""
+    scripts = {f[:-3] for f in CLI_SCRIPTS}
+    for module, names in _imported_modules(ast.parse(open(os.path.join(ROOT, source)).read())):
+        parts = module.split(".")
+        assert parts[0] not in scripts, f"{source} imports the script {module}"
+        if parts[0] != "common":
+            continue
+        assert len(parts) == 1 or parts[1] in SHARED, f"{source} imports {module}, not in scripts/common"
+        if len(parts) == 1:
+            assert set(names) <= set(SHARED), f"{source}: from common import {names}: not modules of scripts/common"
+        assert not any(n.startswith("_") for n in names), f"{source}: private import from {module}"
 
 
 def test_hbm_floor_known_devices_and_none_for_others(capsys):
@@ -59,9 +81,9 @@ def test_hbm_floor_known_devices_and_none_for_others(capsys):
 
 
 def test_no_script_hard_codes_a_bandwidth():
-    for f in os.listdir(SCRIPTS):
-        if f.endswith(".py") and f != "harness.py":
-            text = open(os.path.join(SCRIPTS, f)).read()
+    for f in SOURCES:
+        if f != os.path.join("scripts", "common", "harness.py"):
+            text = open(os.path.join(ROOT, f)).read()
             for literal in ("4.8e12", "= 4.8", "3.35"):
                 assert literal not in text, f"{f} hard-codes {literal}"
 

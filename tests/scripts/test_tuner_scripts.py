@@ -14,7 +14,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
 import train_tuner  # noqa: E402
-import tuning_collector as collect  # noqa: E402
+from common import tuning_collector as collect  # noqa: E402
 
 
 def test_shapes_stay_inside_the_bucket_and_the_pool():
@@ -52,7 +52,7 @@ def test_one_group_is_timed_in_interpret_mode():
 
 
 def test_kernels_are_assigned_to_the_window_they_start_in():
-    import device_trace
+    from common import device_trace
 
     kernels = [(100, 5, "jit_a"), (104, 3, "jit_a"), (150, 7, "jit_b"), (151, 2, "jit_x"), (99, 9, "jit_a"),
                (205, 4, "jit_a"), (300, 1, "jit_b")]

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-import device_trace
+from common import device_trace
 
 K = 1024
 

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from jaxllm.model.kv_cache import init_kv_cache
+from jaxllm.executor.calls import Op
 from jaxllm.executor.executor import Executor
 from jaxllm.executor.step import padded_sizes
 from jaxllm.model.config import LlamaConfig
@@ -76,14 +77,15 @@ def test_shapes_listed_are_the_shapes_warm_up_runs(monkeypatch):
     runner = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 8, 8, jnp.float32), max_seqs=3,
                     max_tokens_per_step=16, table_width=4, max_logprobs=2)
     ran = []
-    original = runner.run_step
+    original = runner._run
 
-    def record(decode, inputs, **kw):
-        ran.append((Shape(decode, inputs.num_tokens, inputs.num_seqs, inputs.block_tables.shape[1]),
-                    kw["greedy"], kw["logprobs"], kw["variant"]))
-        return original(decode, inputs, **kw)
+    def record(call, inputs):
+        # inputs are stacked per instance ([1, ...] here): the step's own shapes are the trailing axes.
+        ran.append((Shape(call.op == Op.DECODE, inputs.num_tokens, inputs.num_seqs, inputs.block_tables.shape[-1]),
+                    call.greedy, call.logprobs, call.variant))
+        return original(call, inputs)
 
-    monkeypatch.setattr(runner, "run_step", record)
+    monkeypatch.setattr(runner, "_run", record)
     runner.warm_up(progress=False)
     listed = runner.buckets.shapes()
     assert {shape for shape, *_ in ran} == set(listed)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.model.kv_cache import init_kv_cache
+from jaxllm.executor.calls import Op
 from jaxllm.executor.executor import Executor
 from jaxllm.contract import StepPlan
 from jaxllm.model.config import LlamaConfig
@@ -74,7 +75,8 @@ def test_generation_over_context_lengths_compiles_only_what_warm_up_announced():
     stats = llm.core.stats()
     assert stats.compile_count == len(plan) and dict(stats.tuner)["predictions"] == len(tuner.chosen)
     assert sum(n for _, _, n in stats.bucket_steps) == len(tuner.chosen) == stats.steps_total
-    assert {(k, s) for k, s, _ in stats.bucket_steps} <= {("decode" if d else "prefill", s) for d, s, *_ in plan}
+    assert {(k, s) for k, s, _ in stats.bucket_steps} <= {("decode" if call.op == Op.DECODE else "prefill", size)
+                                                        for call, size in plan}
     assert stats.padding_tokens_total > 0
 
 

@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxllm import EngineOptions
 from jaxllm.model.kv_cache import init_kv_cache
+from jaxllm.executor.calls import Op
 from jaxllm.executor.executor import Executor
 from jaxllm.model.config import LlamaConfig
 from jaxllm.model.llama import Llama
@@ -52,8 +53,11 @@ def _runner(tuner=None) -> Executor:
 def test_runner_defaults_to_its_kernels_and_checks_the_tuner():
     runner = _runner()
     assert isinstance(runner.tuner, FixedTuner) and runner.kernels_for(True, 1) == runner.kernels
-    assert runner.warm_up_plan() == [(True, 1, False, False, 0), (True, 1, True, False, 0),
-                                     (True, 2, False, False, 0), (True, 2, True, False, 0), (False, 8, False, False, 0)]
+    plan = [(call.op == Op.DECODE, size, call.greedy, call.logprobs, call.variant, call.borrowed)
+            for call, size in runner.warm_up_plan()]
+    assert plan == [(True, 1, False, False, 0, False), (True, 1, True, False, 0, False),
+                    (True, 2, False, False, 0, False), (True, 2, True, False, 0, False),
+                    (False, 8, False, False, 0, False)]
     with pytest.raises(ValueError, match="variant 1 of the decode bucket 1 does not exist"):
         runner.kernels_for(True, 1, 1)
     with pytest.raises(ValueError, match="lists no variant"):
@@ -62,7 +66,7 @@ def test_runner_defaults_to_its_kernels_and_checks_the_tuner():
     listed = _runner(_Listing((a, b, a, b)))
     assert listed.kernels_for(True, 2, 3) == b
     # Decode bucket 2, sampled then greedy: the two distinct variants each, the repeats not again.
-    assert [variant for decode, size, _, _, variant in listed.warm_up_plan() if decode and size == 2] == [0, 1, 0, 1]
+    assert [call.variant for call, size in listed.warm_up_plan() if call.op == Op.DECODE and size == 2] == [0, 1, 0, 1]
 
 
 def test_options_and_cache_directory(monkeypatch):

@@ -19,18 +19,18 @@ pytestmark = [needs_host_devices, pytest.mark.slow, pytest.mark.xdist_group("jax
 
 BLOCK = 16
 SEED = 20261128
-# The requests need 9 + 9 + 4 rBlocks at their longest: on 2 instances of 12 and on 4 of 6 some must borrow.
+# The requests need 8 + 8 + 3 rBlocks at their longest: on 2 instances of 10 and on 4 of 6 some must borrow.
 MESHES = {"tp1": dict(num_blocks=32), "tp2": dict(tensor_parallel=2, num_blocks=32),
-          "tp4": dict(tensor_parallel=4, num_blocks=32), "i2": dict(instances=2, num_blocks=12),
-          "i4": dict(instances=4, num_blocks=6), "i2xtp2": dict(instances=2, tensor_parallel=2, num_blocks=12)}
+          "tp4": dict(tensor_parallel=4, num_blocks=32), "i2": dict(instances=2, num_blocks=10),
+          "i4": dict(instances=4, num_blocks=6), "i2xtp2": dict(instances=2, tensor_parallel=2, num_blocks=10)}
 
 
 def _requests(params: SamplingParams) -> list[Request]:
     rng = np.random.default_rng(SEED)
     long_a, long_b, short = ([int(t) for t in rng.integers(3, 250, n)] for n in (100, 100, 20))
-    return [Request(long_a, dataclasses.replace(params, max_new_tokens=40)),
-            Request(long_b, dataclasses.replace(params, max_new_tokens=40)),
-            Request(short, dataclasses.replace(params, max_new_tokens=30))]
+    return [Request(long_a, dataclasses.replace(params, max_new_tokens=24)),
+            Request(long_b, dataclasses.replace(params, max_new_tokens=24)),
+            Request(short, dataclasses.replace(params, max_new_tokens=24))]
 
 
 def _tokens(llm: LLM, requests: list[Request]) -> list[list[int]]:

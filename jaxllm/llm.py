@@ -41,6 +41,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string), "length" (max_new_tokens or context limit)
     # None unless generate(logprobs=k): per token id, (its logprob, ((id, logprob), ...) the k most likely).
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
+    # None unless generate(prompt_logprobs=k): per prompt token, None for the first, then the same given the
+    # tokens before it.
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +335,8 @@ class LLM:
     def generate(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]], *, max_new_tokens: int,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int = 0, stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
-                 ignore_eos: bool = False, logprobs: int | None = None) -> list[Completion]:
+                 ignore_eos: bool = False, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> list[Completion]:
         """Complete each prompt (text, or a list of token ids); all prompts run together, continuously batched.
 
         A prompt may have at most context_limit - 1 tokens, and max_new_tokens may be at most the room
@@ -343,6 +347,9 @@ class LLM:
         stop_token_ids still stop.
         logprobs: None, or k <= EngineOptions.max_logprobs: each Completion carries every token's
         log-probability and the k most likely tokens' (before temperature, top-k and top-p).
+        prompt_logprobs: None, or k <= EngineOptions.max_logprobs: each Completion carries every prompt token's
+        log-probability given the tokens before it (None for the first) and the k most likely there, computed
+        in the prefill steps (such a prompt takes nothing from the prefix cache); max_new_tokens may then be 0.
         """
         temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -351,13 +358,15 @@ class LLM:
             raise ValueError("prompts is empty")
         sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-                        max_tokens_name="max_new_tokens")
+                        prompt_logprobs=prompt_logprobs, max_tokens_name="max_new_tokens")
         outputs = self.run(self._requests(prompts, sampling))
         completions = []
         for outs in outputs.values():
+            scored = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
             completions.append(Completion("".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
                                           outs[-1].finish_reason,
-                                          None if logprobs is None else [lp for o in outs for lp in o.logprobs]))
+                                          None if logprobs is None else [lp for o in outs for lp in o.logprobs],
+                                          None if scored is None else list(scored)))
         return completions
 
     def stream(self, prompt: str | Seq[int], *, max_new_tokens: int, temperature: float | None = None,

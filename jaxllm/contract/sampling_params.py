@@ -27,10 +27,18 @@ class SamplingParams:
     # None: off. k >= 0: each new token's log-probability and the k most likely tokens' (id, logprob),
     # of the model's distribution before temperature/top-k/top-p (as OpenAI and vLLM report them).
     logprobs: int | None = None
+    # None: off. k >= 0: the same for every prompt token after the first (its log-probability given the tokens
+    # before it, and the k most likely there), computed in the prefill steps that run anyway; such a request
+    # takes nothing from the prefix cache (its prompt's logits must be computed). With it, max_new_tokens may
+    # be 0: the prompt is scored and nothing is generated (OpenAI's echo with max_tokens 0).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.max_new_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_new_tokens 0 generates nothing: it is only for scoring a prompt (prompt_logprobs "
+                             "set); ask for at least 1 token")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and self.temperature < float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -63,8 +71,9 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
-                                          or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None (off) or an integer >= 0, got {self.logprobs!r}")
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", int(self.logprobs))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+                raise ValueError(f"{name} must be None (off) or an integer >= 0, got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, int(value))

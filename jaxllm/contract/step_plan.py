@@ -35,6 +35,8 @@ class StepPlan:
     instances [S] int32: each sequence's home instance on an engine of several instances (rows grouped by
     instance, in instance order; block ids are then global: instance * blocks_per_instance + local); None
     on one instance (every row's home is instance 0).
+    targets [T] int32: for a token whose sequence wants prompt log-probabilities, the prompt token that follows it
+    (whose log-probability its logits give); -1 elsewhere. None: no token of the step wants one.
     block_copies [M, 2] int32: rBlocks (global source id, global destination id) the device copies before
     this step, all reads before any write (DistKV recalls: borrowed rBlocks going home); None: none.
     kv_extent: (total, longest) of kv_lens as Python ints; computed here unless given (the scheduler gives a
@@ -56,6 +58,7 @@ class StepPlan:
     seed: np.ndarray
     logprobs: np.ndarray | None = None
     instances: np.ndarray | None = None
+    targets: np.ndarray | None = None
     block_copies: np.ndarray | None = None
     kv_extent: tuple[int, int] | None = None
 
@@ -71,6 +74,8 @@ class StepPlan:
             value = getattr(self, name)
             if value is not None and len(value) != s:
                 raise ValueError(f"StepPlan.{name} has {len(value)} rows, want {s} ({s} sequences)")
+        if self.targets is not None and len(self.targets) != t:
+            raise ValueError(f"StepPlan.targets has {len(self.targets)} rows, want {t} ({t} tokens)")
         if self.block_copies is not None and (self.block_copies.ndim != 2 or self.block_copies.shape[1] != 2):
             raise ValueError(f"StepPlan.block_copies must be [copies, 2] (source, destination), got "
                              f"{self.block_copies.shape}")
@@ -94,8 +99,10 @@ class StepPlan:
 
     @property
     def wants_logprobs(self) -> bool:
-        """Some sequence samples a token in this step and wants its log-probabilities."""
-        return self.logprobs is not None and bool(np.any(self.sample & (self.logprobs >= 0)))
+        """Some sequence samples a token in this step and wants its log-probabilities, or some token of the step
+        is a prompt token whose sequence wants the prompt's."""
+        sampled = self.logprobs is not None and bool(np.any(self.sample & (self.logprobs >= 0)))
+        return sampled or self.targets is not None
 
     def instance_bounds(self, instances: int) -> np.ndarray:
         """[instances + 1] row offsets: instance i's rows are [bounds[i], bounds[i + 1]) (rows are grouped by
@@ -120,4 +127,4 @@ class StepPlan:
             kv_lens=self.kv_lens[first:last], block_tables=self.block_tables[first:last], sample=self.sample[first:last],
             temperature=self.temperature[first:last], top_k=self.top_k[first:last], top_p=self.top_p[first:last],
             seed=self.seed[first:last], logprobs=pick(self.logprobs), instances=pick(self.instances),
-            kv_extent=kv_extent)
+            targets=None if self.targets is None else self.targets[t0:t1], kv_extent=kv_extent)

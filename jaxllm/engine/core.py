@@ -60,7 +60,9 @@ class RequestOutput:
     limit), "cancelled", or "error" (set by the threaded Engine when a step failed, with `error` its
     message). timings are set on the last output. logprobs: None unless the request asked
     (SamplingParams.logprobs = k); then one entry per new token id, `(its logprob, ((id, logprob), ...))`
-    with the k most likely tokens first.
+    with the k most likely tokens first. prompt_logprobs: None unless the request asked
+    (SamplingParams.prompt_logprobs = k); then, on the first output after its prompt was read, one entry per
+    prompt token: None for the first, then `(its logprob, ((id, logprob), ...))` given the tokens before it.
     """
 
     request_id: int
@@ -72,6 +74,7 @@ class RequestOutput:
     timings: RequestTimings | None = None
     logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
     error: str | None = None  # finish_reason "error": what failed
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]] | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,6 +169,15 @@ class _Live:
     text: TextStream
     clock: RequestClock
     sent: int = 0  # output token ids already handed out
+    prompt_scored: bool = False  # its prompt log-probabilities were handed out (when it asked for them)
+
+    def take_prompt_logprobs(self):
+        """The prompt's log-probabilities, once, when every prompt token has its entry; else None."""
+        entries = self.seq.prompt_logprobs
+        if self.prompt_scored or self.seq.params.prompt_logprobs is None or len(entries) < len(self.seq.prompt_ids):
+            return None
+        self.prompt_scored = True
+        return tuple(entries)
 
 
 class EngineCore:
@@ -258,7 +270,8 @@ class EngineCore:
         # Every sequence of the step is running now (plan() admitted it), so the ones that may have
         # advanced or finished are among these.
         candidates = list(self.scheduler.running)
-        self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_ids, inflight.logprobs())
+        self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_ids, inflight.logprobs(),
+                              inflight.prompt_logprobs())
         self.last_plan = inflight.plan
         self._inflight = following
         self._counts["steps_total"] += 1
@@ -294,7 +307,8 @@ class EngineCore:
                 logprobs = self._logprobs(seq, live.sent)
                 live.sent = len(seq.output_ids)
                 outputs.append(RequestOutput(request_id, live.text.take(), tuple(new_ids), len(seq.prompt_ids),
-                                             len(seq.output_ids), logprobs=logprobs))
+                                             len(seq.output_ids), logprobs=logprobs,
+                                             prompt_logprobs=live.take_prompt_logprobs()))
         return outputs
 
     def _final(self, request_id: int, live: _Live, reason: str) -> RequestOutput:
@@ -315,7 +329,8 @@ class EngineCore:
             counts["tpot_count"] += 1
             counts["tpot_sum_s"] += timings.tpot_s
         return RequestOutput(request_id, live.text.take(final=True), new_ids, len(seq.prompt_ids),
-                             len(seq.output_ids), reason, timings, logprobs)
+                             len(seq.output_ids), reason, timings, logprobs,
+                             prompt_logprobs=live.take_prompt_logprobs())
 
     @staticmethod
     def _logprobs(seq: Sequence, start: int):

@@ -156,10 +156,10 @@ class InstanceSchedulers:
     # ----- results -----
 
     def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int | Collection[int],
-               logprobs=None) -> list[Sequence]:
+               logprobs=None, prompt_logprobs=None) -> list[Sequence]:
         """Each instance records its own rows (a scheduler skips ids that are not its own); then the
         heartbeat: every instance reports its free rBlocks to the GManager."""
-        advanced = [seq for s in self.schedulers for seq in s.update(plan, sampled, eos_id, logprobs)]
+        advanced = [seq for s in self.schedulers for seq in s.update(plan, sampled, eos_id, logprobs, prompt_logprobs)]
         self._heartbeat()
         return advanced
 
@@ -212,6 +212,8 @@ def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | Non
         block_tables=tables, sample=cat("sample"), temperature=cat("temperature"),
         top_k=cat("top_k"), top_p=cat("top_p"), seed=cat("seed"),
         logprobs=None if any(p.logprobs is None for _, p in plans) else cat("logprobs"),
+        targets=None if all(p.targets is None for _, p in plans) else np.concatenate(
+            [np.full(p.num_tokens, -1, np.int32) if p.targets is None else p.targets for _, p in plans]),
         instances=np.concatenate([np.full(p.num_seqs, i, np.int32) for i, p in plans]),
         block_copies=block_copies,
         kv_extent=(sum(p.kv_extent[0] for _, p in plans), max(p.kv_extent[1] for _, p in plans)))

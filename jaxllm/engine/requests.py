@@ -8,8 +8,8 @@ The rules, the same everywhere:
   the room;
 - stop strings: at most `max_stop_strings` of them, each non-empty and at most `max_stop_length`
   characters; `stop=""` and `stop=[""]` are the same empty stop string and both refused;
-- logprobs: at most `max_logprobs` top tokens per new token (0: the engine returns none, and any
-  request for logprobs is refused).
+- logprobs and prompt_logprobs: at most `max_logprobs` top tokens per token (0: the engine returns none,
+  and any request for them is refused); with prompt_logprobs, max_tokens may be 0 (score the prompt only).
 Every check raises ValueError naming the value and the limit (servers answer INVALID_ARGUMENT / 400).
 """
 
@@ -115,6 +115,7 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: Request
                          f"{limits.context_limit} minus the prompt's {num_prompt_tokens} tokens")
     check_stop(params.stop, limits)
     check_logprobs(params.logprobs, limits, logprobs_name)
+    check_logprobs(params.prompt_logprobs, limits, "prompt_logprobs")
     return params
 
 
@@ -147,8 +148,8 @@ def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> tuple[str, ...]:
 def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens: int | None = None,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                     stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                    ignore_eos: bool = False, logprobs: int | None = None, max_tokens_name: str = "max_tokens",
-                    logprobs_name: str = "logprobs") -> SamplingParams:
+                    ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    max_tokens_name: str = "max_tokens", logprobs_name: str = "logprobs") -> SamplingParams:
     """Build and check one request's SamplingParams; max_tokens None means the default, capped at the room.
 
     max_tokens_name, logprobs_name: what the caller calls max_tokens (LLM.generate: max_new_tokens) and
@@ -157,11 +158,13 @@ def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.room(num_prompt_tokens))
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
-        raise ValueError(f"{max_tokens_name} must be >= 1, got {max_tokens!r}")
+        if not (max_tokens == 0 and prompt_logprobs is not None and not isinstance(max_tokens, bool)):
+            raise ValueError(f"{max_tokens_name} must be >= 1, got {max_tokens!r} (0 only scores a prompt, with "
+                             "prompt_logprobs)")
     # Stop strings before SamplingParams: the count limit comes first, and each message names the index.
     stop = check_stop(normalize_stop(stop), limits)
     params = SamplingParams(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                            logprobs=logprobs)
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     return check_params(params, num_prompt_tokens, limits, max_tokens_name=max_tokens_name,
                         logprobs_name=logprobs_name)

@@ -59,7 +59,11 @@ class Scheduler:
 
     def add(self, prompt_ids: list[int], params: SamplingParams, max_len: int, *, reuse_prefix: bool = True
             ) -> Sequence:
+        # A prompt to score needs every position's logits computed: nothing from the prefix cache.
+        reuse_prefix = reuse_prefix and params.prompt_logprobs is None
         seq = Sequence(next(self._ids), list(prompt_ids), params, max_len, reuse_prefix=reuse_prefix)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no distribution
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
         return seq
@@ -251,18 +255,33 @@ class Scheduler:
             top_p=np.fromiter((p.top_p for p in params), np.float32, len(rows)),
             seed=np.fromiter((p.seed for p in params), np.int32, len(rows)),
             logprobs=np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int32, len(rows)),
+            targets=self._targets(rows, cu) if any(p.prompt_logprobs is not None for p in params) else None,
             kv_extent=kv_extent,
         )
+
+    @staticmethod
+    def _targets(rows: list[tuple[Sequence, int, list[int], bool]], cu: np.ndarray) -> np.ndarray:
+        """StepPlan.targets: for each token of a sequence scoring its prompt, the prompt token after it."""
+        targets = np.full(int(cu[-1]), -1, np.int32)
+        for (seq, start, ids, _), first in zip(rows, cu):
+            if seq.params.prompt_logprobs is None:
+                continue
+            following = seq.token_slice(start + 1, min(start + len(ids) + 1, len(seq.prompt_ids)))
+            targets[first:first + len(following)] = following
+        return targets
 
     # ----- results -----
 
     def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int | Collection[int],
-               logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[Sequence]:
+               logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[Sequence]:
         """Record a step's results; returns the sequences that received a new token.
 
         eos_id: the id, or every id (Llama-3.1 has three), that ends a sequence.
         logprobs: (sampled token's logprob [S], top ids [S, K], top logprobs [S, K]) when the step computed
-        them (plan.wants_logprobs); each sequence that asked keeps its own top k with its new token."""
+        them (plan.wants_logprobs); each sequence that asked keeps its own top k with its new token.
+        prompt_logprobs: the same per token of the step [T], for the prompt token each one's logits give
+        (plan.targets); each sequence scoring its prompt keeps them, once per position."""
         eos_ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else frozenset(eos_id)
         advanced = []
         for i, seq_id in enumerate(plan.seq_ids):
@@ -278,7 +297,12 @@ class Scheduler:
                 continue
             seq.num_computed = int(plan.kv_lens[i])
             self._register_full_blocks(seq)
+            if seq.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(seq, plan, i, prompt_logprobs)
             if not plan.sample[i]:
+                continue
+            if seq.params.max_new_tokens == 0:  # the prompt was scored, nothing is generated
+                self._finish(seq, "length")
                 continue
             token = int(sampled[i])
             if (token in eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
@@ -295,6 +319,21 @@ class Scheduler:
             if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_len:
                 self._finish(seq, "length")
         return advanced
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, plan: StepPlan, row: int, computed) -> None:
+        """Keep the prompt log-probabilities row `row`'s tokens gave, each position once (a recompute after a
+        preemption gives them again: the first ones stay)."""
+        first, last = int(plan.cu_q_lens[row]), int(plan.cu_q_lens[row + 1])
+        if plan.targets is None or not np.any(plan.targets[first:last] >= 0):
+            return
+        if computed is None:
+            raise ValueError(f"sequence {seq.seq_id} scores its prompt but the step computed no log-probabilities")
+        chosen, top_ids, top = computed
+        k = seq.params.prompt_logprobs
+        for t in range(first, last):
+            if plan.targets[t] >= 0 and int(plan.positions[t]) + 1 == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append((float(chosen[t]), tuple(zip(top_ids[t, :k].tolist(), top[t, :k].tolist()))))
 
     def record_computed(self, plan: StepPlan) -> None:
         """A step ran for its KV alone (teacher-forced logits): every row's sequence has its KV up to its

@@ -94,8 +94,10 @@ class StepScheduler(Protocol):
         ...
 
     def update(self, plan: StepPlan, sampled: np.ndarray, eos_id: int | Collection[int],
-               logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[Sequence]:
-        """Record a step's sampled tokens; returns the sequences that received one."""
+               logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[Sequence]:
+        """Record a step's sampled tokens (and log-probabilities: of the sampled tokens [S], of the prompt
+        tokens the step's tokens precede [T]); returns the sequences that received one."""
         ...
 
     def record_computed(self, plan: StepPlan) -> None:

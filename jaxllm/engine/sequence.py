@@ -26,6 +26,10 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     # One entry per output id when params.logprobs is set: (its logprob, ((id, logprob), ...) top k).
     output_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = dataclasses.field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token computed so far, None for the first (nothing
+    # comes before it), then (its logprob, ((id, logprob), ...) top k) given the tokens before it.
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] = dataclasses.field(
+        default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
     status: Status = Status.WAITING
     finish_reason: str | None = None

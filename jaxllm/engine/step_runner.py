@@ -28,6 +28,11 @@ class DispatchedStep(Protocol):
         """(token logprob [S], top ids [S, K], top logprobs [S, K]) when the step computed them, else None."""
         ...
 
+    def prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The same per token of the plan [T] (for the prompt token each one precedes: StepPlan.targets), else
+        None."""
+        ...
+
 
 class StepRunner(Protocol):
     """Runs planned steps on the devices, and counts what it compiled and ran."""

@@ -211,7 +211,8 @@ class Executor:
             greedy = decode and not np.any(plan.temperature > 0)
             call = StepCall(Op.DECODE if decode else Op.PREFILL, greedy, plan.wants_logprobs, variant, batch.borrowed)
         launched = self.launcher.submit(self._launch, call, batch.inputs, token_source)
-        self._last = InFlight(plan, launched, batch.rows, greedy=call.greedy)
+        scored = None if plan.targets is None else token_rows(plan, self.instances, batch.inputs.num_tokens)
+        self._last = InFlight(plan, launched, batch.rows, greedy=call.greedy, token_rows=scored)
         return self._last
 
     def _launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None) -> Launched:
@@ -219,8 +220,10 @@ class Executor:
         self._announce(call, inputs)
         inputs = self._placed(inputs) if source is None else _continued(inputs, source.launched())
         out = self._run(call, inputs)
-        tokens, logprobs = out if call.logprobs else (out, None)
-        return Launched(tokens, logprobs, inputs)
+        if not call.logprobs:
+            return Launched(out, None, inputs)
+        tokens, sampled, prompt = out
+        return Launched(tokens, sampled, inputs, prompt)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         """Run one step and wait for it; returns the sampled token of every sequence in the plan ([S] int32)."""

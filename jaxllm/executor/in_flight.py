@@ -28,6 +28,7 @@ class Launched:
     tokens: jax.Array | None
     logprobs: tuple[jax.Array, jax.Array, jax.Array] | None
     inputs: StepInputs | None
+    prompt_logprobs: tuple[jax.Array, jax.Array, jax.Array] | None = None  # the same per token, [I, T_pad(, K)]
 
 
 class InFlight:
@@ -36,10 +37,11 @@ class InFlight:
     of it while the launcher thread is still launching it (jaxllm.executor.launcher)."""
 
     def __init__(self, plan: StepPlan, launched: Launched | concurrent.futures.Future, rows: np.ndarray, *,
-                 greedy: bool = False):
+                 greedy: bool = False, token_rows: np.ndarray | None = None):
         self.plan = plan
         self.greedy = greedy  # ran the greedy-only step variant (every sequence at temperature 0)
         self.rows = rows
+        self.token_rows = token_rows  # per plan token, its flat index in [I * T_pad] (where prompts are scored)
         self._launched = launched
         self._host: np.ndarray | None = None
 
@@ -49,9 +51,9 @@ class InFlight:
             self._launched = self._launched.result()
         return self._launched
 
-    def _pick(self, x: jax.Array) -> np.ndarray:
+    def _pick(self, x: jax.Array, rows: np.ndarray | None = None) -> np.ndarray:
         host = host_array(x)
-        return host.reshape(-1, *host.shape[2:])[self.rows]
+        return host.reshape(-1, *host.shape[2:])[self.rows if rows is None else rows]
 
     def tokens(self) -> np.ndarray:
         """The sampled token of every sequence in the plan ([S] int32); waits for the devices."""
@@ -65,3 +67,11 @@ class InFlight:
         the plan, None unless the step computed them; waits for the devices."""
         logprobs = self.launched().logprobs
         return None if logprobs is None else tuple(self._pick(a) for a in logprobs)
+
+    def prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The same per token of the plan [T]: the log-probability of the prompt token each one precedes
+        (StepPlan.targets), None unless the step computed them; waits for the devices."""
+        logprobs = self.launched().prompt_logprobs
+        if logprobs is None or self.token_rows is None:
+            return None
+        return tuple(self._pick(a, self.token_rows) for a in logprobs)

@@ -24,7 +24,7 @@ from sharding.prefill_parts import prefill_parts_from_global
 __all__ = ["InputLayout", "StepBatch", "inert_inputs", "is_borrowed", "token_rows"]
 
 _FIELDS = ("tokens", "positions", "block_tables", "kv_lens", "cu_q_lens", "slot_mapping", "temperature", "top_k",
-           "top_p", "seed")
+           "top_p", "seed", "targets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +95,8 @@ class InputLayout:
         out = inert_inputs(decode, t_pad, s_pad, self.table_width, n, borrowed=False)
         out.tokens[token_home, local_token] = plan.token_ids
         out.positions[token_home, local_token] = plan.positions
+        if plan.targets is not None:
+            out.targets[token_home, local_token] = plan.targets
         out.kv_lens[homes, local_row] = plan.kv_lens
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(out, name)[homes, local_row] = getattr(plan, name)

@@ -32,7 +32,8 @@ class StepInputs:
     tokens, positions, slot_mapping [T] int32 (padding tokens: slot -1, written nowhere);
     block_tables [S, W], kv_lens [S], cu_q_lens [S+1] int32 (padding sequences: kv_len 0, no query
     tokens; on a decode step cu_q_lens == arange(S + 1), each padding sequence owning one padding
-    token); temperature, top_p [S] float32, top_k, seed [S] int32 (padding rows greedy).
+    token); temperature, top_p [S] float32, top_k, seed [S] int32 (padding rows greedy); targets [T] int32: the
+    prompt token each token precedes where its sequence scores its prompt, -1 elsewhere (StepPlan.targets).
     Leaves are numpy arrays on the host or jax arrays on the device.
     """
 
@@ -46,6 +47,7 @@ class StepInputs:
     top_k: np.ndarray | jax.Array
     top_p: np.ndarray | jax.Array
     seed: np.ndarray | jax.Array
+    targets: np.ndarray | jax.Array
     parts: Any = None  # on several instances, a step with borrowed rBlocks: sharding.dist_attention.DistParts
 
     @property
@@ -76,7 +78,8 @@ def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width:
         cu_q_lens=np.arange(num_seqs + 1, dtype=np.int32) if decode else np.zeros(num_seqs + 1, np.int32),
         slot_mapping=np.full(num_tokens, -1, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.zeros(num_seqs, np.int32),
-        top_p=np.ones(num_seqs, np.float32), seed=np.zeros(num_seqs, np.int32))
+        top_p=np.ones(num_seqs, np.float32), seed=np.zeros(num_seqs, np.int32),
+        targets=np.full(num_tokens, -1, np.int32))
 
 
 def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_width: int) -> StepInputs:
@@ -86,7 +89,7 @@ def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_wid
     t_pad, s_pad = padded_sizes(decode, num_seqs if decode else num_tokens, min_tokens=min_tokens, seq_cap=seq_cap)
     if plan.block_tables.shape[1] > table_width or num_seqs > s_pad:
         raise ValueError(f"step plan of {num_seqs} sequences x {plan.block_tables.shape[1]} rBlocks exceeds the "
-                         f"runner's limits ({s_pad} x {table_width})")
+                         f"executor's limits ({s_pad} x {table_width})")
     out = inert_step_inputs(decode, t_pad, s_pad, table_width)
     out.tokens[:num_tokens] = plan.token_ids
     out.positions[:num_tokens] = plan.positions
@@ -100,6 +103,8 @@ def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_wid
         out.cu_q_lens[:num_seqs + 1] = plan.cu_q_lens
     for name in ("temperature", "top_k", "top_p", "seed"):
         getattr(out, name)[:num_seqs] = getattr(plan, name)
+    if plan.targets is not None:
+        out.targets[:num_tokens] = plan.targets
     return out
 
 
@@ -111,34 +116,47 @@ def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, decode: bool
     return model, hidden, kv_pool
 
 
-def _sample_last(model, hidden, inputs: StepInputs, greedy: bool, logprobs: int | None):
-    last = jnp.maximum(inputs.cu_q_lens[1:] - 1, 0)  # each sequence's last query token
-    logits = model.logits(hidden[last])  # [S, vocab]
+def _sample(model, logits, inputs: StepInputs, greedy: bool):
     if greedy:  # every row has temperature 0: sample_tokens would return this argmax too
-        tokens = greedy_tokens(logits)
-    else:
-        tokens = sample_tokens(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed, inputs.kv_lens)
-    if logprobs is None:
-        return tokens
-    return tokens, token_logprobs(logits, tokens, logprobs)
+        return greedy_tokens(logits)
+    return sample_tokens(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed, inputs.kv_lens)
+
+
+def _last_tokens(inputs: StepInputs) -> jax.Array:
+    return jnp.maximum(inputs.cu_q_lens[1:] - 1, 0)  # each sequence's last query token
 
 
 def decode_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels, greedy: bool = False,
                 logprobs: int | None = None):
     """One query token per sequence -> (next tokens [S] int32, KV pool). greedy (static): every row
     has temperature 0, so the argmax replaces the sampler's full-vocabulary sort. logprobs (static):
-    None, or k: the variant that returns ((tokens, (token logprob [S], top ids [S, k], top logprobs
-    [S, k])), KV pool) (sampling.token_logprobs); the plain variants compute no log-probabilities."""
+    None, or k: the variant that returns ((tokens, sampled, prompt), KV pool) with sampled = (token logprob
+    [S], top ids [S, k], top logprobs [S, k]) (sampler.token_logprobs) and prompt the same for each token's
+    target (StepInputs.targets; a one-token chunk of a prompt can be a decode-shaped step); the plain
+    variants compute no log-probabilities."""
     model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, True, kernels)
-    return _sample_last(model, hidden, inputs, greedy, logprobs), kv_pool
+    logits = model.logits(hidden[_last_tokens(inputs)])  # [S, vocab]; S == T on a decode step
+    tokens = _sample(model, logits, inputs, greedy)
+    if logprobs is None:
+        return tokens, kv_pool
+    prompt = token_logprobs(logits, jnp.maximum(inputs.targets, 0), logprobs)
+    return (tokens, token_logprobs(logits, tokens, logprobs), prompt), kv_pool
 
 
 def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels,
                  logprobs: int | None = None):
     """Packed chunks of any lengths -> (a token sampled after each sequence's last one [S] int32, KV pool);
-    logprobs (static) as decode_step's."""
+    logprobs (static) as decode_step's, the prompt part over every token of the step [T] (the whole chunk's
+    logits are computed only in this variant)."""
     model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
-    return _sample_last(model, hidden, inputs, False, logprobs), kv_pool
+    if logprobs is None:
+        logits = model.logits(hidden[_last_tokens(inputs)])  # [S, vocab]
+        return _sample(model, logits, inputs, False), kv_pool
+    every = model.logits(hidden)  # [T, vocab]
+    logits = every[_last_tokens(inputs)]
+    tokens = _sample(model, logits, inputs, False)
+    prompt = token_logprobs(every, jnp.maximum(inputs.targets, 0), logprobs)
+    return (tokens, token_logprobs(logits, tokens, logprobs), prompt), kv_pool
 
 
 def logits_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels

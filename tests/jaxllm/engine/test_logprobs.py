@@ -1,5 +1,6 @@
-"""Per-token log-probabilities (SamplingParams.logprobs) on the tiny model: the values, their shape, and
-that asking for them changes no token and, after warm-up, compiles nothing."""
+"""Per-token log-probabilities (SamplingParams.logprobs) and prompt log-probabilities (prompt_logprobs) on the
+tiny model: the values against the teacher-forced logits, their shape, and that asking for them changes no
+token and, after warm-up, compiles nothing."""
 
 import jax
 import numpy as np
@@ -96,4 +97,48 @@ def test_no_new_compiles_after_warm_up_with_logprobs():
         for logprobs in (None, int(rng.integers(0, 3))):
             llm.generate(prompts, max_new_tokens=int(rng.integers(1, 8)), temperature=temperature, seed=3,
                          logprobs=logprobs)
+        llm.generate(prompts, max_new_tokens=int(rng.integers(0, 3)), prompt_logprobs=int(rng.integers(0, 3)))
     assert llm.compile_count == warm
+
+
+@pytest.mark.parametrize("instances", [1, 2])
+def test_prompt_logprobs_equal_teacher_forced_log_softmax_across_chunks(instances):
+    """Property over random prompts longer than a step's token budget (each prompt in several chunks, batched
+    with others): every prompt token after the first has the log-probability the teacher-forced logits give
+    it, the top k are those logits' k best, the first token's entry is None, generated tokens are those of a
+    run without prompt_logprobs; with max_new_tokens 0 the prompt is scored and nothing generated."""
+    from tests.devices import HOST_DEVICES
+    import jax as _jax
+
+    if instances > _jax.device_count():
+        pytest.skip(f"{instances} instances need {instances} devices")
+    options = EngineOptions(block_size=4, max_tokens_per_step=12, max_seqs=3, max_logprobs=3, instances=instances,
+                            num_blocks=48)
+    llm = LLM("tiny", max_context=128, options=options, progress=False)
+    rng = np.random.default_rng([17, instances, HOST_DEVICES])
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (30, 7, 19)]
+    plain = [c.token_ids for c in llm.generate(prompts, max_new_tokens=3)]
+    outs = llm.generate(prompts, max_new_tokens=3, prompt_logprobs=2)
+    assert [c.token_ids for c in outs] == plain
+    for ids, out in zip(prompts, outs):
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        ref = np.asarray(jax.nn.log_softmax(llm.logits(ids).astype(np.float32), axis=-1))
+        for i, (logprob, top) in enumerate(out.prompt_logprobs[1:]):
+            np.testing.assert_allclose(logprob, ref[i, ids[i + 1]], atol=1e-5)
+            assert [t for t, _ in top] == list(np.argsort(-ref[i])[:2])
+            np.testing.assert_allclose([v for _, v in top], np.sort(ref[i])[::-1][:2], atol=1e-5)
+    scored = llm.generate(prompts, max_new_tokens=0, prompt_logprobs=0)
+    assert all(c.token_ids == [] and c.finish_reason == "length" for c in scored)
+    for c, out in zip(scored, outs):  # the same values, batched differently (float noise only)
+        np.testing.assert_allclose([e[0] for e in c.prompt_logprobs[1:]], [e[0] for e in out.prompt_logprobs[1:]],
+                                   atol=1e-5)
+    assert all(top == () for c in scored for _, top in c.prompt_logprobs[1:])
+    stats = llm.core.stats()
+    assert stats.pool_blocks_free == stats.pool_blocks
+
+
+def test_prompt_logprobs_are_refused_past_the_limit_and_without_them(llm):
+    with pytest.raises(ValueError, match="prompt_logprobs 6 is over the limit 5"):
+        llm.generate("abc", max_new_tokens=1, prompt_logprobs=6)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        llm.generate("abc", max_new_tokens=0)

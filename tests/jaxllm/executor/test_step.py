@@ -77,19 +77,19 @@ def test_decode_inputs_keep_cu_equal_to_arange():
 
 def test_plans_past_the_limits_raise():
     _, prefill, decode = _plans()
-    with pytest.raises(ValueError, match=r"3 sequences x 2 rBlocks exceeds the runner's limits \(4 x 1\)"):
+    with pytest.raises(ValueError, match=r"3 sequences x 2 rBlocks exceeds the executor's limits \(4 x 1\)"):
         make_step_inputs(prefill, **{**LIMITS, "table_width": 1})
-    with pytest.raises(ValueError, match=r"exceeds the runner's limits \(2 x 6\)"):
+    with pytest.raises(ValueError, match=r"exceeds the executor's limits \(2 x 6\)"):
         make_step_inputs(prefill, **{**LIMITS, "seq_cap": 2})
     assert make_step_inputs(decode, **{**LIMITS, "table_width": 2}).block_tables.shape == (4, 2)  # exactly fits
 
 
 def test_inputs_are_one_pytree():
-    """What a mesh shards and process 0 broadcasts: one value of ten array leaves, moved as one."""
+    """What a mesh shards and process 0 broadcasts: one value of eleven array leaves, moved as one."""
     _, plan, _ = _plans()
     inputs = make_step_inputs(plan, **LIMITS)
     leaves, treedef = jax.tree_util.tree_flatten(inputs)
-    assert len(leaves) == 10 and all(isinstance(x, np.ndarray) for x in leaves)
+    assert len(leaves) == 11 and all(isinstance(x, np.ndarray) for x in leaves)
     on_device = jax.device_put(inputs)
     assert isinstance(on_device, StepInputs) and all(isinstance(x, jax.Array) for x in jax.tree.leaves(on_device))
     np.testing.assert_array_equal(np.asarray(on_device.cu_q_lens), inputs.cu_q_lens)

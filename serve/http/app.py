@@ -34,6 +34,7 @@ from serve.http.protocol import APIError
 from serve.metrics import CONTENT_TYPE, Registry
 
 _FIELD = re.compile(r"[a-z_]+")
+_MAX_JSON_DEPTH = 1000  # roughly where json.loads runs out of recursion (sys.getrecursionlimit)
 _DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client has gone
 
 
@@ -122,6 +123,9 @@ async def _read_json(request: Request, limit: int) -> object:
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # Python's decoder recurses once per level: some 1,000 levels exhaust it
+        raise APIError(400, "the request body is not valid JSON for this server: its arrays or objects are nested "
+                            f"more deeply than the decoder's limit (about {_MAX_JSON_DEPTH} levels)") from None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -381,6 +385,10 @@ def build_app(state: ApiState) -> FastAPI:
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # a bug: still OpenAI's shape (and logged)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method
         return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
@@ -413,6 +421,9 @@ def build_app(state: ApiState) -> FastAPI:
             group = _submit(state, adapter, job)
         except APIError as e:
             code = e.status
+            raise
+        except Exception:  # a bug: answered 500 by the handler below, and counted like every other answer
+            code = 500
             raise
         finally:
             if code != 200:

@@ -1,0 +1,108 @@
+"""The edges a new user hits (issue 34), tried as one would, against gRPC and HTTP in this process on one
+engine.
+
+A small engine (tiny model, max_context 64, four waiting slots, no warm-up: the few shapes these requests
+meet compile on first use) with both servers attached, as `python -m jaxllm.serve --http-port` runs them.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxllm import LLM, EngineOptions
+from jaxllm.engine.threaded import Engine
+from jaxllm.model.chat import chat_prompt
+from serve import jaxllm_pb2 as pb
+from serve import jaxllm_pb2_grpc as pb_grpc
+from serve.http import HttpConfig, HttpServer
+from serve.metrics import parse
+from serve.server import SERVICE_NAME, Server, ServerConfig
+
+KEY = "edge-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+MAX_CONTEXT = 64
+MAX_WAITING = 4
+INVALID, UNAUTHENTICATED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.fixture(scope="module")
+def llm():
+    options = EngineOptions(block_size=4, max_tokens_per_step=32, max_seqs=4)
+    return LLM("tiny", max_context=MAX_CONTEXT, options=options, progress=False)
+
+
+@pytest.fixture(scope="module")
+def servers(llm):
+    engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=MAX_WAITING)
+    grpc_server = Server(ServerConfig(port=0))
+    http = HttpServer(HttpConfig(port=0), grpc_server.registry)
+    grpc_server.attach(engine, "tiny")
+    http.attach(engine, "tiny")
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}")
+    yield engine, grpc_server, channel, http
+    channel.close()
+    http.stop_accepting()
+    grpc_server.shutdown(1.0)  # drains the engine
+    http.shutdown(5.0)
+
+
+@pytest.fixture(scope="module")
+def stub(servers):
+    return pb_grpc.LLMServiceStub(servers[2])
+
+
+def _metrics(servers) -> dict[str, float]:
+    return parse(servers[1].registry.render())
+
+
+def _post(http: HttpServer, path: str, body, *, key: str | None = KEY, raw: bytes | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    root = http.url[:-len("/v1")]
+    data = raw if raw is not None else json.dumps(body).encode()  # ensure_ascii: a lone surrogate as \ud800
+    request = urllib.request.Request(root + path, data, headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _error(status_body: tuple[int, dict], status: int, message: str, param=...) -> dict:
+    status_got, body = status_body
+    assert status_got == status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert message in body["error"]["message"], body
+    if param is not ...:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+def _rpc_error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        result = call()
+        if not isinstance(result, (pb.TokenizeResponse, pb.ModelInfoResponse)):
+            list(result)
+    return err.value
+
+
+def _generate(stub, **fields) -> list:
+    return list(stub.Generate(pb.GenerateRequest(**fields), timeout=120, metadata=AUTH))
+
+
+# ----- the body -----
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"model": "tiny", "prompt": ' + b"[" * 100_000],
+                         ids=["bare", "in-a-field"])
+def test_deeply_nested_json_is_a_400_in_openais_shape_and_counted(servers, raw):
+    http = servers[3]
+    before = _metrics(servers).get('jaxllm_http_requests_total{code="400"}', 0)
+    _error(_post(http, "/v1/completions", None, raw=raw), 400, "nested more deeply than the decoder's limit")
+    assert _metrics(servers)['jaxllm_http_requests_total{code="400"}'] == before + 1
+    assert _post(http, "/v1/completions", dict(model="tiny", prompt="a", max_tokens=1))[0] == 200  # no harm done

@@ -6,7 +6,8 @@
 
 A generation request becomes one engine request per (prompt, choice); they are checked all
 together before any is queued (a bad one costs no queue slot), then queued together, all or none
-(a full queue answers 429 with none of them queued). Streams are server-sent events in OpenAI's
+(a full queue answers 429 with none of them queued; a request of more engine requests than the queue
+can ever hold answers 400 before any is checked). Streams are server-sent events in OpenAI's
 chunk format ending `data: [DONE]`; a client that goes away has its engine requests cancelled.
 """
 
@@ -176,6 +177,13 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
         if not prompts:
             raise APIError(400, "prompt is empty: send a string, a list of strings or a list of token ids",
                            param="prompt")
+    # Queued all or none: more engine requests than the queue holds could never be queued, whatever the load.
+    needed, room = len(prompts) * req.n, adapter.max_waiting
+    if needed > room:
+        raise APIError(400, f"this request needs {needed} engine requests ({len(prompts)} prompt"
+                            f"{'s' if len(prompts) > 1 else ''} x n={req.n}), over the limit {room} the server "
+                            f"can queue at once (--max-queue): send at most {room} prompts x choices per request",
+                       param="n" if req.n > 1 else "prompt")
     # Without a seed, a random one: the engine's default seed would make every choice the same.
     base = req.seed if req.seed is not None else secrets.randbelow(SEED_LIMIT)
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default

@@ -55,6 +55,11 @@ class EngineAdapter:
     def vocab_size(self) -> int:
         return self.limits.vocab_size
 
+    @property
+    def max_waiting(self) -> int:
+        """Engine requests the queue holds at once: one HTTP request's prompts x choices may be at most this."""
+        return self.engine.max_waiting
+
     def check(self, prompt: str | list[int], sampling: Sampling) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, SamplingParams), or a ValueError naming the field and the limit (-> 400)."""
         ids = prompt_token_ids(prompt, self.engine.tokenizer, self.limits)

@@ -106,3 +106,21 @@ def test_deeply_nested_json_is_a_400_in_openais_shape_and_counted(servers, raw):
     _error(_post(http, "/v1/completions", None, raw=raw), 400, "nested more deeply than the decoder's limit")
     assert _metrics(servers)['jaxllm_http_requests_total{code="400"}'] == before + 1
     assert _post(http, "/v1/completions", dict(model="tiny", prompt="a", max_tokens=1))[0] == 200  # no harm done
+
+
+# ----- a request that can never fit -----
+
+def test_a_request_that_can_never_fit_the_queue_is_a_400_and_nothing_is_queued(servers):
+    engine, http = servers[0], servers[3]
+    before = engine.stats()
+    cases = [(dict(prompt=["hi"] * 300, n=16), "needs 4800 engine requests (300 prompts x n=16)", "n"),
+             (dict(prompt=["hi"] * (MAX_WAITING + 1)), f"needs {MAX_WAITING + 1} engine requests", "prompt"),
+             (dict(prompt="hi", n=MAX_WAITING + 1), f"needs {MAX_WAITING + 1} engine requests (1 prompt x n=5)", "n")]
+    for fields, message, param in cases:
+        error = _error(_post(http, "/v1/completions", dict(model="tiny", max_tokens=1, **fields)), 400, message, param)
+        assert f"over the limit {MAX_WAITING} the server can queue at once" in error["message"]
+    after = engine.stats()
+    assert (after.requests_total, after.requests_rejected, after.queue_depth) == \
+           (before.requests_total, before.requests_rejected, 0)
+    status, body = _post(http, "/v1/completions", dict(model="tiny", prompt=["a", "b"], n=2, max_tokens=1))
+    assert status == 200 and len(body["choices"]) == MAX_WAITING  # exactly the queue's size still fits

@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a free one (printed)")
     p.add_argument("--http-only", action="store_true", help="serve the HTTP API only, no gRPC (needs --http-port)")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
-                   help="HTTP API: require 'Authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: no key)")
+                   help="require the key on HTTP (header 'Authorization: Bearer KEY') and gRPC (metadata "
+                   "'authorization: Bearer KEY'); health, metrics and reflection stay open (default: $JAXLLM_API_KEY; "
+                   "unset: no key)")
     add_compile_flags(p)
     add_mesh_flags(p)
     return p
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig(host=args.host, port=args.port, metrics_port=metrics_port,
                               max_running=args.max_running, max_queue=args.max_queue,
-                              max_message_bytes=args.max_message_bytes, grace_period_s=args.grace_period)
+                              max_message_bytes=args.max_message_bytes, grace_period_s=args.grace_period,
+                              api_key=args.api_key or None)
         server = None if args.http_only else Server(config)
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ stderr. Imports only grpc and the generated stubs, so it starts fast and needs n
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -19,6 +20,11 @@ from serve import jaxllm_pb2_grpc as pb_grpc
 def grpc_target(host: str, port: int) -> str:
     """host:port for a gRPC channel or listener, an IPv6 literal in brackets ([::1]:50051)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying an API key (`python -m jaxllm.serve --api-key`), or none."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -44,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+                   help="sent as 'authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: none)")
     p.add_argument("--usage", action="store_true", help="print finish reason, token counts and timing to stderr")
     p.add_argument("--info", action="store_true", help="print the server's ModelInfo and exit")
     return p
@@ -55,14 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt = sys.stdin.read()
     with grpc.insecure_channel(grpc_target(args.host, args.port)) as channel:
         stub = pb_grpc.LLMServiceStub(channel)
+        metadata = auth_metadata(args.api_key)
         try:
             if args.info:
-                print(stub.ModelInfo(pb.ModelInfoRequest(), timeout=args.timeout or 10.0), end="")
+                print(stub.ModelInfo(pb.ModelInfoRequest(), timeout=args.timeout or 10.0, metadata=metadata), end="")
                 return 0
             start = time.monotonic()
             first = None
             last = None
-            for message in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False):
+            for message in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False,
+                                         metadata=metadata):
                 if first is None and message.token_ids:
                     first = time.monotonic()
                 sys.stdout.write(message.text)

@@ -9,6 +9,10 @@
 Each Generate call holds one thread of the server's pool for as long as it streams; the pool and
 gRPC's concurrent-RPC limit are sized to the engine's running + waiting capacity, so a request
 over it gets RESOURCE_EXHAUSTED at once rather than waiting unseen for a thread.
+
+With `ServerConfig.api_key` every LLMService call needs the metadata `authorization: Bearer <key>`
+(UNAUTHENTICATED otherwise; health and reflection stay open, as HTTP's /health does), answered by the
+servicer, so `jaxllm_requests_total` counts Generate's.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jaxllm.engine.core import Request
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
+from serve.auth import MISSING, bearer_problem
 from serve.client import grpc_target
 from serve.metrics import Registry, register_engine_metrics, serve_metrics
 from serve.validation import to_engine_request
@@ -49,8 +54,11 @@ class ServerConfig:
     max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 << 20  # request limits beyond this are the engine's (EngineOptions)
     grace_period_s: float = 10.0
+    api_key: str | None = None  # None: no authentication; else LLMService calls need "authorization: Bearer KEY"
 
     def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when set")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -90,6 +98,16 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         self.model_name = model_name
         self.engine = engine
 
+    def _admit(self, request, context) -> None:
+        """Abort a call without the API key (UNAUTHENTICATED)."""
+        header = dict(context.invocation_metadata()).get("authorization")
+        problem = bearer_problem(header, self.config.api_key)
+        if problem == MISSING:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing API key: send the metadata 'authorization: Bearer <key>'")
+        if problem is not None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key")
+
     def _ready_engine(self, context) -> Engine:
         engine = self.engine
         if engine is None:
@@ -115,6 +133,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             self.metrics.streams.inc(-1)
 
     def _generate(self, request, context):
+        self._admit(request, context)
         size = request.ByteSize()
         if size > self.config.max_message_bytes:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -150,10 +169,12 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             yield response
 
     def Tokenize(self, request, context):  # noqa: N802
+        self._admit(request, context)
         engine = self._ready_engine(context)  # UNAVAILABLE until the model is loaded
         return pb.TokenizeResponse(token_ids=engine.tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context):  # noqa: N802
+        self._admit(request, context)
         engine = self._ready_engine(context)
         info, limits = engine.info(), engine.limits
         return pb.ModelInfoResponse(

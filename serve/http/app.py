@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hmac
 import json
 import re
 import secrets
@@ -27,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from serve.auth import MISSING, bearer_problem
 from serve.http import protocol
 from serve.http.bridge import StreamGroup
 from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling
@@ -93,13 +93,10 @@ def _ready(state: ApiState) -> EngineAdapter:
 
 
 def _authorize(state: ApiState, request: Request) -> None:
-    key = state.config.api_key
-    if key is None:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    problem = bearer_problem(request.headers.get("authorization"), state.config.api_key)
+    if problem == MISSING:
         raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
-    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+    if problem is not None:
         raise APIError(401, "incorrect API key", code="invalid_api_key")
 
 

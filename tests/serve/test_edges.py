@@ -39,8 +39,8 @@ def llm():
 @pytest.fixture(scope="module")
 def servers(llm):
     engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=MAX_WAITING)
-    grpc_server = Server(ServerConfig(port=0))
-    http = HttpServer(HttpConfig(port=0), grpc_server.registry)
+    grpc_server = Server(ServerConfig(port=0, api_key=KEY))
+    http = HttpServer(HttpConfig(port=0, api_key=KEY), grpc_server.registry)
     grpc_server.attach(engine, "tiny")
     http.attach(engine, "tiny")
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}")
@@ -124,3 +124,26 @@ def test_a_request_that_can_never_fit_the_queue_is_a_400_and_nothing_is_queued(s
            (before.requests_total, before.requests_rejected, 0)
     status, body = _post(http, "/v1/completions", dict(model="tiny", prompt=["a", "b"], n=2, max_tokens=1))
     assert status == 200 and len(body["choices"]) == MAX_WAITING  # exactly the queue's size still fits
+
+
+# ----- the API key on gRPC -----
+
+def test_grpc_needs_the_api_key_like_http_and_counts_refusals(servers, stub):
+    channel = servers[2]
+    key = 'jaxllm_requests_total{code="UNAUTHENTICATED"}'
+    before = _metrics(servers).get(key, 0)
+    request = pb.GenerateRequest(prompt="a", max_tokens=1)
+    for metadata, message in [((), "missing API key: send the metadata 'authorization: Bearer <key>'"),
+                              ((("authorization", "Bearer wrong"),), "incorrect API key"),
+                              ((("authorization", KEY),), "missing API key")]:  # no "Bearer"
+        err = _rpc_error(lambda: stub.Generate(request, timeout=30, metadata=metadata))
+        assert err.code() == UNAUTHENTICATED and err.details().startswith(message), err.details()
+    assert _metrics(servers)[key] == before + 3
+    for call in (lambda: stub.Tokenize(pb.TokenizeRequest(text="a"), timeout=30),
+                 lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)):
+        assert _rpc_error(call).code() == UNAUTHENTICATED
+    assert _generate(stub, prompt="a", max_tokens=1)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=AUTH).max_context == MAX_CONTEXT
+    # Health stays open, as HTTP's /health does: load balancers carry no key.
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -13,6 +13,8 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 
+from jaxllm.model.tokenizer import check_unicode
+
 _ROLES = ("system", "user", "assistant", "tool")
 _B_INST, _E_INST = "[INST]", "[/INST]"
 _B_SYS, _E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
@@ -23,13 +25,18 @@ class ChatError(ValueError):
 
 
 def check_messages(messages: Sequence[Mapping]) -> list[dict]:
-    """Messages as plain dicts; ChatError naming the message for a malformed one."""
+    """Messages as plain dicts; ChatError naming the message for a malformed one or content that is not valid
+    text."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ChatError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
             raise ChatError(f"message {i} must be a dict with role in {list(_ROLES)} and string content, got {m!r}")
+        try:
+            check_unicode(m["content"], f"messages[{i}].content")
+        except ValueError as e:
+            raise ChatError(str(e)) from None
         out.append(dict(m))
     return out
 

@@ -147,3 +147,23 @@ def test_grpc_needs_the_api_key_like_http_and_counts_refusals(servers, stub):
     # Health stays open, as HTTP's /health does: load balancers carry no key.
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ----- text fields -----
+
+def test_a_lone_surrogate_is_refused_the_same_way_in_every_text_field(servers, stub, llm):
+    http = servers[3]
+    lone = "U+D800 at position 1 (text must be valid Unicode, encodable as UTF-8)"
+    for fields, message, param in [
+            (dict(prompt="a\ud800"), f"prompt is not valid text: it holds the lone surrogate {lone}", "prompt"),
+            (dict(prompt=["ok", "a\ud800"]), "prompt 1: prompt is not valid text", "prompt"),
+            (dict(prompt="a", stop=["fine", "a\ud800"]), f"stop[1] is not valid text: it holds the lone surrogate {lone}",
+             "stop")]:
+        _error(_post(http, "/v1/completions", dict(model="tiny", max_tokens=1, **fields)), 400, message, param)
+    chat = dict(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "a\ud800"}])
+    _error(_post(http, "/v1/chat/completions", chat), 400,
+           f"messages[0].content is not valid text: it holds the lone surrogate {lone}", "messages")
+    with pytest.raises(ValueError, match="prompt 0 is not valid text: it holds the lone surrogate U\\+D800"):
+        llm.generate(["a\ud800"], max_new_tokens=1)  # the Python API: the same rule
+    with pytest.raises(ValueError, match="stop\\[0\\] is not valid text"):
+        llm.generate(["a"], max_new_tokens=1, stop=["\udfff"])

@@ -63,6 +63,11 @@ def test_malformed_messages(messages, message):
         render_chat(messages, template=None)
 
 
+def test_content_must_be_valid_text():
+    with pytest.raises(ChatError, match=r"messages\[1\].content is not valid text: it holds the lone surrogate U\+DC00"):
+        render_chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\udc00"}], template=None)
+
+
 def test_llm_chat_end_to_end(tmp_path):
     from jaxllm import LLM
 

@@ -167,3 +167,15 @@ def test_a_lone_surrogate_is_refused_the_same_way_in_every_text_field(servers, s
         llm.generate(["a\ud800"], max_new_tokens=1)  # the Python API: the same rule
     with pytest.raises(ValueError, match="stop\\[0\\] is not valid text"):
         llm.generate(["a"], max_new_tokens=1, stop=["\udfff"])
+
+
+def test_the_tool_role_is_refused_in_one_place_naming_the_template(servers):
+    status_body = _post(servers[3], "/v1/chat/completions",
+                        dict(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "a"},
+                                                                   {"role": "tool", "content": "42"}]))
+    error = _error(status_body, 400, "message 1 has role 'tool', which Llama-2's [INST] format", "messages")
+    assert "roles: ['system', 'user', 'assistant']" in error["message"]
+    error = _error(_post(servers[3], "/v1/chat/completions",
+                         dict(model="tiny", max_tokens=1, messages=[{"role": "robot", "content": "a"}])), 400,
+                   "message 0 must be a dict with role in ['system', 'user', 'assistant']", "messages")
+    assert "tool" not in error["message"]  # nothing listed that would then be refused

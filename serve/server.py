@@ -11,8 +11,9 @@ gRPC's concurrent-RPC limit are sized to the engine's running + waiting capacity
 over it gets RESOURCE_EXHAUSTED at once rather than waiting unseen for a thread.
 
 With `ServerConfig.api_key` every LLMService call needs the metadata `authorization: Bearer <key>`
-(UNAUTHENTICATED otherwise; health and reflection stay open, as HTTP's /health does), answered by the
-servicer, so `jaxllm_requests_total` counts Generate's.
+(UNAUTHENTICATED otherwise; health and reflection stay open, as HTTP's /health does). A request that
+does not parse is INVALID_ARGUMENT naming the field where it can (serve/decoding.py), not gRPC's own
+INTERNAL. Both are answered by the servicer, so `jaxllm_requests_total` counts them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
 from serve.auth import MISSING, bearer_problem
 from serve.client import grpc_target
+from serve.decoding import Malformed, tolerant
 from serve.metrics import Registry, register_engine_metrics, serve_metrics
 from serve.validation import to_engine_request
 
@@ -99,7 +101,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         self.engine = engine
 
     def _admit(self, request, context) -> None:
-        """Abort a call without the API key (UNAUTHENTICATED)."""
+        """Abort a call without the API key (UNAUTHENTICATED) or whose request did not parse (INVALID_ARGUMENT)."""
         header = dict(context.invocation_metadata()).get("authorization")
         problem = bearer_problem(header, self.config.api_key)
         if problem == MISSING:
@@ -107,6 +109,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                           "missing API key: send the metadata 'authorization: Bearer <key>'")
         if problem is not None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key")
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details())
 
     def _ready_engine(self, context) -> Engine:
         engine = self.engine
@@ -188,6 +192,23 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             max_stop_length=limits.max_stop_length, backend=jax.default_backend(), version=jaxllm.__version__)
 
 
+def _add_servicer(servicer: LLMServicer, server) -> None:
+    """pb_grpc.add_LLMServiceServicer_to_server, with deserializers that hand a malformed request to the
+    servicer (as a Malformed) instead of letting gRPC answer INTERNAL unseen."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, request_deserializer=tolerant(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfo, request_deserializer=tolerant(pb.ModelInfoRequest),
+            response_serializer=pb.ModelInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def _serve_reflection_v1(servicer, server) -> None:
     """Answer grpc.reflection.v1 with the v1alpha servicer: the wire format is the same."""
     handlers = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
@@ -215,7 +236,7 @@ class Server:
             options=[("grpc.max_receive_message_length", _TRANSPORT_SLACK * config.max_message_bytes),
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])  # a second server on the same port must fail, not share it
-        pb_grpc.add_LLMServiceServicer_to_server(self.servicer, self._grpc)
+        _add_servicer(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
                  REFLECTION_V1)

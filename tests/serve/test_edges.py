@@ -163,6 +163,13 @@ def test_a_lone_surrogate_is_refused_the_same_way_in_every_text_field(servers, s
     chat = dict(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "a\ud800"}])
     _error(_post(http, "/v1/chat/completions", chat), 400,
            f"messages[0].content is not valid text: it holds the lone surrogate {lone}", "messages")
+    # gRPC: a surrogate's UTF-8-style bytes in a string field; the same message, naming the field.
+    raw = servers[2].unary_stream(f"/{SERVICE_NAME}/Generate")
+    for data, message in [(b"\x0a\x04a\xed\xa0\x80", f"prompt is not valid text: it holds the lone surrogate {lone}"),
+                          (b"\x0a\x01a\x42\x01x\x42\x04a\xed\xa0\x80", "stop[1] is not valid text: it holds the lone "
+                                                                       f"surrogate {lone}")]:
+        err = _rpc_error(lambda: raw(data, timeout=30, metadata=AUTH))
+        assert err.code() == INVALID and message in err.details(), err.details()
     with pytest.raises(ValueError, match="prompt 0 is not valid text: it holds the lone surrogate U\\+D800"):
         llm.generate(["a\ud800"], max_new_tokens=1)  # the Python API: the same rule
     with pytest.raises(ValueError, match="stop\\[0\\] is not valid text"):
@@ -179,3 +186,43 @@ def test_the_tool_role_is_refused_in_one_place_naming_the_template(servers):
                          dict(model="tiny", max_tokens=1, messages=[{"role": "robot", "content": "a"}])), 400,
                    "message 0 must be a dict with role in ['system', 'user', 'assistant']", "messages")
     assert "tool" not in error["message"]  # nothing listed that would then be refused
+
+
+# ----- malformed protobufs -----
+
+def test_a_malformed_protobuf_is_invalid_argument_counted(servers):
+    channel = servers[2]
+    key = 'jaxllm_requests_total{code="INVALID_ARGUMENT"}'
+    before = _metrics(servers).get(key, 0)
+    generate = channel.unary_stream(f"/{SERVICE_NAME}/Generate")
+    for data, message in [(b"\x0a\x02\xff\xfe", "malformed GenerateRequest: prompt is not valid text: byte 0xff at "
+                                                "position 0 is not UTF-8"),
+                          (b"\x0a\x05ab", "malformed GenerateRequest: the message ends in the middle of a field"),
+                          (b"\x0f", "malformed GenerateRequest: field 1 has wire type 7")]:
+        err = _rpc_error(lambda: generate(data, timeout=30, metadata=AUTH))
+        assert err.code() == INVALID and err.details().startswith(message), err.details()
+    assert _metrics(servers)[key] == before + 3
+    tokenize = channel.unary_unary(f"/{SERVICE_NAME}/Tokenize")
+    err = _rpc_error(lambda: tokenize(b"\x0a\x01\xff", timeout=30, metadata=AUTH))
+    assert err.code() == INVALID and "malformed TokenizeRequest: text is not valid text" in err.details()
+    # Without the key, the key is what is wrong (a malformed body tells nothing to a stranger).
+    assert _rpc_error(lambda: generate(b"\x0a\x02\xff\xfe", timeout=30)).code() == UNAUTHENTICATED
+
+
+def test_every_method_of_the_service_gets_the_tolerant_deserializer():
+    from serve.decoding import Malformed
+    from serve.server import _add_servicer
+
+    registered = []
+
+    class _Server:
+        def add_generic_rpc_handlers(self, handlers):
+            registered.extend(handlers)
+
+    _add_servicer(pb_grpc.LLMServiceServicer(), _Server())
+    (handler,) = registered
+    for name in pb.DESCRIPTOR.services_by_name["LLMService"].methods_by_name:
+        call = type("Call", (), {"method": f"/{SERVICE_NAME}/{name}", "invocation_metadata": ()})()
+        method_handler = handler.service(call)
+        assert method_handler is not None, name
+        assert isinstance(method_handler.request_deserializer(b"\x0f"), Malformed), name

@@ -28,8 +28,10 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(prompt=args.prompt, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+    request = pb.GenerateRequest(prompt=args.prompt, temperature=args.temperature, top_k=args.top_k,
                                  stop=args.stop or [], ignore_eos=args.ignore_eos)
+    if args.seed is not None:
+        request.seed = args.seed
     if args.max_tokens is not None:
         request.max_tokens = args.max_tokens
     if args.top_p is not None:
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="reproducible sampling (default: a fresh random seed)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")

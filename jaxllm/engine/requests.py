@@ -11,7 +11,8 @@ The rules, the same everywhere:
 - logprobs: at most `max_logprobs` top tokens per new token (0: the engine returns none, and any
   request for logprobs is refused);
 - text (a prompt, each stop string) is valid Unicode: a lone surrogate is refused naming the field
-  (`check_unicode`; chat contents follow the same rule in jaxllm.model.chat).
+  (`check_unicode`; chat contents follow the same rule in jaxllm.model.chat);
+- a server request without a seed gets a fresh random one (`random_seed`); a given seed reproduces.
 Every check raises ValueError naming the value and the limit (servers answer INVALID_ARGUMENT / 400).
 """
 
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import secrets
 from typing import Sequence
 
-from jaxllm.contract import SamplingParams
+from jaxllm.contract import SEED_LIMIT, SamplingParams
 from jaxllm.model.tokenizer import check_unicode
 
 
@@ -146,6 +148,12 @@ def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> tuple[str, ...]:
         if len(s) > limits.max_stop_length:
             raise ValueError(f"stop[{i}] has {len(s)} characters, over the limit {limits.max_stop_length}")
     return stop
+
+
+def random_seed() -> int:
+    """A fresh seed in [0, SEED_LIMIT) for a server request that gave none (gRPC and HTTP alike): requests
+    without a seed differ from each other, and one with a seed reproduces."""
+    return secrets.randbelow(SEED_LIMIT)
 
 
 def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens: int | None = None,

@@ -18,7 +18,6 @@ import concurrent.futures
 import dataclasses
 import json
 import re
-import secrets
 import time
 import uuid
 
@@ -29,7 +28,7 @@ from starlette.exceptions import HTTPException
 from serve.auth import MISSING, bearer_problem
 from serve.http import protocol
 from serve.http.bridge import StreamGroup
-from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling
+from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling, random_seed
 from serve.http.logprobs import chat_logprobs, completion_logprobs
 from serve.http.protocol import APIError
 from serve.metrics import CONTENT_TYPE, Registry
@@ -181,8 +180,8 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
                             f"{'s' if len(prompts) > 1 else ''} x n={req.n}), over the limit {room} the server "
                             f"can queue at once (--max-queue): send at most {room} prompts x choices per request",
                        param="n" if req.n > 1 else "prompt")
-    # Without a seed, a random one: the engine's default seed would make every choice the same.
-    base = req.seed if req.seed is not None else secrets.randbelow(SEED_LIMIT)
+    # Without a seed, a fresh random one (gRPC's rule too); choice j then samples with seed + j.
+    base = req.seed if req.seed is not None else random_seed()
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     checked, echo, prompt_tokens = [], [], 0
     for p, prompt in enumerate(prompts):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.engine.core import Request
-from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
+from jaxllm.engine.requests import RequestLimits, prompt_token_ids, random_seed, sampling_params
 from jaxllm.contract import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
 from jaxllm.model.chat import chat_prompt
 
-__all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT"]
+__all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT", "random_seed"]
 
 
 @dataclasses.dataclass(frozen=True)

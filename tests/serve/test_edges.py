@@ -226,3 +226,22 @@ def test_every_method_of_the_service_gets_the_tolerant_deserializer():
         method_handler = handler.service(call)
         assert method_handler is not None, name
         assert isinstance(method_handler.request_deserializer(b"\x0f"), Malformed), name
+
+
+# ----- seeds -----
+
+def test_without_a_seed_both_front_ends_sample_afresh_and_with_one_reproduce(servers, stub):
+    def grpc_tokens(**seed):
+        return tuple(t for m in _generate(stub, prompt="seed me", max_tokens=12, temperature=1.0, ignore_eos=True,
+                                          **seed) for t in m.token_ids)
+
+    def http_text(**seed):
+        status, body = _post(servers[3], "/v1/completions", dict(model="tiny", prompt="seed me", max_tokens=12,
+                                                                 temperature=1.0, ignore_eos=True, **seed))
+        assert status == 200, body
+        return body["choices"][0]["text"]
+
+    assert len({grpc_tokens() for _ in range(3)}) > 1  # a fresh seed each time (12 near-uniform tokens)
+    assert len({http_text() for _ in range(3)}) > 1
+    assert len({grpc_tokens(seed=5) for _ in range(2)}) == 1 and len({http_text(seed=5) for _ in range(2)}) == 1
+    assert grpc_tokens(seed=0) == grpc_tokens(seed=0)  # seed 0 is a seed like any other, not "unset"

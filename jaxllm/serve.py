@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics HTTP port (default: --port + 1, or a free one when --port is 0)")
     p.add_argument("--no-metrics", action="store_true", help="no metrics endpoint")
-    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output, at most the model's "
+                   "context window (default: the window)")
+    p.add_argument("--allow-long-context", action="store_true", help="accept a --max-context past the model's "
+                   "window (positions it was never trained on: random-weight benchmarks)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED (default: 256)")
     p.add_argument("--max-running", type=int, default=256, help="sequences batched together (default: 256)")
     p.add_argument("--max-tokens-per-step", type=int, default=None, help="token budget of one step (default: 4096 on a GPU, 512 on the CPU)")
@@ -155,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         if not args.quiet:
             print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
-                  progress=not args.quiet)
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
+                  allow_long_context=args.allow_long_context, options=options, progress=not args.quiet)
         if not args.quiet:
             print(f"loaded {llm.config.name} ({llm.config.num_layers} layers, max_context {llm.max_context}, "
                   f"{llm.num_blocks} rBlocks of {llm.executor.block_size} tokens) in "
@@ -204,7 +207,8 @@ def _follow(args, options: EngineOptions) -> int:
     import jax
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options, progress=False)
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
+                  allow_long_context=args.allow_long_context, options=options, progress=False)
     except ValueError as e:
         print(f"python -m jaxllm.serve: error: {e}", file=sys.stderr)
         return 2

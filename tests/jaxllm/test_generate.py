@@ -1,5 +1,7 @@
 """End-to-end generation on the tiny default: cached decode vs full recompute, sampling, errors."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -180,6 +182,34 @@ def test_bad_engine_options(options, message):
 def test_bad_max_context():
     with pytest.raises(ValueError, match="max_context"):
         LLM("tiny", max_context=0, progress=False)
+
+
+def test_max_context_past_the_window_is_refused_naming_it(capsys):
+    """99,999,999 is refused before anything is allocated for it, naming the window and where it comes from; the
+    window itself is fine, and past it only when asked (random-weight benchmarks of long contexts)."""
+    import subprocess
+    import sys
+
+    from jaxllm.model.config import LlamaConfig, RopeScaling
+
+    window = "over the model's context window of 2048 tokens (max_position_embeddings 2048)"
+    with pytest.raises(ValueError, match=f"max_context 99999999 is {re.escape(window)}: use at most 2048"):
+        LLM("tiny", max_context=99_999_999, progress=False)
+    small = EngineOptions(block_size=16, num_blocks=8)
+    assert LLM("tiny", max_context=2048, options=small, progress=False).max_context == 2048
+    assert LLM("tiny", max_context=4096, allow_long_context=True, options=small, progress=False).max_context == 4096
+    scaled = LlamaConfig.tiny(rope_scaling=RopeScaling("linear", 4.0))  # RoPE scaling moves the window
+    assert (scaled.max_context, scaled.describe_max_context()) == (
+        8192, "linear RoPE scaling: max_position_embeddings 2048 x factor 4")
+    # Both entry points: exit status 2 and one line naming the window.
+    from jaxllm.generate import main
+
+    assert main(["--max-context", "99999999", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and window in captured.err
+    serve = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--port", "0", "--no-metrics", "--quiet",
+                            "--max-context", "99999999"], capture_output=True, text=True, timeout=300)
+    assert serve.returncode == 2 and serve.stderr.count("\n") == 1 and window in serve.stderr, serve.stderr
 
 
 def test_generate_cli(capsys):

@@ -439,8 +439,8 @@ def _collect(call, into: list, first: threading.Event, done: threading.Event):
 
 def test_queue_full_then_sigterm_drains(tmp_path):
     grace = 4.0
-    s = ServerProcess(tmp_path, "--max-context", "8192", "--max-running", "2", "--max-queue", "1",
-                      "--no-warm-up", "--grace-period", str(grace))
+    s = ServerProcess(tmp_path, "--max-context", "8192", "--allow-long-context", "--max-running", "2", "--max-queue",
+                      "1", "--no-warm-up", "--grace-period", str(grace))
     try:
         s.wait_serving()
         streams = {}

@@ -75,7 +75,8 @@ class LLMServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """The model's token ids for a text (BOS first, as Generate encodes prompts).
+        """The model's token ids for a text (BOS first, as Generate encodes prompts); a text of more
+        tokens than the context limit is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 import jaxllm
 from jaxllm.engine.core import Request
+from jaxllm.engine.requests import check_length
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
@@ -175,7 +176,12 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
     def Tokenize(self, request, context):  # noqa: N802
         self._admit(request, context)
         engine = self._ready_engine(context)  # UNAVAILABLE until the model is loaded
-        return pb.TokenizeResponse(token_ids=engine.tokenizer.encode(request.text))
+        try:  # no more ids than one sequence holds (HTTP's /tokenize has the same cap)
+            ids = check_length(engine.tokenizer.encode(request.text), engine.limits, "text",
+                               max_tokens=engine.limits.context_limit)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids)
 
     def ModelInfo(self, request, context):  # noqa: N802
         self._admit(request, context)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize and
+/detokenize, /health, /metrics.
 
     state = ApiState(config, registry, pool)   # adapter None: 503 until the model is warm
     app = build_app(state)                     # served by uvicorn (serve/http/server.py)
@@ -31,6 +32,7 @@ from serve.http.bridge import StreamGroup
 from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling, random_seed
 from serve.http.logprobs import chat_logprobs, completion_logprobs
 from serve.http.protocol import APIError
+from serve.http.tokenize import detokenize, tokenize
 from serve.metrics import CONTENT_TYPE, Registry
 
 _FIELD = re.compile(r"[a-z_]+")
@@ -64,6 +66,9 @@ class HttpMetrics:
         self.streams = r.gauge("jaxllm_http_active_requests", "OpenAI API generation requests in progress")
         self.ttft = r.histogram("jaxllm_http_time_to_first_token_seconds", "HTTP request arrival to its first token")
         self.duration = r.histogram("jaxllm_http_request_duration_seconds", "HTTP generation request, arrival to end")
+        self.tokenizer_requests = r.counter("jaxllm_http_tokenizer_requests_total",
+                                            "POST /tokenize and /detokenize requests, by route and HTTP status",
+                                            ["route", "code"])
 
 
 @dataclasses.dataclass(eq=False)
@@ -437,6 +442,29 @@ def build_app(state: ApiState) -> FastAPI:
         if job.stream:
             return _stream(job, group, tally)
         return await _collect(job, group, tally, request)
+
+    async def tokenizer_route(request: Request, route: str, answer):
+        code = 200
+        try:
+            _authorize(state, request)
+            adapter = _ready(state)
+            return answer(adapter, await _read_json(request, state.config.max_body_bytes))
+        except APIError as e:
+            code = e.status
+            raise
+        except Exception:
+            code = 500
+            raise
+        finally:
+            state.metrics.tokenizer_requests.inc(route=route, code=str(code))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenizer_route(request, "tokenize", tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await tokenizer_route(request, "detokenize", detokenize)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -7,6 +7,7 @@ Log-probabilities: completions' `logprobs: k`, chat's `logprobs: true` with `top
 (`logprobs_wanted` turns either into the engine's k and the field that named it).
 jaxllm's own extras: `top_k` and `ignore_eos`. The prompt, stop and content fields have validators of
 their own, so a bad one is named down to the element at fault ("prompt[0]: 1.5 is not a token id").
+Also vLLM's /tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -255,6 +256,44 @@ class ChatCompletionRequest(_Common):
         if k < 0:
             raise APIError(400, f"top_logprobs must be >= 0, got {k}", param="top_logprobs")
         return k, "top_logprobs" if self.top_logprobs is not None else "logprobs"
+
+
+# ----- vLLM's /tokenize and /detokenize (serve/http/tokenize.py answers them) -----
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # BOS first, as generation encodes a text prompt
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    messages: list[Message]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    # Accepted only at their defaults: jaxllm renders with the checkpoint's own template, whose BOS it keeps.
+    add_special_tokens: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+    def unsupported(self) -> None:
+        if self.add_special_tokens:
+            raise APIError(400, "add_special_tokens: true is not supported with messages (the chat template's BOS "
+                                "is kept, as chat completions keep it)", param="add_special_tokens")
+        if self.continue_final_message:
+            raise APIError(400, "continue_final_message is not supported", param="continue_final_message")
+        if self.chat_template is not None:
+            raise APIError(400, "chat_template is not supported: the checkpoint's own template is used",
+                           param="chat_template")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse(model: type[BaseModel], body: object) -> BaseModel:

@@ -1,9 +1,11 @@
-"""The edges a new user hits (issue 34), tried as one would, against gRPC and HTTP in this process on one
-engine.
+"""The edges a new user hits, tried as one would, against gRPC and HTTP in this process on one engine with
+an API key (issue 34): a body nested too deeply, a request that can never fit the queue, the key on gRPC,
+lone surrogates in any text field, malformed protobufs, seeds, the `tool` role, /tokenize and /detokenize.
 
 A small engine (tiny model, max_context 64, four waiting slots, no warm-up: the few shapes these requests
 meet compile on first use) with both servers attached, as `python -m jaxllm.serve --http-port` runs them.
 """
+
 from __future__ import annotations
 
 import json
@@ -163,6 +165,7 @@ def test_a_lone_surrogate_is_refused_the_same_way_in_every_text_field(servers, s
     chat = dict(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "a\ud800"}])
     _error(_post(http, "/v1/chat/completions", chat), 400,
            f"messages[0].content is not valid text: it holds the lone surrogate {lone}", "messages")
+    _error(_post(http, "/tokenize", dict(prompt="a\ud800")), 400, "prompt is not valid text", "prompt")
     # gRPC: a surrogate's UTF-8-style bytes in a string field; the same message, naming the field.
     raw = servers[2].unary_stream(f"/{SERVICE_NAME}/Generate")
     for data, message in [(b"\x0a\x04a\xed\xa0\x80", f"prompt is not valid text: it holds the lone surrogate {lone}"),
@@ -245,3 +248,55 @@ def test_without_a_seed_both_front_ends_sample_afresh_and_with_one_reproduce(ser
     assert len({http_text() for _ in range(3)}) > 1
     assert len({grpc_tokens(seed=5) for _ in range(2)}) == 1 and len({http_text(seed=5) for _ in range(2)}) == 1
     assert grpc_tokens(seed=0) == grpc_tokens(seed=0)  # seed 0 is a seed like any other, not "unset"
+
+
+# ----- /tokenize, /detokenize, /v1/models -----
+
+def test_tokenize_and_detokenize_in_vllms_shapes(servers, llm):
+    http = servers[3]
+    text = "Tokenize me: ünïcode ✓"
+    ids = llm.tokenizer.encode(text)
+    assert _post(http, "/tokenize", dict(model="tiny", prompt=text)) == \
+           (200, {"count": len(ids), "max_model_len": MAX_CONTEXT, "tokens": ids, "token_strs": None})
+    status, body = _post(http, "/tokenize", dict(prompt="ab", add_special_tokens=False, return_token_strs=True))
+    assert (status, body["tokens"], body["token_strs"]) == (200, llm.tokenizer.encode("ab", add_bos=False), ["a", "b"])
+    assert _post(http, "/detokenize", dict(model="tiny", tokens=ids)) == (200, {"prompt": text})
+    assert _post(http, "/detokenize", dict(tokens=[])) == (200, {"prompt": ""})
+    # Chat messages: the ids /v1/chat/completions feeds the model (its usage.prompt_tokens).
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    status, body = _post(http, "/tokenize", dict(messages=messages))
+    assert status == 200 and body["tokens"] == llm.tokenizer.encode(chat_prompt(llm.tokenizer, messages))
+    status, chat = _post(http, "/v1/chat/completions", dict(model="tiny", messages=messages, max_tokens=1))
+    assert status == 200 and chat["usage"]["prompt_tokens"] == body["count"]
+    status, models = _post(http, "/tokenize", dict(prompt="a"))  # and /v1/models states the same limit
+    with urllib.request.urlopen(urllib.request.Request(http.url + "/models",
+                                                       headers={"Authorization": f"Bearer {KEY}"})) as r:
+        assert json.loads(r.read())["data"][0]["max_model_len"] == models["max_model_len"] == MAX_CONTEXT
+
+
+def test_tokenize_is_capped_checked_authorized_and_counted(servers, stub):
+    http = servers[3]
+    before = _metrics(servers)
+    long_text = "x" * (3 << 20)  # 3 MB of text: 3M ids uncapped
+    _error(_post(http, "/tokenize", dict(prompt=long_text)), 400,
+           f"prompt has {(3 << 20) + 1} tokens, more than the context limit {MAX_CONTEXT} allows (at most "
+           f"{MAX_CONTEXT})", "prompt")
+    _error(_post(http, "/detokenize", dict(tokens=[5] * (MAX_CONTEXT + 1))), 400,
+           f"tokens has {MAX_CONTEXT + 1} tokens, more than the context limit {MAX_CONTEXT} allows", "tokens")
+    _error(_post(http, "/detokenize", dict(tokens=[5, 300])), 400,
+           "tokens[1]: token id 300 is outside the vocabulary [0, 259)", "tokens")
+    _error(_post(http, "/detokenize", dict(tokens=[1.5])), 400, "tokens[0]: input should be a valid integer", "tokens[0]")
+    _error(_post(http, "/tokenize", dict(prompt="a"), key=None), 401, "missing API key")
+    _error(_post(http, "/tokenize", dict(model="gpt-4", prompt="a")), 404, "the model 'gpt-4' does not exist", "model")
+    _error(_post(http, "/tokenize", dict(messages=[{"role": "user", "content": "a"}], add_special_tokens=True)), 400,
+           "add_special_tokens: true is not supported with messages", "add_special_tokens")
+    after = _metrics(servers)
+    counted = {k: after[k] - before.get(k, 0) for k in after
+               if k.startswith("jaxllm_http_tokenizer_requests_total") and after[k] != before.get(k, 0)}
+    assert counted == {'jaxllm_http_tokenizer_requests_total{route="tokenize",code="400"}': 2,
+                       'jaxllm_http_tokenizer_requests_total{route="detokenize",code="400"}': 3,
+                       'jaxllm_http_tokenizer_requests_total{route="tokenize",code="401"}': 1,
+                       'jaxllm_http_tokenizer_requests_total{route="tokenize",code="404"}': 1}
+    # gRPC's Tokenize has the same cap.
+    err = _rpc_error(lambda: stub.Tokenize(pb.TokenizeRequest(text="x" * 100), timeout=30, metadata=AUTH))
+    assert err.code() == INVALID and f"text has 101 tokens, more than the context limit {MAX_CONTEXT}" in err.details()

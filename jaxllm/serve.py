@@ -87,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine these flags ask for (README's start-up example is checked against the defaults')."""
+    return EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                         max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
+                         prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
+                         lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
+                         tuner=args.tuner, compile_cache_dir=args.compile_cache,
+                         default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
+                         max_stop_length=args.max_stop_length)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -96,13 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--http-only needs --http-port")
     try:
         check_model_name(args.model)
-        options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                                max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
-                                prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
-                                lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
-                                tuner=args.tuner, compile_cache_dir=args.compile_cache,
-                                default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
-                                max_stop_length=args.max_stop_length)
+        options = engine_options(args)
         start_processes(args)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -221,14 +221,17 @@ def test_generate_cli(capsys):
     assert "nope" in capsys.readouterr().err
 
 
-def test_no_new_compiles_after_warm_up():
-    import numpy as np
-
+def test_no_new_compiles_after_warm_up(capsys):
     llm = LLM("tiny", max_context=128, options=EngineOptions(block_size=8, max_seqs=8, max_tokens_per_step=32),
               progress=False)
-    llm.warm_up(progress=False)
+    llm.warm_up(progress=True)
     warm = llm.compile_count
     assert warm == len(llm.executor.bucket_shapes())
+    # What it announces, what its bar counts to and what compiled are one number (README's start-up shows it).
+    err = capsys.readouterr().err
+    announced = int(re.search(r"\[jaxllm\] warm-up: (\d+) compiles", err).group(1))
+    done, total = map(int, re.search(r"warm-up compiles: done (\d+)/(\d+) in", err).groups())
+    assert announced == done == total == warm
     rng = np.random.default_rng(20261127)
     for _ in range(20):  # 200 requests of random lengths and sampling settings, 10 at a time
         prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=n)) for n in rng.integers(1, 100, size=10)]

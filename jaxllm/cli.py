@@ -13,9 +13,19 @@ import sys
 from typing import Callable
 
 from jaxllm.model import checkpoints as weights
+from jaxllm.model.config import PRESETS
 
 
 def _convert(args: argparse.Namespace) -> int:
+    if args.src in PRESETS:  # the other way: a preset as a HuggingFace directory anything can read, offline
+        from jaxllm.model.hf_tokenizer import save_byte_tokenizer
+
+        model, _ = weights.load_model(args.src, dtype=args.dtype)
+        weights.save_hf(model, args.dst)
+        save_byte_tokenizer(args.dst)
+        print(f"wrote HuggingFace checkpoint of the {args.src} preset ({model.config.num_layers} layers, random "
+              f"weights, byte-level tokenizer.json) to {os.path.abspath(args.dst)}")
+        return 0
     model = weights.load_hf(args.src, dtype=args.dtype, progress=not args.quiet)
     weights.save_orbax(model, args.dst, tokenizer_dir=args.src)
     print(f"wrote Orbax checkpoint of {model.config.name} ({model.config.num_layers} layers) to "
@@ -24,10 +34,15 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _add_convert(subparsers) -> None:
-    p = subparsers.add_parser("convert", help="convert a HuggingFace checkpoint directory to an Orbax one",
+    p = subparsers.add_parser("convert", help="convert a HuggingFace checkpoint directory to an Orbax one, or write "
+                                              "a preset as a HuggingFace directory",
                               description="Read config.json + safetensors from SRC, write an Orbax checkpoint "
-                                          "(plus jaxllm_config.json and tokenizer files) to DST.")
-    p.add_argument("src", metavar="SRC", help="HuggingFace model directory (config.json + *.safetensors)")
+                                          "(plus jaxllm_config.json and tokenizer files) to DST. With a preset name "
+                                          "as SRC (e.g. tiny), write that preset to DST as a HuggingFace directory "
+                                          "instead: config.json, model.safetensors (its random weights) and its "
+                                          "byte-level tokenizer as tokenizer.json, offline.")
+    p.add_argument("src", metavar="SRC", help="HuggingFace model directory (config.json + *.safetensors), or a "
+                   f"preset name ({', '.join(sorted(PRESETS))})")
     p.add_argument("dst", metavar="DST", help="output directory (new, empty, or an earlier conversion)")
     p.add_argument("--dtype", choices=sorted(weights.MODEL_DTYPES), default=None,
                    help="parameter dtype to store (default: the checkpoint's)")

@@ -25,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output, at most the model's "
+                   "context window (default: the window)")
+    p.add_argument("--allow-long-context", action="store_true", help="accept a --max-context past the model's "
+                   "window (positions it was never trained on: random-weight benchmarks)")
     p.add_argument("--no-stream", action="store_true", help="print each completion when done instead of streaming")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock (default: 256 on a GPU, 16 on the CPU)")
     p.add_argument("--num-blocks", type=int, default=None,
@@ -50,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances,
                                 lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks,
                                 tuner=args.tuner, compile_cache_dir=args.compile_cache)
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
-                  progress=is_leader())
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
+                  allow_long_context=args.allow_long_context, options=options, progress=is_leader())
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
             llm.executor.follow()
             return 0

@@ -120,11 +120,15 @@ class LLM:
     Args:
       model: a preset name ("tiny", "llama2-7b", ...), a HuggingFace directory or an Orbax directory.
       dtype: parameter/activation dtype ("float32", "bfloat16", "float16"); default the checkpoint's.
-      max_context: longest sequence (prompt + generated) accepted; default the model's window.
+      max_context: longest sequence (prompt + generated) accepted; default the model's window
+        (`config.max_context`: max_position_embeddings, or what its RoPE scaling extends it to). More is a
+        ValueError naming the window, unless allow_long_context.
+      allow_long_context: accept a max_context past the model's window (positions it was never trained on:
+        for random-weight benchmarks of long contexts, not for a checkpoint's quality).
       options: KV pool and batching limits (EngineOptions).
     """
 
-    def __init__(self, model: str, *, dtype=None, max_context: int | None = None,
+    def __init__(self, model: str, *, dtype=None, max_context: int | None = None, allow_long_context: bool = False,
                  options: EngineOptions | None = None, progress: bool = True):
         self.options = options or EngineOptions()
         cache_dir = resolve_cache_dir(self.options.compile_cache_dir)
@@ -154,6 +158,13 @@ class LLM:
             max_context = self.config.max_context
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
+        window = self.config.max_context
+        if max_context > window and not allow_long_context:
+            # Refused, not clamped: a silent clamp would change what the caller asked for, and going past
+            # the window both allocates for it and runs positions the model never saw.
+            raise ValueError(f"max_context {max_context} is over the model's context window of {window} tokens "
+                             f"({self.config.describe_max_context()}): use at most {window}, or allow_long_context "
+                             f"(--allow-long-context) to run positions the model was not trained on")
         self.max_context = max_context
         on_gpu = jax.default_backend() == "gpu"
         block_size = self.options.block_size or (256 if on_gpu else 16)

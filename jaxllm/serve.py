@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics HTTP port (default: --port + 1, or a free one when --port is 0)")
     p.add_argument("--no-metrics", action="store_true", help="no metrics endpoint")
-    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt + output, at most the model's "
+                   "context window (default: the window)")
+    p.add_argument("--allow-long-context", action="store_true", help="accept a --max-context past the model's "
+                   "window (positions it was never trained on: random-weight benchmarks)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED (default: 256)")
     p.add_argument("--max-running", type=int, default=256, help="sequences batched together (default: 256)")
     p.add_argument("--max-tokens-per-step", type=int, default=None, help="token budget of one step (default: 4096 on a GPU, 512 on the CPU)")
@@ -76,10 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "a free one (printed)")
     p.add_argument("--http-only", action="store_true", help="serve the HTTP API only, no gRPC (needs --http-port)")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
-                   help="HTTP API: require 'Authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: no key)")
+                   help="require the key on HTTP (header 'Authorization: Bearer KEY') and gRPC (metadata "
+                   "'authorization: Bearer KEY'); health, metrics and reflection stay open (default: $JAXLLM_API_KEY; "
+                   "unset: no key)")
     add_compile_flags(p)
     add_mesh_flags(p)
     return p
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine these flags ask for (README's start-up example is checked against the defaults')."""
+    return EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                         max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
+                         prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
+                         lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
+                         tuner=args.tuner, compile_cache_dir=args.compile_cache,
+                         default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
+                         max_stop_length=args.max_stop_length)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,13 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--http-only needs --http-port")
     try:
         check_model_name(args.model)
-        options = EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                                max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
-                                prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
-                                lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
-                                tuner=args.tuner, compile_cache_dir=args.compile_cache,
-                                default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
-                                max_stop_length=args.max_stop_length)
+        options = engine_options(args)
         start_processes(args)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -110,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig(host=args.host, port=args.port, metrics_port=metrics_port,
                               max_running=args.max_running, max_queue=args.max_queue,
-                              max_message_bytes=args.max_message_bytes, grace_period_s=args.grace_period)
+                              max_message_bytes=args.max_message_bytes, grace_period_s=args.grace_period,
+                              api_key=args.api_key or None)
         server = None if args.http_only else Server(config)
     except (ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -152,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         if not args.quiet:
             print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options,
-                  progress=not args.quiet)
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
+                  allow_long_context=args.allow_long_context, options=options, progress=not args.quiet)
         if not args.quiet:
             print(f"loaded {llm.config.name} ({llm.config.num_layers} layers, max_context {llm.max_context}, "
                   f"{llm.num_blocks} rBlocks of {llm.executor.block_size} tokens) in "
@@ -201,7 +212,8 @@ def _follow(args, options: EngineOptions) -> int:
     import jax
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context, options=options, progress=False)
+        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
+                  allow_long_context=args.allow_long_context, options=options, progress=False)
     except ValueError as e:
         print(f"python -m jaxllm.serve: error: {e}", file=sys.stderr)
         return 2

@@ -69,7 +69,9 @@ def _engine(model: str, *, dry_run: bool, max_context: int | None, **options):
     from jaxllm import LLM, EngineOptions
 
     dtype = None if dry_run else "bfloat16"
-    return LLM(model, dtype=dtype, max_context=max_context, options=EngineOptions(**options), progress=not dry_run)
+    # Random-weight presets: contexts past the model's window are what this measures.
+    return LLM(model, dtype=dtype, max_context=max_context, allow_long_context=True, options=EngineOptions(**options),
+               progress=not dry_run)
 
 
 def longest(args, devices: int, floor_tb_s: float | None) -> dict:

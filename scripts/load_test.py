@@ -10,7 +10,8 @@ requests as a Poisson process of R requests/s instead (open loop, concurrency un
 
 TTFT: request sent -> first token received. TPOT: (last token - first token) / (tokens - 1),
 per request. Percentiles are over requests that finished OK. With --metrics-url, the server's
-compile counter is read before and after, so compiles during the run show up.
+compile counter is read before and after, so compiles during the run show up. With --api-key (or
+$JAXLLM_API_KEY) every call carries the metadata "authorization: Bearer KEY".
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ import grpc  # noqa: E402
 
 from serve import jaxllm_pb2 as pb  # noqa: E402
 from serve import jaxllm_pb2_grpc as pb_grpc  # noqa: E402
-from serve.client import grpc_target  # noqa: E402
+from serve.client import auth_metadata, grpc_target  # noqa: E402
 from common.load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
                                 read_metric)
 
 
-def one_request(stub, request: pb.GenerateRequest, timeout: float | None) -> Result:
+def one_request(stub, request: pb.GenerateRequest, timeout: float | None, metadata=()) -> Result:
     start = time.monotonic()
     first = last = None
     tokens = 0
     try:
-        for message in stub.Generate(request, timeout=timeout):
+        for message in stub.Generate(request, timeout=timeout, metadata=metadata):
             if message.token_ids:
                 now = time.monotonic()
                 first = first if first is not None else now
@@ -58,7 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     channels = [grpc.insecure_channel(target, options=options + [("grpc.channel_id", i)])
                 for i in range(max(1, min(args.channels, args.concurrency)))]
     stubs = [pb_grpc.LLMServiceStub(c) for c in channels]
-    info = stubs[0].ModelInfo(pb.ModelInfoRequest(), timeout=30)
+    metadata = auth_metadata(args.api_key)
+    info = stubs[0].ModelInfo(pb.ModelInfoRequest(), timeout=30, metadata=metadata)
     if args.prompt_tokens + args.max_tokens > info.max_context:
         raise SystemExit(f"--prompt-tokens {args.prompt_tokens} + --max-tokens {args.max_tokens} is over the "
                          f"server's context limit {info.max_context}")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
         requests.append(pb.GenerateRequest(prompt_token_ids=ids, max_tokens=args.max_tokens,
                                            temperature=args.temperature, seed=i, ignore_eos=True))
     for i in range(args.warmup_requests):  # first-shape compiles should not count as load latency
-        one_request(stubs[0], requests[i % len(requests)], args.timeout)
+        one_request(stubs[0], requests[i % len(requests)], args.timeout, metadata)
 
     compiles_before = read_metric(args.metrics_url, "jaxllm_compiles_total")
     results: list[Result | None] = [None] * len(requests)
@@ -82,13 +84,13 @@ def run(args: argparse.Namespace) -> dict:
                 i = next(next_index, None)
             if i is None:
                 return
-            results[i] = one_request(stubs[k % len(stubs)], requests[i], args.timeout)
+            results[i] = one_request(stubs[k % len(stubs)], requests[i], args.timeout, metadata)
 
     def open_loop() -> None:
         threads = []
         for i in range(len(requests)):
             def fire(i=i):
-                results[i] = one_request(stubs[i % len(stubs)], requests[i], args.timeout)
+                results[i] = one_request(stubs[i % len(stubs)], requests[i], args.timeout, metadata)
             t = threading.Thread(target=fire, daemon=True)
             t.start()
             threads.append(t)
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
         "server": {"target": target, "model": info.model, "architecture": info.architecture, "dtype": info.dtype,
                    "backend": info.backend, "max_context": info.max_context, "kv_block_size": info.kv_block_size,
                    "kv_num_blocks": info.kv_num_blocks, "max_running": info.max_running},
-        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "api_key")},
         "requests": len(requests), "ok": len(ok), "codes": codes, "duration_s": duration,
         "requests_per_s": len(ok) / duration, "output_tokens_per_s": out_tokens / duration,
         "ttft_s": summary(ttft), "tpot_s": summary(tpot), "latency_s": summary(latency),
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--channels", type=int, default=4, help="gRPC connections to spread streams over")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds")
+    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"), help="the server's --api-key, if any")
     add_load_arguments(p, "http://127.0.0.1:50052/metrics")
     args = p.parse_args(argv)
     check_load_arguments(p, args, positive=("channels",))

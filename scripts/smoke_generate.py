@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     for backend in args.backend:
         t = time.perf_counter()
         options = EngineOptions(attention_backend=backend, num_blocks=args.num_blocks, block_size=args.block_size)
-        llm = LLM(args.model, dtype=args.dtype, max_context=max(args.context) + args.new_tokens + 1, options=options)
+        llm = LLM(args.model, dtype=args.dtype, max_context=max(args.context) + args.new_tokens + 1,
+                  allow_long_context=True, options=options)  # random weights: contexts past the window are the test
         print(f"[{backend}] model ready in {time.perf_counter() - t:.1f} s; pool {llm.num_blocks} rBlocks "
               f"x {llm.executor.block_size} tokens", file=sys.stderr, flush=True)
         for context in args.context:

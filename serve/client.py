@@ -7,6 +7,7 @@ stderr. Imports only grpc and the generated stubs, so it starts fast and needs n
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -21,9 +22,16 @@ def grpc_target(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying an API key (`python -m jaxllm.serve --api-key`), or none."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(prompt=args.prompt, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+    request = pb.GenerateRequest(prompt=args.prompt, temperature=args.temperature, top_k=args.top_k,
                                  stop=args.stop or [], ignore_eos=args.ignore_eos)
+    if args.seed is not None:
+        request.seed = args.seed
     if args.max_tokens is not None:
         request.max_tokens = args.max_tokens
     if args.top_p is not None:
@@ -40,10 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="reproducible sampling (default: a fresh random seed)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+                   help="sent as 'authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: none)")
     p.add_argument("--usage", action="store_true", help="print finish reason, token counts and timing to stderr")
     p.add_argument("--info", action="store_true", help="print the server's ModelInfo and exit")
     return p
@@ -55,14 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt = sys.stdin.read()
     with grpc.insecure_channel(grpc_target(args.host, args.port)) as channel:
         stub = pb_grpc.LLMServiceStub(channel)
+        metadata = auth_metadata(args.api_key)
         try:
             if args.info:
-                print(stub.ModelInfo(pb.ModelInfoRequest(), timeout=args.timeout or 10.0), end="")
+                print(stub.ModelInfo(pb.ModelInfoRequest(), timeout=args.timeout or 10.0, metadata=metadata), end="")
                 return 0
             start = time.monotonic()
             first = None
             last = None
-            for message in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False):
+            for message in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False,
+                                         metadata=metadata):
                 if first is None and message.token_ids:
                     first = time.monotonic()
                 sys.stdout.write(message.text)

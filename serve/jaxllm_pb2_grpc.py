@@ -66,14 +66,17 @@ class LLMServiceServicer(object):
         message carries the finish reason and the usage counts. Bad requests fail with
         INVALID_ARGUMENT naming the field and the limit; a full queue fails with RESOURCE_EXHAUSTED;
         a server that is loading or shutting down answers UNAVAILABLE. Cancelling the call (or its
-        deadline passing) frees the request's KV rBlocks at once.
+        deadline passing) frees the request's KV rBlocks at once. A server started with an API key
+        answers every call of this service without the metadata "authorization: Bearer KEY" with
+        UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """The model's token ids for a text (BOS first, as Generate encodes prompts).
+        """The model's token ids for a text (BOS first, as Generate encodes prompts); a text of more
+        tokens than the context limit is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

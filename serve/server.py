@@ -9,6 +9,11 @@
 Each Generate call holds one thread of the server's pool for as long as it streams; the pool and
 gRPC's concurrent-RPC limit are sized to the engine's running + waiting capacity, so a request
 over it gets RESOURCE_EXHAUSTED at once rather than waiting unseen for a thread.
+
+With `ServerConfig.api_key` every LLMService call needs the metadata `authorization: Bearer <key>`
+(UNAUTHENTICATED otherwise; health and reflection stay open, as HTTP's /health does). A request that
+does not parse is INVALID_ARGUMENT naming the field where it can (serve/decoding.py), not gRPC's own
+INTERNAL. Both are answered by the servicer, so `jaxllm_requests_total` counts them.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 import jaxllm
 from jaxllm.engine.core import Request
+from jaxllm.engine.requests import check_length
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull
 from serve import jaxllm_pb2 as pb
 from serve import jaxllm_pb2_grpc as pb_grpc
+from serve.auth import MISSING, bearer_problem
 from serve.client import grpc_target
+from serve.decoding import Malformed, tolerant
 from serve.metrics import Registry, register_engine_metrics, serve_metrics
 from serve.validation import to_engine_request
 
@@ -49,8 +57,11 @@ class ServerConfig:
     max_queue: int = 256  # waiting requests before RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 << 20  # request limits beyond this are the engine's (EngineOptions)
     grace_period_s: float = 10.0
+    api_key: str | None = None  # None: no authentication; else LLMService calls need "authorization: Bearer KEY"
 
     def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when set")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -90,6 +101,18 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         self.model_name = model_name
         self.engine = engine
 
+    def _admit(self, request, context) -> None:
+        """Abort a call without the API key (UNAUTHENTICATED) or whose request did not parse (INVALID_ARGUMENT)."""
+        header = dict(context.invocation_metadata()).get("authorization")
+        problem = bearer_problem(header, self.config.api_key)
+        if problem == MISSING:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing API key: send the metadata 'authorization: Bearer <key>'")
+        if problem is not None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key")
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details())
+
     def _ready_engine(self, context) -> Engine:
         engine = self.engine
         if engine is None:
@@ -115,6 +138,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             self.metrics.streams.inc(-1)
 
     def _generate(self, request, context):
+        self._admit(request, context)
         size = request.ByteSize()
         if size > self.config.max_message_bytes:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -150,10 +174,17 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             yield response
 
     def Tokenize(self, request, context):  # noqa: N802
+        self._admit(request, context)
         engine = self._ready_engine(context)  # UNAVAILABLE until the model is loaded
-        return pb.TokenizeResponse(token_ids=engine.tokenizer.encode(request.text))
+        try:  # no more ids than one sequence holds (HTTP's /tokenize has the same cap)
+            ids = check_length(engine.tokenizer.encode(request.text), engine.limits, "text",
+                               max_tokens=engine.limits.context_limit)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids)
 
     def ModelInfo(self, request, context):  # noqa: N802
+        self._admit(request, context)
         engine = self._ready_engine(context)
         info, limits = engine.info(), engine.limits
         return pb.ModelInfoResponse(
@@ -165,6 +196,23 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             instances=info.instances, processes=info.processes, devices=info.devices,
             default_max_tokens=limits.default_max_tokens, max_stop_strings=limits.max_stop_strings,
             max_stop_length=limits.max_stop_length, backend=jax.default_backend(), version=jaxllm.__version__)
+
+
+def _add_servicer(servicer: LLMServicer, server) -> None:
+    """pb_grpc.add_LLMServiceServicer_to_server, with deserializers that hand a malformed request to the
+    servicer (as a Malformed) instead of letting gRPC answer INTERNAL unseen."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, request_deserializer=tolerant(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfo, request_deserializer=tolerant(pb.ModelInfoRequest),
+            response_serializer=pb.ModelInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 def _serve_reflection_v1(servicer, server) -> None:
@@ -194,7 +242,7 @@ class Server:
             options=[("grpc.max_receive_message_length", _TRANSPORT_SLACK * config.max_message_bytes),
                      ("grpc.max_send_message_length", config.max_message_bytes),
                      ("grpc.so_reuseport", 0)])  # a second server on the same port must fail, not share it
-        pb_grpc.add_LLMServiceServicer_to_server(self.servicer, self._grpc)
+        _add_servicer(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
                  REFLECTION_V1)

@@ -2,12 +2,13 @@
 
 The rules and their messages live in `jaxllm.engine.requests`, shared with the Python API and
 the HTTP server, so every front end accepts and refuses the same requests. A bad request raises
-ValueError (the servicer answers INVALID_ARGUMENT) before it costs a queue slot.
+ValueError (the servicer answers INVALID_ARGUMENT) before it costs a queue slot. An unset seed is a
+fresh random one (`random_seed`, the HTTP API's rule): only a given seed reproduces tokens.
 """
 
 from __future__ import annotations
 
-from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
+from jaxllm.engine.requests import RequestLimits, prompt_token_ids, random_seed, sampling_params
 from jaxllm.contract import SamplingParams
 
 __all__ = ["to_engine_request"]
@@ -28,6 +29,7 @@ def to_engine_request(request, tokenizer, limits: RequestLimits) -> tuple[list[i
     params = sampling_params(
         limits, len(ids), max_tokens=request.max_tokens if request.HasField("max_tokens") else None,
         temperature=float(request.temperature), top_k=int(request.top_k),
-        top_p=float(request.top_p) if request.HasField("top_p") else 1.0, seed=int(request.seed),
+        top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
+        seed=int(request.seed) if request.HasField("seed") else random_seed(),
         stop=tuple(request.stop), ignore_eos=bool(request.ignore_eos))
     return ids, params

@@ -9,7 +9,10 @@ The rules, the same everywhere:
 - stop strings: at most `max_stop_strings` of them, each non-empty and at most `max_stop_length`
   characters; `stop=""` and `stop=[""]` are the same empty stop string and both refused;
 - logprobs and prompt_logprobs: at most `max_logprobs` top tokens per token (0: the engine returns none,
-  and any request for them is refused); with prompt_logprobs, max_tokens may be 0 (score the prompt only).
+  and any request for them is refused); with prompt_logprobs, max_tokens may be 0 (score the prompt only);
+- text (a prompt, each stop string) is valid Unicode: a lone surrogate is refused naming the field
+  (`check_unicode`; chat contents follow the same rule in jaxllm.model.chat);
+- a server request without a seed gets a fresh random one (`random_seed`); a given seed reproduces.
 Every check raises ValueError naming the value and the limit (servers answer INVALID_ARGUMENT / 400).
 """
 
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import secrets
 from typing import Sequence
 
-from jaxllm.contract import SamplingParams
+from jaxllm.contract import SEED_LIMIT, SamplingParams
+from jaxllm.model.tokenizer import check_unicode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +89,7 @@ def prompt_token_ids(prompt: str | Sequence[int], tokenizer, limits: RequestLimi
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError(f"{what} is empty")
-        return check_length(tokenizer.encode(prompt), limits, what)
+        return check_length(tokenizer.encode(check_unicode(prompt, what)), limits, what)
     if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
         raise TypeError(f"{what} must be a string or a list of token ids, got {type(prompt).__name__}")
     return check_token_ids(prompt, limits, what)
@@ -140,9 +145,16 @@ def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> tuple[str, ...]:
             raise ValueError(f"stop[{i}] is not a string: {s!r}")
         if not s:
             raise ValueError(f"stop[{i}] is empty; stop strings must be non-empty")
+        check_unicode(s, f"stop[{i}]")
         if len(s) > limits.max_stop_length:
             raise ValueError(f"stop[{i}] has {len(s)} characters, over the limit {limits.max_stop_length}")
     return stop
+
+
+def random_seed() -> int:
+    """A fresh seed in [0, SEED_LIMIT) for a server request that gave none (gRPC and HTTP alike): requests
+    without a seed differ from each other, and one with a seed reproduces."""
+    return secrets.randbelow(SEED_LIMIT)
 
 
 def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens: int | None = None,

@@ -13,7 +13,12 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 
-_ROLES = ("system", "user", "assistant", "tool")
+from jaxllm.model.tokenizer import check_unicode
+
+# The roles each renderer takes: a checkpoint's template gets every role transformers passes on (the template
+# itself may still refuse one, with its own raise_exception message); Llama-2's format has no tool turn.
+TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
+LLAMA2_ROLES = ("system", "user", "assistant")
 _B_INST, _E_INST = "[INST]", "[/INST]"
 _B_SYS, _E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 
@@ -22,14 +27,22 @@ class ChatError(ValueError):
     """Messages a chat template cannot render, or a template that fails."""
 
 
-def check_messages(messages: Sequence[Mapping]) -> list[dict]:
-    """Messages as plain dicts; ChatError naming the message for a malformed one."""
+def check_messages(messages: Sequence[Mapping], roles: Sequence[str] = TEMPLATE_ROLES) -> list[dict]:
+    """Messages as plain dicts; ChatError naming the message for a malformed one, a role outside `roles` (the
+    renderer's: only roles it can render are listed) or content that is not valid text."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ChatError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-            raise ChatError(f"message {i} must be a dict with role in {list(_ROLES)} and string content, got {m!r}")
+        if isinstance(m, Mapping) and m.get("role") in TEMPLATE_ROLES and m.get("role") not in roles:
+            raise ChatError(f"message {i} has role {m['role']!r}, which Llama-2's [INST] format (used where the "
+                            f"checkpoint has no chat_template) cannot render; roles: {list(roles)}")
+        if not isinstance(m, Mapping) or m.get("role") not in roles or not isinstance(m.get("content"), str):
+            raise ChatError(f"message {i} must be a dict with role in {list(roles)} and string content, got {m!r}")
+        try:
+            check_unicode(m["content"], f"messages[{i}].content")
+        except ValueError as e:
+            raise ChatError(str(e)) from None
         out.append(dict(m))
     return out
 
@@ -82,7 +95,7 @@ def render_chat(messages: Sequence[Mapping], *, template: str | None, bos_token:
                 eos_token: str = "</s>", add_generation_prompt: bool = True) -> str:
     """The prompt text of `messages` under `template` (Jinja, transformers' semantics), or under
     Llama-2's `[INST]` format when template is None."""
-    messages = check_messages(messages)
+    messages = check_messages(messages, LLAMA2_ROLES if template is None else TEMPLATE_ROLES)
     if template is None:
         return llama2_chat(messages, bos_token=bos_token, eos_token=eos_token)
     from jinja2 import TemplateError

@@ -135,6 +135,15 @@ class LlamaConfig:
         window = s.original_max_position_embeddings if s.type == "yarn" else self.max_position_embeddings
         return int(window * s.factor)
 
+    def describe_max_context(self) -> str:
+        """Where max_context comes from, for messages: "max_position_embeddings 2048", or the RoPE scaling."""
+        s = self.rope_scaling
+        if s is None or s.type == "llama3":
+            return f"max_position_embeddings {self.max_position_embeddings}"
+        if s.type == "yarn":
+            return f"yarn RoPE scaling: original_max_position_embeddings {s.original_max_position_embeddings} x factor {s.factor:g}"
+        return f"{s.type} RoPE scaling: max_position_embeddings {self.max_position_embeddings} x factor {s.factor:g}"
+
     def replace(self, **overrides: Any) -> "LlamaConfig":
         return dataclasses.replace(self, **overrides)
 

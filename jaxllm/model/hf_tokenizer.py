@@ -127,3 +127,39 @@ class HFTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r})"
+
+
+def _byte_stand_ins() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in of each byte (GPT-2's bytes_to_unicode): printable Latin-1 bytes
+    stand for themselves, the others for U+0100 onwards, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    table = {b: chr(b) for b in kept}
+    for n, b in enumerate(b for b in range(256) if b not in table):
+        table[b] = chr(256 + n)
+    return table
+
+
+def save_byte_tokenizer(out_dir: str | os.PathLike) -> None:
+    """Write the tiny preset's byte tokenizer (tokenizer.ByteTokenizer) as tokenizer.json + tokenizer_config.json:
+    Llama-2's id layout (0 <unk>, 1 <s>, 2 </s>, 3 + b the byte b) as a byte-level BPE with no merges, so every
+    text gets the ByteTokenizer's ids and every id sequence its text (invalid UTF-8 included; text spelling a
+    special token, e.g. "<s>", becomes its id, as in transformers). What `jaxllm convert <preset> DST` ships."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer as RustTokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    stand_in = _byte_stand_ins()
+    vocab = {name: i for i, name in enumerate(specials)}
+    vocab.update({stand_in[b]: len(specials) + b for b in range(256)})
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # every byte a piece
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "pad_token": "<unk>", "add_bos_token": True, "add_eos_token": False}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -99,6 +99,18 @@ def check_text(text: str) -> None:
         raise TypeError(f"encode takes a str, got {type(text).__name__}")
 
 
+def check_unicode(text: str, what: str = "text") -> str:
+    """text, if it is valid Unicode (encodable as UTF-8); a lone surrogate (JSON's "\\ud800" escape, or its
+    UTF-8-style bytes over gRPC) is a ValueError naming `what`, the character and its position. The one rule
+    for every text field a request carries (prompt, stop strings, chat contents), in every front end."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid text: it holds the lone surrogate U+{ord(text[e.start]):04X} at "
+                         f"position {e.start} (text must be valid Unicode, encodable as UTF-8)") from None
+    return text
+
+
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens, vocab 259: 0 = <unk>/pad, 1 = <s>, 2 = </s>, 3..258 = bytes 0..255."""
 

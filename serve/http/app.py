@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize and
+/detokenize, /health, /metrics.
 
     state = ApiState(config, registry, pool)   # adapter None: 503 until the model is warm
     app = build_app(state)                     # served by uvicorn (serve/http/server.py)
@@ -6,7 +7,8 @@
 
 A generation request becomes one engine request per (prompt, choice); they are checked all
 together before any is queued (a bad one costs no queue slot), then queued together, all or none
-(a full queue answers 429 with none of them queued). Streams are server-sent events in OpenAI's
+(a full queue answers 429 with none of them queued; a request of more engine requests than the queue
+can ever hold answers 400 before any is checked). Streams are server-sent events in OpenAI's
 chunk format ending `data: [DONE]`; a client that goes away has its engine requests cancelled.
 """
 
@@ -15,10 +17,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hmac
 import json
 import re
-import secrets
 import time
 import uuid
 
@@ -26,14 +26,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from serve.auth import MISSING, bearer_problem
 from serve.http import protocol
 from serve.http.bridge import StreamGroup
-from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling
+from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling, random_seed
 from serve.http.logprobs import chat_logprobs, completion_logprobs
 from serve.http.protocol import APIError
+from serve.http.tokenize import detokenize, tokenize
 from serve.metrics import CONTENT_TYPE, Registry
 
 _FIELD = re.compile(r"[a-z_]+")
+_MAX_JSON_DEPTH = 1000  # roughly where json.loads runs out of recursion (sys.getrecursionlimit)
 _DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client has gone
 
 
@@ -63,6 +66,9 @@ class HttpMetrics:
         self.streams = r.gauge("jaxllm_http_active_requests", "OpenAI API generation requests in progress")
         self.ttft = r.histogram("jaxllm_http_time_to_first_token_seconds", "HTTP request arrival to its first token")
         self.duration = r.histogram("jaxllm_http_request_duration_seconds", "HTTP generation request, arrival to end")
+        self.tokenizer_requests = r.counter("jaxllm_http_tokenizer_requests_total",
+                                            "POST /tokenize and /detokenize requests, by route and HTTP status",
+                                            ["route", "code"])
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,13 +97,10 @@ def _ready(state: ApiState) -> EngineAdapter:
 
 
 def _authorize(state: ApiState, request: Request) -> None:
-    key = state.config.api_key
-    if key is None:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    problem = bearer_problem(request.headers.get("authorization"), state.config.api_key)
+    if problem == MISSING:
         raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
-    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+    if problem is not None:
         raise APIError(401, "incorrect API key", code="invalid_api_key")
 
 
@@ -122,6 +125,9 @@ async def _read_json(request: Request, limit: int) -> object:
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # Python's decoder recurses once per level: some 1,000 levels exhaust it
+        raise APIError(400, "the request body is not valid JSON for this server: its arrays or objects are nested "
+                            f"more deeply than the decoder's limit (about {_MAX_JSON_DEPTH} levels)") from None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -172,8 +178,15 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
         if not prompts:
             raise APIError(400, "prompt is empty: send a string, a list of strings or a list of token ids",
                            param="prompt")
-    # Without a seed, a random one: the engine's default seed would make every choice the same.
-    base = req.seed if req.seed is not None else secrets.randbelow(SEED_LIMIT)
+    # Queued all or none: more engine requests than the queue holds could never be queued, whatever the load.
+    needed, room = len(prompts) * req.n, adapter.max_waiting
+    if needed > room:
+        raise APIError(400, f"this request needs {needed} engine requests ({len(prompts)} prompt"
+                            f"{'s' if len(prompts) > 1 else ''} x n={req.n}), over the limit {room} the server "
+                            f"can queue at once (--max-queue): send at most {room} prompts x choices per request",
+                       param="n" if req.n > 1 else "prompt")
+    # Without a seed, a fresh random one (gRPC's rule too); choice j then samples with seed + j.
+    base = req.seed if req.seed is not None else random_seed()
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     checked, echo, prompt_tokens = [], [], 0
     for p, prompt in enumerate(prompts):
@@ -381,6 +394,10 @@ def build_app(state: ApiState) -> FastAPI:
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # a bug: still OpenAI's shape (and logged)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}").body(), status_code=500)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method
         return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
@@ -414,6 +431,9 @@ def build_app(state: ApiState) -> FastAPI:
         except APIError as e:
             code = e.status
             raise
+        except Exception:  # a bug: answered 500 by the handler below, and counted like every other answer
+            code = 500
+            raise
         finally:
             if code != 200:
                 state.metrics.requests.inc(code=str(code))
@@ -422,6 +442,29 @@ def build_app(state: ApiState) -> FastAPI:
         if job.stream:
             return _stream(job, group, tally)
         return await _collect(job, group, tally, request)
+
+    async def tokenizer_route(request: Request, route: str, answer):
+        code = 200
+        try:
+            _authorize(state, request)
+            adapter = _ready(state)
+            return answer(adapter, await _read_json(request, state.config.max_body_bytes))
+        except APIError as e:
+            code = e.status
+            raise
+        except Exception:
+            code = 500
+            raise
+        finally:
+            state.metrics.tokenizer_requests.inc(route=route, code=str(code))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenizer_route(request, "tokenize", tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await tokenizer_route(request, "detokenize", detokenize)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

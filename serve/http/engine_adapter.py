@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.engine.core import Request
-from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
+from jaxllm.engine.requests import RequestLimits, check_length, check_token_ids, prompt_token_ids, random_seed, \
+    sampling_params
 from jaxllm.contract import SEED_LIMIT, SamplingParams
 from jaxllm.engine.threaded import Engine, EngineStopped, QueueFull, RequestStream
 from jaxllm.model.chat import chat_prompt
+from jaxllm.model.tokenizer import check_unicode
 
-__all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT"]
+__all__ = ["EngineAdapter", "EngineStopped", "QueueFull", "RequestStream", "Sampling", "SEED_LIMIT", "random_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,11 @@ class EngineAdapter:
     def vocab_size(self) -> int:
         return self.limits.vocab_size
 
+    @property
+    def max_waiting(self) -> int:
+        """Engine requests the queue holds at once: one HTTP request's prompts x choices may be at most this."""
+        return self.engine.max_waiting
+
     def check(self, prompt: str | list[int], sampling: Sampling) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, SamplingParams), or a ValueError naming the field and the limit (-> 400)."""
         ids = prompt_token_ids(prompt, self.engine.tokenizer, self.limits)
@@ -65,10 +72,23 @@ class EngineAdapter:
                                  logprobs_name=sampling.logprobs_name)
         return ids, params
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of chat messages under the checkpoint's own chat template (Llama-2's `[INST]`
         format without one): `LLM.chat`'s function; ValueError naming the bad message (-> 400)."""
-        return chat_prompt(self.engine.tokenizer, messages)
+        return chat_prompt(self.engine.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of any text (empty too), at most the context limit of them: a prompt's encoding, as
+        generation encodes it, or a ValueError naming the count and the limit (-> 400)."""
+        ids = self.engine.tokenizer.encode(check_unicode(text, "prompt"), add_bos=add_bos)
+        return check_length(ids, self.limits, "prompt", max_tokens=self.context_limit)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of token ids (empty too): in the vocabulary and at most the context limit of them, or a
+        ValueError naming the id or the count and the limit (-> 400)."""
+        if ids:
+            check_token_ids(ids, self.limits, "tokens", max_tokens=self.context_limit)
+        return self.engine.tokenizer.decode(ids)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (for `echo` of a token-id prompt)."""

@@ -5,7 +5,9 @@ Requests are strict about the types of the fields they know (a string where a nu
 cannot honour yet are refused with a 400 rather than silently ignored (see `unsupported`).
 Log-probabilities: completions' `logprobs: k`, chat's `logprobs: true` with `top_logprobs: k`
 (`logprobs_wanted` turns either into the engine's k and the field that named it).
-jaxllm's own extras: `top_k` and `ignore_eos`.
+jaxllm's own extras: `top_k` and `ignore_eos`. The prompt, stop and content fields have validators of
+their own, so a bad one is named down to the element at fault ("prompt[0]: 1.5 is not a token id").
+Also vLLM's /tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -14,10 +16,67 @@ import re
 from typing import Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic_core import PydanticCustomError
 
 _CONFIG = ConfigDict(extra="ignore", strict=True)
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+_BAD = "jaxllm_bad_value"  # a validator's own error: `parse` writes its text as it is, after the field's path
+_PROMPT_KINDS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+_MIXED = "; a list prompt holds strings or token ids, not both"
+
+
+def shown(value) -> str:
+    """A JSON value as a message shows it: its JSON name for null, booleans, arrays and objects."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return repr(value) if not isinstance(value, str) or len(value) <= 40 else repr(value[:40]) + "..."
+
+
+def _bad(where: str, text: str) -> PydanticCustomError:
+    """An error `parse` reports as "<field><where><text>", e.g. "prompt" "[0]" ": 1.5 is not a token id"."""
+    return PydanticCustomError(_BAD, "{where}{text}", {"where": where, "text": text})
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(ids: list, where: str) -> list[int]:
+    for i, t in enumerate(ids):
+        if not _is_token_id(t):
+            mixed = _MIXED if isinstance(t, str) else ""
+            raise _bad(f"{where}[{i}]", f": {shown(t)} is not a token id (an integer){mixed}")
+    return ids
+
+
+def _check_prompt(value) -> str | list[str] | list[int] | list[list[int]]:
+    """OpenAI's prompt shapes, and for anything else the element at fault and what is wrong with it."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _bad("", f": input should be {_PROMPT_KINDS} (got {shown(value)})")
+    if not value:
+        return value
+    first = value[0]
+    if isinstance(first, str):
+        for i, p in enumerate(value):
+            if not isinstance(p, str):
+                raise _bad(f"[{i}]", f": {shown(p)} is not a string{_MIXED if _is_token_id(p) else ''}")
+        return value
+    if isinstance(first, list):
+        for i, p in enumerate(value):
+            if not isinstance(p, list):
+                raise _bad(f"[{i}]", f": {shown(p)} is not a list of token ids, as prompt[0] is")
+            _check_token_ids(p, f"[{i}]")
+        return value
+    return _check_token_ids(value, "")
 
 
 class APIError(Exception):
@@ -69,6 +128,18 @@ class _Common(BaseModel):
     top_k: int = 0
     ignore_eos: bool = False
 
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop(cls, value):
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _bad("", f": input should be a string or a list of strings (got {shown(value)})")
+        for i, s in enumerate(value):
+            if not isinstance(s, str):
+                raise _bad(f"[{i}]", f" must be a string, got {shown(s)}")
+        return value
+
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -97,6 +168,11 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value):
+        return _check_prompt(value)
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: text, or token ids (used as they are: no BOS is added)."""
@@ -138,6 +214,28 @@ class Message(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _content(cls, value):
+        """A string, or content parts of which only text ones are supported: the part at fault is named."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _bad("", f": input should be a string or a list of text parts (got {shown(value)})")
+        parts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict):
+                raise _bad(f"[{i}]", f": a content part is an object like {{\"type\": \"text\", \"text\": ...}}, "
+                                     f"got {shown(part)}")
+            kind = part.get("type")
+            if kind != "text":
+                raise _bad(f"[{i}]", f": content parts of type {shown(kind) if not isinstance(kind, str) else kind} "
+                                     f"are not supported; only text")
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"[{i}].text", f" must be a string, got {shown(part.get('text'))}")
+            parts.append(TextPart(type="text", text=part["text"]))
+        return parts
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -160,6 +258,44 @@ class ChatCompletionRequest(_Common):
         return k, "top_logprobs" if self.top_logprobs is not None else "logprobs"
 
 
+# ----- vLLM's /tokenize and /detokenize (serve/http/tokenize.py answers them) -----
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # BOS first, as generation encodes a text prompt
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    messages: list[Message]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    # Accepted only at their defaults: jaxllm renders with the checkpoint's own template, whose BOS it keeps.
+    add_special_tokens: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+    def unsupported(self) -> None:
+        if self.add_special_tokens:
+            raise APIError(400, "add_special_tokens: true is not supported with messages (the chat template's BOS "
+                                "is kept, as chat completions keep it)", param="add_special_tokens")
+        if self.continue_final_message:
+            raise APIError(400, "continue_final_message is not supported", param="continue_final_message")
+        if self.chat_template is not None:
+            raise APIError(400, "chat_template is not supported: the checkpoint's own template is used",
+                           param="chat_template")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _CONFIG
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse(model: type[BaseModel], body: object) -> BaseModel:
     """Validate a decoded JSON body; a 400 naming the first bad field otherwise."""
     if not isinstance(body, dict):
@@ -175,7 +311,7 @@ def parse(model: type[BaseModel], body: object) -> BaseModel:
             elif not _UNION_TAG.match(part):  # unions name the branch tried (str, list[int]): not a field
                 param += f".{part}" if param else part
         param = param or None
-        value = first.get("input")
-        shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
-        raise APIError(400, f"{param}: {first['msg'].lower()} (got {shown})" if "missing" not in first["type"]
-                       else f"{param} is required", param=param) from None
+        if first["type"] == _BAD:  # a validator of ours said what is wrong, and where inside the field
+            raise APIError(400, f"{param}{first['ctx']['where']}{first['ctx']['text']}", param=param) from None
+        raise APIError(400, f"{param}: {first['msg'].lower()} (got {shown(first.get('input'))})"
+                       if "missing" not in first["type"] else f"{param} is required", param=param) from None

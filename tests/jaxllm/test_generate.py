@@ -1,5 +1,7 @@
 """End-to-end generation on the tiny default: cached decode vs full recompute, sampling, errors."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -182,6 +184,34 @@ def test_bad_max_context():
         LLM("tiny", max_context=0, progress=False)
 
 
+def test_max_context_past_the_window_is_refused_naming_it(capsys):
+    """99,999,999 is refused before anything is allocated for it, naming the window and where it comes from; the
+    window itself is fine, and past it only when asked (random-weight benchmarks of long contexts)."""
+    import subprocess
+    import sys
+
+    from jaxllm.model.config import LlamaConfig, RopeScaling
+
+    window = "over the model's context window of 2048 tokens (max_position_embeddings 2048)"
+    with pytest.raises(ValueError, match=f"max_context 99999999 is {re.escape(window)}: use at most 2048"):
+        LLM("tiny", max_context=99_999_999, progress=False)
+    small = EngineOptions(block_size=16, num_blocks=8)
+    assert LLM("tiny", max_context=2048, options=small, progress=False).max_context == 2048
+    assert LLM("tiny", max_context=4096, allow_long_context=True, options=small, progress=False).max_context == 4096
+    scaled = LlamaConfig.tiny(rope_scaling=RopeScaling("linear", 4.0))  # RoPE scaling moves the window
+    assert (scaled.max_context, scaled.describe_max_context()) == (
+        8192, "linear RoPE scaling: max_position_embeddings 2048 x factor 4")
+    # Both entry points: exit status 2 and one line naming the window.
+    from jaxllm.generate import main
+
+    assert main(["--max-context", "99999999", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and window in captured.err
+    serve = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--port", "0", "--no-metrics", "--quiet",
+                            "--max-context", "99999999"], capture_output=True, text=True, timeout=300)
+    assert serve.returncode == 2 and serve.stderr.count("\n") == 1 and window in serve.stderr, serve.stderr
+
+
 def test_generate_cli(capsys):
     from jaxllm.generate import main
 
@@ -191,14 +221,17 @@ def test_generate_cli(capsys):
     assert "nope" in capsys.readouterr().err
 
 
-def test_no_new_compiles_after_warm_up():
-    import numpy as np
-
+def test_no_new_compiles_after_warm_up(capsys):
     llm = LLM("tiny", max_context=128, options=EngineOptions(block_size=8, max_seqs=8, max_tokens_per_step=32),
               progress=False)
-    llm.warm_up(progress=False)
+    llm.warm_up(progress=True)
     warm = llm.compile_count
     assert warm == len(llm.executor.bucket_shapes())
+    # What it announces, what its bar counts to and what compiled are one number (README's start-up shows it).
+    err = capsys.readouterr().err
+    announced = int(re.search(r"\[jaxllm\] warm-up: (\d+) compiles", err).group(1))
+    done, total = map(int, re.search(r"warm-up compiles: done (\d+)/(\d+) in", err).groups())
+    assert announced == done == total == warm
     rng = np.random.default_rng(20261127)
     for _ in range(20):  # 200 requests of random lengths and sampling settings, 10 at a time
         prompts = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=n)) for n in rng.integers(1, 100, size=10)]

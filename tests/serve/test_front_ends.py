@@ -97,12 +97,15 @@ def test_unset_max_tokens_is_the_engines_default(servers):
 def test_choices_that_do_not_all_fit_are_refused_with_none_queued(servers):
     engine, stub, http = servers
     before = engine.stats()
+    # More choices than the queue can ever hold: a 400 naming both, before the engine is asked (the engine's own
+    # all-or-none QueueFull, a 429 when the queue is full for now: tests/jaxllm/engine/test_threaded.py).
     status, body = _post(http, "/completions", dict(model="tiny", prompt="a", max_tokens=2, n=MAX_WAITING + 1))
-    assert status == 429 and body["error"]["code"] == "queue_full", body
-    assert f"limit {MAX_WAITING}" in body["error"]["message"]
+    assert status == 400 and body["error"]["param"] == "n", body
+    assert f"needs {MAX_WAITING + 1} engine requests (1 prompt x n={MAX_WAITING + 1}), over the limit " \
+           f"{MAX_WAITING}" in body["error"]["message"]
     after = engine.stats()
     assert (after.requests_total, after.queue_depth, after.running) == (before.requests_total, 0, 0)
-    assert after.requests_rejected == before.requests_rejected + MAX_WAITING + 1
+    assert after.requests_rejected == before.requests_rejected
     # A bad prompt after a good one: refused before either is queued.
     status, body = _post(http, "/completions", dict(model="tiny", prompt=["a", "x" * 70], max_tokens=2))
     assert status == 400 and body["error"]["message"].startswith("prompt 1: prompt has 71 tokens"), body

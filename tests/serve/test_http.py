@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: the real server in a subprocess, driven by the official `openai` client.
 
-One server (tiny model, gRPC and HTTP on the same engine, an API key from $JAXLLM_API_KEY) serves
+One server (tiny model, gRPC and HTTP on the same engine, an API key from $JAXLLM_API_KEY for both) serves
 the module; outputs are compared with an in-process `LLM` and with the gRPC side. Queue-full and
 SIGTERM are in test_http_drain.py (a server of their own).
 """
@@ -147,7 +147,8 @@ def test_greedy_completion_equals_grpc_and_generate(server, client, llm):
     prompt = "The quick brown fox"
     ref = llm.generate([prompt], max_new_tokens=24)[0]
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
-    grpc_msgs = list(server.stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=24), timeout=60))
+    grpc_msgs = list(server.stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=24), timeout=60,
+                                          metadata=(("authorization", f"Bearer {KEY}"),)))  # --api-key: gRPC too
     assert [t for m in grpc_msgs for t in m.token_ids] == ref.token_ids
     assert out.choices[0].text == "".join(m.text for m in grpc_msgs) == ref.text
     assert out.choices[0].finish_reason == ref.finish_reason

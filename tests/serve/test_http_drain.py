@@ -31,8 +31,8 @@ def _consume(stream, into: list, first: threading.Event, done: threading.Event):
 
 def test_http_only_queue_full_then_sigterm_drains(tmp_path):
     grace = 3.0
-    s = HttpServerProcess(tmp_path, "--http-only", "--max-context", "8192", "--max-running", "1", "--max-queue", "1",
-                          "--no-warm-up", "--grace-period", str(grace))
+    s = HttpServerProcess(tmp_path, "--http-only", "--max-context", "8192", "--allow-long-context", "--max-running",
+                          "1", "--max-queue", "1", "--no-warm-up", "--grace-period", str(grace))
     try:
         s.wait_line(r"jaxllm serving tiny on http://127\.0\.0\.1:\d+/v1", 120)
         client = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=60)

@@ -64,3 +64,32 @@ def test_logprobs_wanted_in_both_shapes():
         with pytest.raises(APIError, match=message) as err:
             request.logprobs_wanted()
         assert (err.value.status, err.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": [1.5]}, "prompt", "prompt[0]: 1.5 is not a token id (an integer)"),
+    ({"prompt": [1, "a"]}, "prompt", "prompt[1]: 'a' is not a token id (an integer); a list prompt holds strings or "
+                                     "token ids, not both"),
+    ({"prompt": ["a", 1]}, "prompt", "prompt[1]: 1 is not a string; a list prompt holds strings or token ids, "
+                                     "not both"),
+    ({"prompt": [[1, 2], [3, True]]}, "prompt", "prompt[1][1]: true is not a token id (an integer)"),
+    ({"prompt": [[1], "a"]}, "prompt", "prompt[1]: 'a' is not a list of token ids, as prompt[0] is"),
+    ({"prompt": None}, "prompt", "prompt: input should be a string, a list of strings, a list of token ids or a list "
+                                 "of lists of token ids (got null)"),
+    ({"prompt": "x", "stop": [None]}, "stop", "stop[0] must be a string, got null"),
+    ({"prompt": "x", "stop": ["a", 3]}, "stop", "stop[1] must be a string, got 3"),
+    ({"prompt": "x", "stop": {"a": 1}}, "stop", "stop: input should be a string or a list of strings (got an object)"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages[0].content", "messages[0].content[0]: content parts of type image_url are not supported; only text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]},
+     "messages[0].content", "messages[0].content[1].text must be a string, got null"),
+    ({"messages": [{"role": "user", "content": ["a"]}]}, "messages[0].content",
+     'messages[0].content[0]: a content part is an object like {"type": "text", "text": ...}, got \'a\''),
+])
+def test_type_errors_name_the_actual_problem(body, param, message):
+    """Not pydantic's first union branch ("input should be a valid string (got list)"): the element at fault
+    and what is wrong with it."""
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(APIError) as err:
+        parse(model, {"model": "m", **body})
+    assert (err.value.status, err.value.param, err.value.message) == (400, param, message)

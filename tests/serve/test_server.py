@@ -355,10 +355,12 @@ def test_oversize_or_malformed_message_gets_a_status_not_a_crash(server):
     assert err.value.code() == EXHAUSTED and "over the limit 4194304" in err.value.details()
     assert server.metrics()['jaxllm_requests_total{code="RESOURCE_EXHAUSTED"}'] == before + 1  # counted
     # Field 1 (prompt) holding bytes that are not UTF-8, which no conforming client can send.
+    before = server.metrics().get('jaxllm_requests_total{code="INVALID_ARGUMENT"}', 0)
     raw = server.channel.unary_stream(f"/{SERVICE}/Generate")
     with pytest.raises(grpc.RpcError) as err:
         list(raw(b"\x0a\x02\xff\xfe", timeout=10))
-    assert err.value.code() in (grpc.StatusCode.INTERNAL, INVALID)
+    assert err.value.code() == INVALID and "prompt is not valid text" in err.value.details()
+    assert server.metrics()['jaxllm_requests_total{code="INVALID_ARGUMENT"}'] == before + 1  # counted
     assert server.health_status() == health_pb2.HealthCheckResponse.SERVING
     assert _stream(server.stub, _request("still alive", max_tokens=3))[1]
 
@@ -437,8 +439,8 @@ def _collect(call, into: list, first: threading.Event, done: threading.Event):
 
 def test_queue_full_then_sigterm_drains(tmp_path):
     grace = 4.0
-    s = ServerProcess(tmp_path, "--max-context", "8192", "--max-running", "2", "--max-queue", "1",
-                      "--no-warm-up", "--grace-period", str(grace))
+    s = ServerProcess(tmp_path, "--max-context", "8192", "--allow-long-context", "--max-running", "2", "--max-queue",
+                      "1", "--no-warm-up", "--grace-period", str(grace))
     try:
         s.wait_serving()
         streams = {}

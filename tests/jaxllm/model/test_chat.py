@@ -63,6 +63,28 @@ def test_malformed_messages(messages, message):
         render_chat(messages, template=None)
 
 
+def test_roles_listed_are_the_roles_the_renderer_renders():
+    """Llama-2's format has no tool turn: `tool` is refused there, naming the format, and never listed as allowed;
+    a checkpoint's own template gets tool messages (it renders them, or refuses with its own message)."""
+    convo = [{"role": "user", "content": "2+2?"}, {"role": "tool", "content": "4"}]
+    with pytest.raises(ChatError, match=r"message 1 has role 'tool', which Llama-2's \[INST\] format \(used where "
+                                        r"the checkpoint has no chat_template\) cannot render; roles: \['system', "
+                                        r"'user', 'assistant'\]$"):
+        render_chat(convo, template=None)
+    with pytest.raises(ChatError) as err:
+        render_chat([{"role": "robot", "content": "x"}], template=None)
+    assert "['system', 'user', 'assistant']" in str(err.value) and "tool" not in str(err.value)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert render_chat(convo, template=template) == "user: 2+2?\ntool: 4\n"
+    with pytest.raises(ChatError, match=r"role in \['system', 'user', 'assistant', 'tool'\]"):
+        render_chat([{"role": "robot", "content": "x"}], template=template)
+
+
+def test_content_must_be_valid_text():
+    with pytest.raises(ChatError, match=r"messages\[1\].content is not valid text: it holds the lone surrogate U\+DC00"):
+        render_chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\udc00"}], template=None)
+
+
 def test_llm_chat_end_to_end(tmp_path):
     from jaxllm import LLM
 

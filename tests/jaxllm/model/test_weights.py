@@ -337,6 +337,30 @@ def test_cli_convert(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
+def test_cli_convert_a_preset_writes_a_huggingface_directory_offline(tmp_path, capsys):
+    """`jaxllm convert tiny DST`: the preset as an HF directory (its random weights, its byte tokenizer as
+    tokenizer.json) that loads back as the same model, and whose tokenizer gives the preset's ids and text."""
+    import random
+
+    from jaxllm.model.tokenizer import ByteTokenizer, load_tokenizer
+
+    dst = str(tmp_path / "tiny-hf")
+    assert cli.main(["convert", "tiny", dst]) == 0
+    assert dst in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(dst))
+    model, tokenizer_dir = load_model(dst)
+    assert (model.config.name, tokenizer_dir) == ("tiny", dst)
+    _assert_models_equal(model, load_model("tiny")[0])
+    tokenizer, reference = load_tokenizer(tokenizer_dir), ByteTokenizer()
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (259, 1, 2, 0)
+    for text in ["Once upon a time", "  two  spaces\tand a tab\n", "ünïcode 日本語 🦙", "\x00\x7f", ""]:
+        assert tokenizer.encode(text) == reference.encode(text)
+    rng = random.Random(34)
+    for _ in range(300):  # random ids: invalid UTF-8 decodes as the byte tokenizer decodes it
+        ids = [rng.randrange(259) for _ in range(rng.randrange(1, 16))]
+        assert tokenizer.decode(ids) == reference.decode(ids), ids
+
+
 # ----- progress -----
 
 

@@ -30,7 +30,7 @@ from serve.auth import MISSING, bearer_problem
 from serve.http import protocol
 from serve.http.bridge import StreamGroup
 from serve.http.engine_adapter import SEED_LIMIT, EngineAdapter, EngineStopped, QueueFull, Sampling, random_seed
-from serve.http.logprobs import chat_logprobs, completion_logprobs
+from serve.http.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from serve.http.protocol import APIError
 from serve.http.tokenize import detokenize, tokenize
 from serve.metrics import CONTENT_TYPE, Registry
@@ -149,6 +149,8 @@ class _Job:
     prompt_tokens: int  # counted once per prompt, not per choice
     logprobs: int | None = None  # top tokens per generated token; None: choices carry "logprobs": null
     text_of: object = None  # token id -> its text (EngineAdapter.token_text), for logprob entries
+    echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead each choice's logprobs
+    prompt_logprobs: bool = False  # vLLM's extra: each choice carries "prompt_logprobs"
 
     def choice_logprobs(self, token_ids, entries, offset: int = 0) -> tuple[dict | None, int]:
         """A choice's "logprobs" for these tokens (None unless asked), and the text offset after them."""
@@ -158,6 +160,17 @@ class _Job:
             return chat_logprobs(token_ids, entries, self.text_of), offset
         return completion_logprobs(token_ids, entries, self.text_of, offset)
 
+    def prompt_ids(self, index: int) -> list[int]:
+        return next(ids for i, ids, _ in self.prompts if i == index)
+
+    def prompt_extras(self, index: int, entries) -> tuple[dict | None, dict]:
+        """The echoed prompt's share of a choice (its logprobs when echo asks for them, else None) and the
+        choice's extra fields (vLLM's prompt_logprobs), from the prompt's entries."""
+        ids = self.prompt_ids(index)
+        echoed = completion_logprobs(ids, entries, self.text_of, 0)[0] if self.echo_logprobs else None
+        extra = {"prompt_logprobs": prompt_logprobs(ids, entries, self.text_of)} if self.prompt_logprobs else {}
+        return echoed, extra
+
 
 def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) -> _Job:
     req = protocol.parse(protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, body)
@@ -166,6 +179,9 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
                        param="model", code="model_not_found")
     req.unsupported()
     logprobs, logprobs_name = req.logprobs_wanted()
+    scored = req.prompt_logprobs_wanted()  # top tokens per prompt token, for echo with logprobs or the extra
+    if not chat and req.echo and req.output_limit() == 0 and scored is None:
+        scored = 0  # echo with max_tokens 0: the prompt is only read (the engine scores it; nothing is shown)
     if not 1 <= req.n <= state.config.max_n:
         raise APIError(400, f"n must be in [1, {state.config.max_n}], got {req.n}", param="n")
     if chat:
@@ -194,7 +210,7 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
             seed = base if j == 0 else (base + j) % SEED_LIMIT  # choice 0 carries the seed as sent (checked)
             sampling = Sampling(max_tokens=req.output_limit(), temperature=temperature, top_p=req.top_p,
                                 top_k=req.top_k, seed=seed, stop=req.stops(), ignore_eos=req.ignore_eos,
-                                logprobs=logprobs, logprobs_name=logprobs_name)
+                                logprobs=logprobs, logprobs_name=logprobs_name, prompt_logprobs=scored)
             try:
                 ids, params = adapter.check(prompt, sampling)
             except ValueError as e:
@@ -213,7 +229,8 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     return _Job(chat, req.model, req.stream, include_usage, continuous_usage, checked, echo, prompt_tokens,
-                logprobs, adapter.token_text)
+                logprobs, adapter.token_text, echo_logprobs=not chat and req.echo and logprobs is not None,
+                prompt_logprobs=req.prompt_logprobs is not None)
 
 
 def _submit(state: ApiState, adapter: EngineAdapter, job: _Job) -> StreamGroup:
@@ -236,13 +253,13 @@ def _submit(state: ApiState, adapter: EngineAdapter, job: _Job) -> StreamGroup:
 
 
 def _chunk(job: _Job, rid: str, created: int, index: int, text: str | None, finish: str | None,
-           first: bool = False, logprobs: dict | None = None) -> dict:
+           first: bool = False, logprobs: dict | None = None, extra: dict | None = None) -> dict:
     if job.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **(extra or {})}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish, **(extra or {})}
         kind = "text_completion"
     out = {"id": rid, "object": kind, "created": created, "model": job.model, "choices": [choice]}
     if job.include_usage:
@@ -296,11 +313,16 @@ def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
     outcome = {"code": 499}  # unless the stream reaches its end: the client went away (or the server stopped)
     offsets = {index: len(echo) for (index, _, _), echo in zip(job.prompts, job.echo)}  # text_offset so far
 
+    # The echoed prompt goes out first, unless its log-probabilities (or vLLM's prompt_logprobs) are asked for:
+    # then it waits for the engine's first output, which carries them.
+    waits_for_prompt = job.echo_logprobs or job.prompt_logprobs
+    echo_of = {index: echo for (index, _, _), echo in zip(job.prompts, job.echo)}
+
     async def events():
         for (index, _, _), echo in zip(job.prompts, job.echo):
             if job.chat:
                 yield _sse(_chunk(job, rid, created, index, None, None, first=True))
-            elif echo:
+            elif echo and not waits_for_prompt:
                 yield _sse(_chunk(job, rid, created, index, echo, None))
         async for index, event in group.events():
             tally.see(index, event)
@@ -309,6 +331,10 @@ def _stream(job: _Job, group: StreamGroup, tally: _Tally) -> StreamingResponse:
                 outcome["code"] = 500
                 yield _sse(APIError(500, f"generation failed: {event.error}").body())
                 break
+            if waits_for_prompt and event.prompt_logprobs is not None:
+                echoed, extra = job.prompt_extras(index, event.prompt_logprobs)
+                yield _sse(_chunk(job, rid, created, index, echo_of[index] if not job.chat else None, None,
+                                  logprobs=echoed, extra=extra))
             # With logprobs, every token's entry goes out with the step that made it, even before its text.
             logprobs, offsets[index] = job.choice_logprobs(event.token_ids, event.logprobs or (), offsets[index])
             if job.continuous_usage:
@@ -336,6 +362,7 @@ async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Reques
     texts = {index: [echo] for (index, _, _), echo in zip(job.prompts, job.echo)}
     tokens: dict[int, list] = {index: [] for index in texts}
     entries: dict[int, list] = {index: [] for index in texts}
+    scored: dict[int, tuple] = {}
     finish: dict[int, str] = {}
     errors = []
 
@@ -345,6 +372,8 @@ async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Reques
             texts[index].append(event.text)
             tokens[index].extend(event.token_ids)
             entries[index].extend(event.logprobs or ())
+            if event.prompt_logprobs is not None:
+                scored[index] = event.prompt_logprobs
             if event.finish_reason is not None:
                 finish[index] = event.finish_reason
             if event.error is not None:
@@ -371,11 +400,15 @@ async def _collect(job: _Job, group: StreamGroup, tally: _Tally, request: Reques
         for index in sorted(texts):
             text = "".join(texts[index])
             logprobs, _ = job.choice_logprobs(tokens[index], entries[index], len(texts[index][0]))  # after echo
+            echoed, extra = job.prompt_extras(index, scored[index]) if index in scored else (None, {})
+            if echoed is not None:  # the prompt's tokens first, then the completion's
+                logprobs = {key: echoed[key] + logprobs[key] for key in echoed}
             if job.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": finish[index]})
+                                "logprobs": logprobs, "finish_reason": finish[index], **extra})
             else:
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish[index]})
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish[index],
+                                **extra})
         body = {"id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
                 "model": job.model, "choices": choices,

@@ -34,6 +34,7 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: int | None = None  # top tokens to return log-probabilities of; None: none
     logprobs_name: str = "logprobs"  # the request's field for it (chat: top_logprobs), for messages
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo with logprobs, vLLM's extra)
 
 
 class EngineAdapter:
@@ -69,7 +70,7 @@ class EngineAdapter:
                                  temperature=sampling.temperature, top_k=sampling.top_k,
                                  top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
                                  stop=sampling.stop, ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
-                                 logprobs_name=sampling.logprobs_name)
+                                 prompt_logprobs=sampling.prompt_logprobs, logprobs_name=sampling.logprobs_name)
         return ids, params
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

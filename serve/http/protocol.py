@@ -124,9 +124,10 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # jaxllm's extras.
+    # jaxllm's extras, and vLLM's prompt_logprobs (per prompt token: its logprob and the k most likely there).
     top_k: int = 0
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -144,6 +145,12 @@ class _Common(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Top tokens per prompt token (vLLM's prompt_logprobs extra); None: none."""
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise APIError(400, f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}", param="prompt_logprobs")
+        return self.prompt_logprobs
 
     def output_limit(self) -> int | None:
         """max_completion_tokens (the newer name) or max_tokens; None: the server's default."""
@@ -192,11 +199,15 @@ class CompletionRequest(_Common):
             raise APIError(400, f"logprobs must be >= 0, got {self.logprobs}", param="logprobs")
         return self.logprobs, "logprobs"
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Top tokens per prompt token: echo with logprobs (OpenAI: the prompt's tokens get entries too, the first
+        null), or vLLM's prompt_logprobs extra; None: none."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return super().prompt_logprobs_wanted()
+
     def unsupported(self) -> None:
         super().unsupported()
-        if self.logprobs is not None and self.echo:
-            # The prompt's own tokens would need their log-probabilities too (a teacher-forced pass).
-            raise APIError(400, "echo with logprobs is not supported yet", param="echo")
         if self.best_of not in (None, 1, self.n):
             raise APIError(400, "best_of is not supported yet (only equal to n)", param="best_of")
         if self.suffix:

@@ -299,6 +299,42 @@ def test_completion_logprobs_agree_with_the_engine(client, llm):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, llm):
+    """lm-eval's loglikelihood request: a token-id prompt, echo, logprobs 1, max_tokens 1 (and 0): the prompt's
+    tokens lead the choice's logprobs, the first with null logprob and top_logprobs, the rest as the engine's
+    prompt_logprobs give them (= the teacher-forced logits); streamed, the same entries; vLLM's prompt_logprobs
+    extra gives them per token id."""
+    ids = llm.tokenizer.encode("The quick brown fox jumps")
+    ref = llm.generate([ids], max_new_tokens=1, prompt_logprobs=1, logprobs=1)[0]
+    text = lambda t: llm.tokenizer.decode([t])  # noqa: E731
+    want = [None] + [v for v, _ in ref.prompt_logprobs[1:]]
+    for max_tokens in (1, 0):
+        kwargs = dict(model="tiny", prompt=ids, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1)
+        choice = client.completions.create(**kwargs).choices[0]
+        lp = choice.logprobs
+        n = len(ids)
+        assert choice.text.startswith(llm.tokenizer.decode(ids))
+        assert lp.tokens[:n] == [text(t) for t in ids] and len(lp.tokens) == n + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert _close(lp.token_logprobs[1:n], want[1:])
+        assert [list(d) for d in lp.top_logprobs[1:n]] == [[text(top[0][0])] for _, top in ref.prompt_logprobs[1:]]
+        assert lp.text_offset[:n] == [sum(len(text(t)) for t in ids[:i]) for i in range(n)]
+        if max_tokens:
+            assert lp.tokens[n:] == [text(t) for t in ref.token_ids] and _close(lp.token_logprobs[n:], [ref.logprobs[0][0]])
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert [t for s in streamed for t in s.tokens] == lp.tokens
+        values = [v for s in streamed for v in s.token_logprobs]
+        assert values[0] is None and _close(values[1:], lp.token_logprobs[1:])
+    extra = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 2}).choices[0]
+    scored = extra.model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for token, entry, (logprob, top) in zip(ids[1:], scored[1:], ref.prompt_logprobs[1:]):
+        assert abs(entry[str(token)]["logprob"] - logprob) < 1e-4 and entry[str(token)]["decoded_token"] == text(token)
+        assert {int(t) for t in entry} >= {top[0][0], token}
+
+
 def test_chat_logprobs_agree_with_the_engine(client, llm):
     messages = [{"role": "user", "content": "Hello there"}]
     ref = llm.chat(messages, max_new_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
@@ -335,8 +371,8 @@ ERRORS = [
     (dict(prompt="a", n=17), openai.BadRequestError, "n must be in [1, 16], got 17", "n"),
     (dict(prompt="a", logprobs=MAX_LOGPROBS + 1), openai.BadRequestError,
      f"logprobs {MAX_LOGPROBS + 1} is over the limit {MAX_LOGPROBS}", "logprobs"),
-    (dict(prompt="a", logprobs=1, echo=True), openai.BadRequestError, "echo with logprobs is not supported yet",
-     "echo"),
+    (dict(prompt="a", logprobs=1, echo=True, extra_body={"prompt_logprobs": MAX_LOGPROBS + 1}),
+     openai.BadRequestError, f"prompt_logprobs {MAX_LOGPROBS + 1} is over the limit {MAX_LOGPROBS}", "prompt_logprobs"),
     (dict(prompt="a", model="gpt-4"), openai.NotFoundError, "the model 'gpt-4' does not exist", "model"),
 ]
 

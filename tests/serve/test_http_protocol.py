@@ -34,8 +34,7 @@ def test_parse_names_the_bad_field(body, param, message):
 
 
 def test_unsupported_fields_are_refused_not_ignored():
-    for fields, message in [({"logprobs": 1, "echo": True}, "echo with logprobs is not supported yet"),
-                            ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
+    for fields, message in [({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
                             ({"best_of": 3}, "best_of is not supported"),
                             ({"max_tokens": 3, "max_completion_tokens": 4}, "disagree")]:
         r = parse(CompletionRequest, {"model": "m", "prompt": "x", **fields})
@@ -43,6 +42,9 @@ def test_unsupported_fields_are_refused_not_ignored():
             r.unsupported()
             r.output_limit()
     parse(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 0, "best_of": 1}).unsupported()
+    echo = parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "logprobs": 2})
+    echo.unsupported()  # echo with logprobs is supported: the prompt's tokens are scored
+    assert echo.prompt_logprobs_wanted() == 2
 
 
 def test_logprobs_wanted_in_both_shapes():

@@ -124,3 +124,21 @@ def test_instances_share_cached_prefixes():
     stats = llm.core.stats()
     assert stats.prefix_cache_hit_tokens == 3 * BLOCK and stats.prefix_cache_blocks >= 3
     assert again == first
+
+
+def test_a_borrowed_step_under_tensor_parallelism_runs_the_pallas_kernels_per_shard():
+    """2 instances x tensor parallel 2, the Triton kernels (interpret mode): a prompt longer than one instance's
+    pool borrows, and its DistAttention steps run the per-part attention through the same dispatch as every step,
+    the kernels per tensor shard (no reference fallback); the tokens are one instance's."""
+    rng = np.random.default_rng(SEED + 2)
+    prompt = [int(t) for t in rng.integers(3, 250, 40)]
+    reference = LLM("tiny", options=EngineOptions(block_size=BLOCK, num_blocks=16), progress=False)
+    want = reference.generate([prompt], max_new_tokens=4, ignore_eos=True)[0].token_ids
+    llm = LLM("tiny", options=EngineOptions(block_size=BLOCK, num_blocks=2, instances=2, tensor_parallel=2,
+                                            attention_backend="triton", max_tokens_per_step=16), progress=False)
+    borrowed = llm.executor.kernels_for(True, 1, borrowed=True)
+    assert borrowed.distributed is not None and borrowed.decode_attention == "triton" and borrowed.per_shard is not None
+    got = llm.generate([prompt], max_new_tokens=4, ignore_eos=True)[0].token_ids
+    assert_same_greedy(reference, prompt, got, want)
+    stats = llm.core.stats()
+    assert stats.loans_total > 0 and stats.dist_steps_total > 0

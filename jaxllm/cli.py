@@ -20,7 +20,15 @@ def _convert(args: argparse.Namespace) -> int:
     if args.src in PRESETS:  # the other way: a preset as a HuggingFace directory anything can read, offline
         from jaxllm.model.hf_tokenizer import save_byte_tokenizer
 
-        model, _ = weights.load_model(args.src, dtype=args.dtype)
+        sharding = None
+        if args.tensor_parallel > 1:  # drawn in shards over that many devices: no device holds the model whole
+            import functools
+
+            from sharding.mesh import make_mesh
+            from sharding.rules import load_sharding
+
+            sharding = functools.partial(load_sharding, mesh=make_mesh(args.tensor_parallel))
+        model, _ = weights.load_model(args.src, dtype=args.dtype, sharding=sharding)
         weights.save_hf(model, args.dst)
         save_byte_tokenizer(args.dst)
         print(f"wrote HuggingFace checkpoint of the {args.src} preset ({model.config.num_layers} layers, random "
@@ -47,6 +55,9 @@ def _add_convert(subparsers) -> None:
     p.add_argument("--dtype", choices=sorted(weights.MODEL_DTYPES), default=None,
                    help="parameter dtype to store (default: the checkpoint's)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="with a preset: draw its weights in shards over N devices (a model larger than one device; "
+                        "they are written out one tensor at a time through host memory)")
     p.set_defaults(run=_convert)
 
 

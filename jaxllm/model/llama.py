@@ -166,9 +166,36 @@ class Llama(nnx.Module):
         return jnp.einsum("ND,DV->NV", hidden, head, preferred_element_type=jnp.float32)
 
 
-def init_model(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0) -> Llama:
-    """A model with deterministic random weights (the `tiny` default, tests, benchmarks)."""
-    return Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
+def init_model(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0, sharding=None) -> Llama:
+    """A model with deterministic random weights (the `tiny` default, tests, benchmarks).
+
+    sharding: None builds every array on the default device; else a function (path, shape) -> the jax Sharding
+    of each variable (what a checkpoint loads with: sharding.rules.load_sharding): the random weights are drawn
+    straight into their shards, so no device ever holds the whole model (a 70B preset over 4 GPUs). They are the
+    same weights up to float rounding (jax's random bits do not depend on the sharding; the draw, compiled, scales
+    them in fused code that may round one ulp apart from the op-by-op draw).
+    """
+    def make():
+        return Llama(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
+
+    if sharding is None:
+        return make()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    where = jax.tree_util.tree_map_with_path(lambda path, x: sharding(_state_path(path), tuple(x.shape)), abstract)
+    return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], out_shardings=where)())
+
+
+def _state_path(path) -> tuple:
+    """A jax key path into an nnx State -> the variable's path as checkpoints name it (('layers', 0, 'mlp', 'down'))."""
+    out = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            out.append(key.key)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            out.append(key.idx)
+        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":  # nnx.Variable's payload
+            out.append(key.name)
+    return tuple(out)
 
 
 def abstract_model(config: LlamaConfig, *, dtype=jnp.float32) -> Llama:

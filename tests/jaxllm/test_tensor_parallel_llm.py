@@ -217,3 +217,16 @@ def test_pallas_kernels_run_per_shard(triton_result):
 def test_nothing_compiles_after_warm_up_on_a_mesh(warm_result):
     r = warm_result
     assert r["warm_up_compiles"] > 0 and r["after"] == 0, r
+
+
+def test_a_preset_is_drawn_straight_into_its_shards():
+    """A random-weight preset on a mesh is built in its shards (no device ever holds a split weight whole: what lets
+    the 70B preset start on 4 GPUs), the same model as on one device up to float rounding."""
+    from jaxllm.model.checkpoints import load_model
+
+    model, _ = load_model("tiny", sharding=functools.partial(rules.load_sharding, mesh=make_mesh(2)))
+    _assert_split({k: _held(v) for k, v in _named(nnx.state(model, nnx.Param)).items()}, 2, 2)
+    one = LLM("tiny", progress=False, options=_options(1))
+    two = LLM("tiny", progress=False, options=_options(2))
+    want = one.logits(PROMPTS[0])
+    assert float(np.max(np.abs(two.logits(PROMPTS[0]) - want)) / np.max(np.abs(want))) < 1e-5

@@ -26,12 +26,14 @@ def load_model(spec: str, *, dtype=None, progress: bool = True, sharding=None) -
     (generation_config.load_generation_defaults). Presets with dtype None are float32.
     sharding: None, or a function of the model's config returning (path, shape) -> each Param's jax
     Sharding (sharding.rules.load_sharding with its mesh bound): checkpoints load straight into those
-    shards (presets are built on one device; place them with sharding.rules.shard_params).
+    shards, and presets draw their random weights straight into them (init_model).
     """
     resolved = resolve_dtype(dtype)
     spec = os.fspath(spec)
     if spec in PRESETS:
-        return init_model(preset(spec), dtype=resolved or jnp.float32, seed=0), None
+        config = preset(spec)
+        return init_model(config, dtype=resolved or jnp.float32, seed=0,
+                          sharding=None if sharding is None else sharding(config)), None
     if os.path.isdir(spec):
         if os.path.isfile(os.path.join(spec, ORBAX_MARKER)):
             return load_orbax(spec, dtype=resolved, sharding=sharding), _tokenizer_dir(spec)

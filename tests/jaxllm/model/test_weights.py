@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxllm import cli
@@ -359,6 +360,21 @@ def test_cli_convert_a_preset_writes_a_huggingface_directory_offline(tmp_path, c
     for _ in range(300):  # random ids: invalid UTF-8 decodes as the byte tokenizer decodes it
         ids = [rng.randrange(259) for _ in range(rng.randrange(1, 16))]
         assert tokenizer.decode(ids) == reference.decode(ids), ids
+
+
+def test_cli_convert_a_preset_drawn_in_shards(tmp_path):
+    """`jaxllm convert tiny DST --tensor-parallel 2`: the preset drawn in its shards over two devices (how a model
+    larger than one device is written) and saved: the same weights as on one device, up to float rounding."""
+    from tests.devices import HOST_DEVICES
+
+    if jax.device_count() < 2:
+        pytest.skip(f"needs 2 devices (conftest gives {HOST_DEVICES} CPU host devices)")
+    dst = str(tmp_path / "tiny-tp2")
+    assert cli.main(["convert", "tiny", dst, "--tensor-parallel", "2", "--quiet"]) == 0
+    got = nnx.state(load_model(dst)[0], nnx.Param)
+    want = nnx.state(load_model("tiny")[0], nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 # ----- progress -----

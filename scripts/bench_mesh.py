@@ -7,8 +7,9 @@
     time to prefill it, ms/token at that length and the floor beside it (each device reads the weights and its
     share of the KV at the HBM bandwidth; the step is as slow as the device holding the most), against the
     longest one device's pool holds.
-(b) tensor: Llama-2-70B shape, tensor parallel over every device: batch-1 ms/token at --tp-contexts against
-    the floor. Skipped (with the reason in the JSON) where the weights do not fit the devices.
+(b) tensor: Llama-2-13B shape at tensor parallel 1, 2 and 4 (--tp-sizes) at --tp-sweep-contexts, then the
+    Llama-2-70B shape over every device at --tp-contexts (its random weights drawn straight into their shards):
+    batch-1 ms/token against the floor. Skipped (with the reason in the JSON) where the weights do not fit.
 (c) skew: --skew-instances x (devices / instances) tensor parallel, a skewed load (every other request
     generates --skew-long tokens, the rest --skew-short; routing balances prompt tokens, so the long ones
     share instances), each instance's pool --skew-blocks rBlocks: throughput and preemptions with lending
@@ -113,56 +114,69 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     return result
 
 
-def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
-    """(b): the 70B shape split over every device, batch-1 decode at each context."""
+def _splits(config, n: int) -> bool:
+    from sharding.mesh import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(config, n)
+        return True
+    except ValueError:
+        return False
+
+
+def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float | None) -> dict:
+    """Batch-1 decode of `model` split `tp` ways at each context, with the floor (each device reads its share of
+    the weights and the KV at the HBM bandwidth); skipped (with why) where the weights do not fit."""
     from jaxllm.engine.core import Request
     from jaxllm.contract import SamplingParams
     from jaxllm.model.config import preset
-    from sharding.mesh import check_tensor_parallel
+    from jaxllm.model.kv_cache import kv_bytes_per_block
 
-    config = preset(args.tp_model)
-
-    def splits(n):
-        try:
-            check_tensor_parallel(config, n)
-            return True
-        except ValueError:
-            return False
-
-    if args.dry_run:  # the tiny model splits fewer ways than 8 host devices: the most it can
-        devices = max(n for n in range(1, devices + 1) if devices % n == 0 and splits(n))
-    elif not splits(devices):
-        return dict(skipped=f"{args.tp_model} cannot be split {devices} ways (check_tensor_parallel)")
-    c = config  # bf16 weights: embedding and head, q/k/v and o, the MLP
-    weights = 2 * (2 * c.vocab_size * c.hidden_size + c.num_layers * (
+    c = preset(model)
+    if not _splits(c, tp):
+        return dict(model=model, tensor_parallel=tp, skipped=f"{model} cannot be split {tp} ways")
+    weights = 2 * (2 * c.vocab_size * c.hidden_size + c.num_layers * (  # bf16: embedding, head, attention, MLP
         c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
         + 3 * c.hidden_size * c.intermediate_size))
     if not args.dry_run:
         import jax
 
         limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
-        need = (weights or 0) / devices * 1.15
+        need = weights / tp * 1.15
         if need > limit:
-            return dict(skipped=f"{args.tp_model} needs about {need / 2**30:.0f} GiB of weights a device over "
-                                f"{devices} device(s); a device has {limit / 2**30:.0f} GiB")
-    rows = []
-    llm = _engine(args.tp_model, dry_run=args.dry_run, max_context=max(args.tp_contexts) + args.new_tokens + 1,
-                  tensor_parallel=devices, max_seqs=1, max_tokens_per_step=args.chunk, block_size=args.block_size)
+            return dict(model=model, tensor_parallel=tp,
+                        skipped=f"{model} needs about {need / 2**30:.0f} GiB of weights a device over {tp} "
+                                f"device(s); a device has {limit / 2**30:.0f} GiB")
+    _log(f"[tensor] {model} at tensor parallel {tp}: contexts {contexts}")
+    llm = _engine(model, dry_run=args.dry_run, max_context=max(contexts) + args.new_tokens + 1, tensor_parallel=tp,
+                  max_seqs=1, max_tokens_per_step=args.chunk, block_size=args.block_size)
     info = llm.info()
-    from jaxllm.model.kv_cache import kv_bytes_per_block
-
     kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
-    for context in args.tp_contexts:
+    rows = []
+    for context in contexts:
         prompt = np.random.default_rng(1).integers(3, 259, size=context).tolist()
         _, _, decode = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))])
         ms = [1e3 * t for t in decode[2:]] or [1e3 * t for t in decode]
-        floor_ms = 1e3 * (_weight_bytes(llm) + context * kv_token) / devices / (floor_tb_s * 1e12) if floor_tb_s else None
+        floor_ms = 1e3 * (_weight_bytes(llm) + context * kv_token) / tp / (floor_tb_s * 1e12) if floor_tb_s else None
         rows.append(dict(context=context, decode_ms_per_token=float(np.median(ms)), spread=harness.spread(ms),
-                         floor_ms=floor_ms))
+                         floor_ms=floor_ms, x_floor=float(np.median(ms)) / floor_ms if floor_ms else None))
+        _log(f"[tensor] {model} TP {tp} at {context}: {rows[-1]['decode_ms_per_token']:.2f} ms/token")
     llm.close()
     del llm
     gc.collect()
-    return dict(model=args.tp_model, tensor_parallel=devices, rows=rows)
+    return dict(model=model, tensor_parallel=tp, rows=rows)
+
+
+def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
+    """(b): --tp-sweep-model at each of --tp-sizes (TP 1/2/4 of one machine, in one run), then --tp-model over
+    every device at --tp-contexts."""
+    from jaxllm.model.config import preset
+
+    sweep = [_tp_decode(args, args.tp_sweep_model, n, args.tp_sweep_contexts, floor_tb_s)
+             for n in args.tp_sizes if n <= devices]
+    if args.dry_run:  # the tiny model splits fewer ways than 8 host devices: the most it can
+        devices = max(n for n in range(1, devices + 1) if devices % n == 0 and _splits(preset(args.tp_model), n))
+    return dict(_tp_decode(args, args.tp_model, devices, args.tp_contexts, floor_tb_s), sweep=sweep)
 
 
 def skew(args, devices: int) -> dict:
@@ -245,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens a step")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--tp-contexts", type=int, nargs="+", default=[4096, 131072])
+    p.add_argument("--tp-sweep-model", default=None, help="(b)'s sweep model (default: llama2-13b; tiny with --dry-run)")
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4], help="(b)'s sweep: tensor-parallel sizes")
+    p.add_argument("--tp-sweep-contexts", type=int, nargs="+", default=[4096])
     p.add_argument("--skew-instances", type=int, default=None, help="(c): instances (default: every device)")
     p.add_argument("--skew-requests", type=int, default=8)
     p.add_argument("--skew-prompt", type=int, default=1024)
@@ -269,12 +286,15 @@ def main(argv=None) -> int:
         args.new_tokens = min(args.new_tokens, 4)
         args.max_context = min(args.max_context, 4096)
         args.tp_contexts = [min(c, 48) for c in args.tp_contexts][:1]
+        args.tp_sweep_contexts = [min(c, 48) for c in args.tp_sweep_contexts][:1]
+        args.tp_sweep_model = args.tp_sweep_model or "tiny"
         args.skew_requests, args.skew_prompt = min(args.skew_requests, 4), min(args.skew_prompt, 40)
         args.skew_long, args.skew_short, args.skew_blocks = min(args.skew_long, 40), min(args.skew_short, 4), 6
         args.skew_instances = args.skew_instances or 2
         args.step_context, args.step_new_tokens, args.step_blocks = 40, 8, 8
     args.model = args.model or "llama2-7b"
     args.tp_model = args.tp_model or "llama2-70b"
+    args.tp_sweep_model = args.tp_sweep_model or "llama2-13b"
     import jax
 
     devices = jax.device_count()

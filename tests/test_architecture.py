@@ -21,6 +21,8 @@ OURS = {"jaxllm", "serve", "sharding", "pallas_kernels", "scripts"}
 # (file, attribute) -> why there is no public way.
 ALLOWED = {
     ("jaxllm/serve.py", "_exit"): "os._exit: leave at once on a signal while loading (no cleanup can run safely)",
+    ("sharding/liveness.py", "_exit"): "os._exit: leave when the run ended under this process; the main thread may "
+                                       "be blocked in a collective that never returns",
 }
 
 # Files other branches are fixing at the same time (issue 25); the lead removes them after merging.

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model_name(args.model)
         options = engine_options(args)
-        start_processes(args)  # before anything touches a device
+        start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,11 @@
 
 With no --model it runs the embedded `tiny` default (deterministic random weights, byte-level
 tokenizer), offline.
+
+Exit status: 0 done; 2 a usage error (flags, model, prompt) or a multi-process run that did not start in
+time; 1 a process of the run died; 143 SIGTERM, 130 SIGINT. SIGTERM or SIGINT
+to any process of a multi-process run stops the run (a follower passes it to process 0), and process 0
+stops the others whichever way it ends.
 """
 
 from __future__ import annotations
@@ -46,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    if is_leader():
+        # SIGTERM and SIGINT unwind like an error (once: a second one must not cut that unwinding short), so
+        # the finally below still stops the other processes.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _terminate)
     from jaxllm import EngineOptions, LLM  # after argument parsing, so --help is instant
+    from sharding import multihost
 
     llm = None
     try:
@@ -58,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
             llm.executor.follow()
             return 0
-        # SIGTERM unwinds like an error, so the finally below still stops the other processes.
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=args.stop)
         start = time.perf_counter()
@@ -80,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{llm.executor.xla_compiles} by XLA{lending}]",
               file=sys.stderr)
     except (ValueError, FileNotFoundError, MemoryError) as e:
+        if multihost.peer_lost(2.0):  # a collective failed because a process died: the watch ends this process
+            return 1                  # with the line naming it (sharding.liveness)
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     finally:
-        if llm is not None:
+        if llm is not None and not multihost.peer_lost():
             llm.close()  # a multi-process run: the other processes stop following and exit
     return 0
+
+
+def _terminate(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)
+    sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ With no --model it runs the embedded `tiny` default (deterministic random weight
 tokenizer), offline.
 
 Exit status: 0 done; 2 a usage error (flags, model, prompt) or a multi-process run that did not start in
-time; 1 a process of the run died; 143 SIGTERM, 130 SIGINT. SIGTERM or SIGINT
+time; 1 a process of the run died; 141 a write to stdout failed because its reader left (`... | head -c 1`:
+it stops at once, as a program killed by SIGPIPE would, and says so on stderr); 143 SIGTERM, 130 SIGINT. SIGTERM or SIGINT
 to any process of a multi-process run stops the run (a follower passes it to process 0), and process 0
 stops the others whichever way it ends.
 """
@@ -16,7 +17,10 @@ import signal
 import sys
 import time
 
+from jaxllm import console
 from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
+
+_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a writer whose reader left
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.guard()  # a closed stdout or stderr never raises from here on
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -76,12 +81,19 @@ def main(argv: list[str] | None = None) -> int:
             pieces = llm.stream(args.prompt[0], **sampling)  # checks the arguments before the prompt is echoed
             sys.stdout.write(args.prompt[0])
             for piece in pieces:
+                if console.closed():
+                    break  # leaving the stream cancels the request
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            sys.stdout.flush()
         else:
             for prompt, completion in zip(args.prompt, llm.generate(args.prompt, **sampling)):
-                print(f"{prompt}{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]")
+                print(f"{prompt}{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]",
+                      flush=True)
+        if console.closed():
+            print(f"{parser.prog}: stdout closed; stopped", file=sys.stderr)
+            return _STDOUT_CLOSED
         stats = llm.core.stats()
         lending = (f", {stats.loans_total} rBlocks lent between instances, {stats.preemptions_total} preemptions"
                    if args.instances > 1 else "")

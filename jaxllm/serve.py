@@ -13,7 +13,8 @@ still loading, it simply exits 0).
 A multi-process run: SIGTERM or SIGINT to any process stops the whole run as above (a follower passes it
 to process 0). When another process dies, process 0 stops serving at once: health NOT_SERVING and HTTP
 503, every request in flight ends with an error naming the dead process (gRPC INTERNAL, HTTP 500), and it
-exits with status 1 after one line saying which process died.
+exits with status 1 after one line saying which process died. A closed stdout or stderr is no failure:
+the messages are dropped and serving goes on.
 
 This entry point is the one place `jaxllm` reaches up into `serve` (the gRPC layer), and only
 inside `main`, so importing jaxllm never imports grpc.
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 
+from jaxllm import console
 from jaxllm.engine.threaded import Engine
 from jaxllm.model.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
@@ -105,6 +107,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.guard()  # a closed stdout or stderr never raises from here on (a launcher that died, a pipe closed)
     parser = build_parser()
     args = parser.parse_args(argv)
     from serve.server import Server, ServerConfig  # the one upward import; see the module docstring

@@ -56,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    handlers = {}
     if is_leader():
         # SIGTERM and SIGINT unwind like an error (once: a second one must not cut that unwinding short), so
         # the finally below still stops the other processes.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, _terminate)
+        handlers = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGTERM, signal.SIGINT)}
     from jaxllm import EngineOptions, LLM  # after argument parsing, so --help is instant
     from sharding import multihost
 
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if llm is not None and not multihost.peer_lost():
             llm.close()  # a multi-process run: the other processes stop following and exit
+        for signum, handler in handlers.items():  # main() may run inside another program (tests)
+            signal.signal(signum, handler)
     return 0
 
 

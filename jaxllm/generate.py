@@ -2,6 +2,12 @@
 
 With no --model it runs the embedded `tiny` default (deterministic random weights, byte-level
 tokenizer), offline.
+
+Exit status: 0 done; 2 a usage error (flags, model, prompt) or a multi-process run that did not start in
+time; 1 a process of the run died; 141 a write to stdout failed because its reader left (`... | head -c 1`:
+it stops at once, as a program killed by SIGPIPE would, and says so on stderr); 143 SIGTERM, 130 SIGINT. SIGTERM or SIGINT
+to any process of a multi-process run stops the run (a follower passes it to process 0), and process 0
+stops the others whichever way it ends.
 """
 
 from __future__ import annotations
@@ -11,7 +17,10 @@ import signal
 import sys
 import time
 
+from jaxllm import console
 from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
+
+_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a writer whose reader left
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,14 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.guard()  # a closed stdout or stderr never raises from here on
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        start_processes(args)  # before anything touches a device
+        start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    handlers = {}
+    if is_leader():
+        # SIGTERM and SIGINT unwind like an error (once: a second one must not cut that unwinding short), so
+        # the finally below still stops the other processes.
+        handlers = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGTERM, signal.SIGINT)}
     from jaxllm import EngineOptions, LLM  # after argument parsing, so --help is instant
+    from sharding import multihost
 
     llm = None
     try:
@@ -58,8 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
             llm.executor.follow()
             return 0
-        # SIGTERM unwinds like an error, so the finally below still stops the other processes.
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=args.stop)
         start = time.perf_counter()
@@ -67,12 +81,19 @@ def main(argv: list[str] | None = None) -> int:
             pieces = llm.stream(args.prompt[0], **sampling)  # checks the arguments before the prompt is echoed
             sys.stdout.write(args.prompt[0])
             for piece in pieces:
+                if console.closed():
+                    break  # leaving the stream cancels the request
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            sys.stdout.flush()
         else:
             for prompt, completion in zip(args.prompt, llm.generate(args.prompt, **sampling)):
-                print(f"{prompt}{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]")
+                print(f"{prompt}{completion.text}\n[{len(completion.token_ids)} tokens, {completion.finish_reason}]",
+                      flush=True)
+        if console.closed():
+            print(f"{parser.prog}: stdout closed; stopped", file=sys.stderr)
+            return _STDOUT_CLOSED
         stats = llm.core.stats()
         lending = (f", {stats.loans_total} rBlocks lent between instances, {stats.preemptions_total} preemptions"
                    if args.instances > 1 else "")
@@ -80,12 +101,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{llm.executor.xla_compiles} by XLA{lending}]",
               file=sys.stderr)
     except (ValueError, FileNotFoundError, MemoryError) as e:
+        if multihost.peer_lost(2.0):  # a collective failed because a process died: the watch ends this process
+            return 1                  # with the line naming it (sharding.liveness)
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     finally:
-        if llm is not None:
+        if llm is not None and not multihost.peer_lost():
             llm.close()  # a multi-process run: the other processes stop following and exit
+        for signum, handler in handlers.items():  # main() may run inside another program (tests)
+            signal.signal(signum, handler)
     return 0
+
+
+def _terminate(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)
+    sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
     --coordinator HOST:PORT --num-processes P --process-id I
                                                       a multi-process run (or JAX_COORDINATOR_ADDRESS,
                                                       JAX_NUM_PROCESSES, JAX_PROCESS_ID)
+    --coordinator-timeout S                           how long joining may take (or
+                                                      JAXLLM_COORDINATOR_TIMEOUT; default 300 s)
 
 `start_processes` must run before anything touches a device (jax.distributed.initialize's rule).
 """
@@ -29,14 +31,23 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
                    help="processes in the run (default: $JAX_NUM_PROCESSES, else 1)")
     g.add_argument("--process-id", type=int, default=None, metavar="I",
                    help="this process's index, 0 .. P-1; process 0 schedules and serves (default: $JAX_PROCESS_ID)")
+    g.add_argument("--coordinator-timeout", type=float, default=None, metavar="S",
+                   help="seconds to wait for the coordinator and every process to join; past them the process "
+                        "exits with status 2, naming the address (default: $JAXLLM_COORDINATOR_TIMEOUT, else 300)")
 
 
-def start_processes(args: argparse.Namespace) -> bool:
-    """Join the multi-process run the flags (or the JAX_* variables) name; whether this is one.
-    Raises ValueError on an incomplete or malformed set."""
+def start_processes(args: argparse.Namespace, prog: str) -> bool:
+    """Join the multi-process run the flags (or the JAX_* variables) name; whether this is one. Raises
+    ValueError on an incomplete or malformed set; a run that does not start in time ends the process
+    (status 2, `prog: error: ...` naming the coordinator). A follower's SIGTERM / SIGINT then goes to
+    process 0, which stops the whole run (sharding.liveness)."""
     from sharding import multihost
 
-    return multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+    joined = multihost.initialize(args.coordinator, args.num_processes, args.process_id,
+                                  timeout=args.coordinator_timeout, prog=prog)
+    if joined:
+        multihost.forward_signals()
+    return joined
 
 
 def is_leader() -> bool:

@@ -10,6 +10,12 @@ still loading, it simply exits 0).
 --http-port P also serves the OpenAI-compatible HTTP API (serve/http) on the same engine;
 --http-only serves that alone. SIGTERM drains both together.
 
+A multi-process run: SIGTERM or SIGINT to any process stops the whole run as above (a follower passes it
+to process 0). When another process dies, process 0 stops serving at once: health NOT_SERVING and HTTP
+503, every request in flight ends with an error naming the dead process (gRPC INTERNAL, HTTP 500), and it
+exits with status 1 after one line saying which process died. A closed stdout or stderr is no failure:
+the messages are dropped and serving goes on.
+
 This entry point is the one place `jaxllm` reaches up into `serve` (the gRPC layer), and only
 inside `main`, so importing jaxllm never imports grpc.
 """
@@ -23,12 +29,14 @@ import sys
 import threading
 import time
 
+from jaxllm import console
 from jaxllm.engine.threaded import Engine
 from jaxllm.model.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
 from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
 from jaxllm.model.checkpoints import MODEL_DTYPES
 from jaxllm.model.config import PRESETS
+from sharding import multihost
 
 
 def check_model_name(model: str) -> None:
@@ -99,6 +107,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.guard()  # a closed stdout or stderr never raises from here on (a launcher that died, a pipe closed)
     parser = build_parser()
     args = parser.parse_args(argv)
     from serve.server import Server, ServerConfig  # the one upward import; see the module docstring
@@ -108,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model_name(args.model)
         options = engine_options(args)
-        start_processes(args)  # before anything touches a device
+        start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -136,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = threading.Event()
     loading = True
+    engine = None
 
     def on_signal(signum, frame):
         if loading:
@@ -143,8 +153,25 @@ def main(argv: list[str] | None = None) -> int:
             # (even a GC hook) and be swallowed: leave at once instead.
             print(f"jaxllm: {signal.Signals(signum).name} while loading; exiting", file=sys.stderr, flush=True)
             sys.stdout.flush()
+            multihost.stopping()  # the other processes of a run leave too, as on a stop
             os._exit(0)
         stop.set()
+
+    def on_run_end(message: str, status: int) -> None:
+        """Another process of the run died (sharding.liveness, on its thread): no step can run any more."""
+        print(f"{parser.prog}: error: {message}; stopping", file=sys.stderr, flush=True)
+        if engine is not None:
+            engine.fail(message)  # every request in flight ends with this error; new ones are refused
+        if http:
+            http.stop_accepting()
+        if server:
+            server.stop_now(1.0)  # health NOT_SERVING; streams send their error
+        if http:
+            http.shutdown(2.0)
+        sys.stdout.flush()
+        os._exit(status)  # the main thread may wait for a step that never ends
+
+    multihost.on_end(on_run_end)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -172,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
             llm.warm_up(progress=not args.quiet)
-        engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=args.max_queue)
+        engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=args.max_queue, step_error=_step_error)
         for front in (server, http):
             if front is not None:
                 front.attach(engine, args.model)
@@ -193,17 +220,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jaxllm serving {args.model} on {where}", flush=True)
     stop.wait()
     print(f"jaxllm: shutting down (grace period {config.grace_period_s:g} s)", file=sys.stderr, flush=True)
-    if http:
-        http.stop_accepting()  # 503 from now; its streams drain with the engine below
-    if server:
-        server.shutdown()  # drains the engine (HTTP streams too) within the grace period
-    else:
-        engine.shutdown(config.grace_period_s)
-    if http:
-        http.shutdown()
-    llm.close()  # no step runs any more: the other processes of a multi-process run stop following and exit
+    try:
+        if http:
+            http.stop_accepting()  # 503 from now; its streams drain with the engine below
+        if server:
+            server.shutdown()  # drains the engine (HTTP streams too) within the grace period
+        else:
+            engine.shutdown(config.grace_period_s)
+        if http:
+            http.shutdown()
+    finally:
+        llm.close()  # no step runs any more: the other processes of a multi-process run stop following and exit
     print("jaxllm: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _step_error(e: Exception) -> str:
+    """What a failed step's requests are told: on a multi-process run a collective fails when a process dies
+    (gloo may raise before the watch reports it), so the watch's message naming that process wins."""
+    return multihost.peer_lost(2.0) or f"{type(e).__name__}: {e}"
 
 
 def _follow(args, options: EngineOptions) -> int:

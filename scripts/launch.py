@@ -6,8 +6,14 @@ Each process gets the command with `--coordinator 127.0.0.1:PORT --num-processes
 appended (and the same in JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, which
 sharding.multihost.initialize reads when the flags are not parsed). --cpu-devices D gives each process
 D CPU devices (JAX_PLATFORMS=cpu, collectives through gloo); --gpus-per-process G gives process I the
-GPUs I*G .. I*G + G - 1 (CUDA_VISIBLE_DEVICES). Output is prefixed with the process id. When one process
-fails the others are terminated; the exit status is the first failure's, else 0.
+GPUs I*G .. I*G + G - 1 (CUDA_VISIBLE_DEVICES). Output is prefixed with the process id (and dropped,
+not blocked, once this script's own stdout is closed).
+
+Ending: when one process fails the others get SIGTERM; the exit status is the first failure's. SIGTERM or
+SIGINT to this script goes to every process (each runs in its own session, so a terminal's Ctrl-C reaches
+them through this script only, once); the exit status is then theirs (the first non-zero, else 0). Either
+way, processes still running --grace-period seconds later (default 30) get SIGKILL: none is left behind.
+A process killed by signal N counts as status 128 + N; --timeout's expiry is 124.
 
 Several hosts: run the program once per host yourself, with the same --coordinator HOST0:PORT (an
 address of host 0 the others can reach), --num-processes P and each host's own --process-id; this
@@ -18,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 
 def free_port() -> int:
@@ -49,55 +57,110 @@ def process_env(base: dict, *, coordinator: str, num_processes: int, process_id:
 
 
 def _pump(stream, prefix: str) -> None:
+    """Copy a process's output to ours, line by line; once ours is closed, keep reading (so the process
+    never blocks on a full pipe) and drop it."""
+    out = sys.stdout
     for line in iter(stream.readline, b""):
-        sys.stdout.write(f"{prefix}{line.decode(errors='replace')}")
-        sys.stdout.flush()
+        if out is None:
+            continue
+        try:
+            out.write(f"{prefix}{line.decode(errors='replace')}")
+            out.flush()
+        except (OSError, ValueError):  # our reader went away
+            out = None
+
+
+def _status(returncode: int) -> int:
+    """A process's exit status as a shell shows it (killed by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def launch(command: list[str], *, num_processes: int, cpu_devices: int | None = None,
            gpus_per_process: int | None = None, port: int | None = None, timeout: float | None = None,
-           append_flags: bool = True) -> int:
-    """Run `command` as `num_processes` processes and wait for all; returns the exit status."""
+           append_flags: bool = True, grace_period: float = 30.0) -> int:
+    """Run `command` as `num_processes` processes and wait for all; returns the exit status (module docstring)."""
     if num_processes <= 0:
         raise ValueError(f"--num-processes must be positive, got {num_processes}")
+    if grace_period < 0:
+        raise ValueError(f"--grace-period must be >= 0, got {grace_period}")
     if not command:
         raise ValueError("no command to launch (put it after `--`)")
     coordinator = f"127.0.0.1:{port or free_port()}"
     procs, pumps = [], []
-    for i in range(num_processes):
-        flags = ["--coordinator", coordinator, "--num-processes", str(num_processes), "--process-id", str(i)]
-        env = process_env(os.environ, coordinator=coordinator, num_processes=num_processes, process_id=i,
-                          cpu_devices=cpu_devices, gpus_per_process=gpus_per_process)
-        proc = subprocess.Popen(command + (flags if append_flags else []), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
-        procs.append(proc)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{i}] "), daemon=True)
-        pump.start()
-        pumps.append(pump)
+    signals: list[int] = []
+    restore = _forward_signals(signals, procs)
+    try:
+        for i in range(num_processes):
+            flags = ["--coordinator", coordinator, "--num-processes", str(num_processes), "--process-id", str(i)]
+            env = process_env(os.environ, coordinator=coordinator, num_processes=num_processes, process_id=i,
+                              cpu_devices=cpu_devices, gpus_per_process=gpus_per_process)
+            proc = subprocess.Popen(command + (flags if append_flags else []), env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(proc)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{i}] "), daemon=True)
+            pump.start()
+            pumps.append(pump)
+        if signals:  # one came while starting: the processes started since have not had it
+            _send(procs, signals[0])
+        return _wait(procs, pumps, signals, timeout, grace_period)
+    finally:
+        _stop(procs, grace_period)  # only the processes this call started; a no-op once all ended
+        restore()
+
+
+def _wait(procs, pumps, signals: list[int], timeout: float | None, grace_period: float) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     status = 0
-    try:
-        while any([p.poll() is None for p in procs]):  # a list: poll every process, not up to the first running
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed or (deadline is not None and time.monotonic() > deadline):
-                status = failed[0] if failed else 124
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:  # only the processes this call started
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for pump in pumps:
-            pump.join(timeout=5)
+    while any([p.poll() is None for p in procs]):  # a list: poll every process, not up to the first running
+        failed = [_status(p.returncode) for p in procs if p.returncode not in (None, 0)]
+        if signals:
+            break  # they have it: wait for them below
+        if failed or (deadline is not None and time.monotonic() > deadline):
+            status = failed[0] if failed else 124
+            break
+        time.sleep(0.05)
+    _stop(procs, grace_period, terminate=not signals)
+    for pump in pumps:
+        pump.join(timeout=5)
     if status == 0:
-        status = next((p.returncode for p in procs if p.returncode != 0), 0)
+        status = next((_status(p.returncode) for p in procs if p.returncode != 0), 0)
     return status
+
+
+def _send(procs, signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+
+def _stop(procs, grace_period: float, terminate: bool = True) -> None:
+    """SIGTERM (unless they already had a signal) to the processes still running, SIGKILL past the grace period."""
+    if terminate:
+        _send(procs, signal.SIGTERM)
+    deadline = time.monotonic() + grace_period
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _forward_signals(signals: list[int], procs: list) -> Callable[[], None]:
+    """SIGTERM / SIGINT to this script: recorded in `signals` and sent to every process started; returns
+    what puts the old handlers back. Only the main thread can take signals (elsewhere: nothing is done)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def forward(signum, frame):
+        signals.append(signum)
+        _send(procs, signum)
+
+    old = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(signum, handler) for signum, handler in old.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,15 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     devices.add_argument("--gpus-per-process", type=int, help="GPUs per process (CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--port", type=int, help="coordinator port (default: a free one)")
     parser.add_argument("--timeout", type=float, help="seconds before every process is stopped (exit 124)")
+    parser.add_argument("--grace-period", type=float, default=30.0,
+                        help="seconds processes get to end after SIGTERM before SIGKILL (default: 30)")
     parser.add_argument("--no-flags", action="store_true",
                         help="do not append --coordinator/--num-processes/--process-id (the environment still has them)")
     args = parser.parse_args(argv)
     try:
-        return launch(command, num_processes=args.num_processes, cpu_devices=args.cpu_devices,
-                      gpus_per_process=args.gpus_per_process, port=args.port, timeout=args.timeout,
-                      append_flags=not args.no_flags)
+        status = launch(command, num_processes=args.num_processes, cpu_devices=args.cpu_devices,
+                        gpus_per_process=args.gpus_per_process, port=args.port, timeout=args.timeout,
+                        append_flags=not args.no_flags, grace_period=args.grace_period)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except OSError:  # our reader went away: nothing left to say, and no error at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
 
 
 if __name__ == "__main__":

@@ -269,6 +269,16 @@ class Server:
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
+    def stop_now(self, grace_s: float = 1.0) -> None:
+        """Stop without draining: the engine failed for good (Engine.fail already ended every stream with
+        its error). Health turns NOT_SERVING, streams get up to grace_s to send their last message, and
+        nothing waits for the engine's thread."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self._grpc.stop(grace=grace_s).wait()
+
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop accepting; let in-flight streams finish for up to grace_s, cancel the rest; stop serving.
 

@@ -16,7 +16,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from jaxllm.contract import SamplingParams
 from jaxllm.engine.core import EngineCore, EngineInfo, EngineStats, Request, RequestOutput
@@ -78,9 +78,12 @@ class Engine:
       tokenizer: encodes text prompts (the core's own).
       info: what the core runs (`LLM.info()`); `info()` returns it with `max_queue` set.
       max_waiting: requests waiting to run before `submit` raises QueueFull.
+      step_error: the error a failed step's requests end with, from its exception (default: the exception's
+        type and text); a multi-process server names the process that died instead (jaxllm/serve.py).
     """
 
-    def __init__(self, core: EngineCore, tokenizer, info: EngineInfo, *, max_waiting: int = 1024):
+    def __init__(self, core: EngineCore, tokenizer, info: EngineInfo, *, max_waiting: int = 1024,
+                 step_error: Callable[[Exception], str] | None = None):
         limits = core.limits
         if (info.context_limit, info.vocab_size) != (limits.context_limit, limits.vocab_size):
             raise ValueError(f"info describes another engine: context limit {info.context_limit} and vocabulary "
@@ -88,6 +91,7 @@ class Engine:
                              f"{limits.vocab_size}")
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
+        self._step_error = step_error or (lambda e: f"{type(e).__name__}: {e}")
         self._core = core
         self._info = dataclasses.replace(info, max_queue=max_waiting)
         self._lock = threading.Condition()
@@ -96,6 +100,7 @@ class Engine:
         self._streams: dict[int, RequestStream] = {}  # accepted, not yet final, by request id
         self._ids = itertools.count()
         self._accepting = True
+        self._failure: str | None = None  # why the engine cannot run any more steps (fail)
         self._stop = False
         self._requests_rejected = 0
         self._core_ids: dict[int, int] = {}  # engine thread only: request id -> core request id
@@ -125,7 +130,7 @@ class Engine:
         now = time.monotonic()
         with self._lock:
             if not self._accepting:
-                raise EngineStopped("the server is shutting down")
+                raise EngineStopped(self._failure or "the server is shutting down")
             waiting = len(self._incoming) + self._core.stats().queue_depth
             if waiting + len(requests) > self.max_waiting:
                 self._requests_rejected += len(requests)
@@ -183,6 +188,23 @@ class Engine:
             self._lock.notify_all()
         self._thread.join(timeout=max(grace_s, 1.0) + 5.0)
 
+    def fail(self, error: str) -> None:
+        """The engine can run no more steps (a process of a multi-process run died): refuse new requests
+        (EngineStopped naming `error`) and end every accepted request now with one "error" output naming
+        it. Runs on the caller's thread and waits for nothing: the engine's thread may be blocked for good
+        in a step whose collective lost a peer."""
+        with self._lock:
+            self._accepting = False
+            self._failure = error
+            self._stop = True
+            self._cancels.update(self._streams)  # should the engine's thread come back, it frees them
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._incoming.clear()
+            self._lock.notify_all()
+        for stream in streams:
+            stream.put(RequestOutput(stream.request_id, "", (), stream.prompt_tokens, 0, "error", error=error))
+
     def idle(self) -> bool:
         """No request accepted and unfinished, and no step in flight."""
         with self._lock:
@@ -227,8 +249,9 @@ class Engine:
                     self._emit(output)
             except Exception as e:  # a failed step fails its requests, not the server
                 core.drop_in_flight()  # dropped unrecorded: harmless (EngineCore says why)
+                error = self._step_error(e)
                 for core_id in list(self._by_core_id):
-                    self._emit(core.cancel(core_id), error=f"{type(e).__name__}: {e}")
+                    self._emit(core.cancel(core_id), error=error)
 
     def _emit(self, output: RequestOutput | None, error: str | None = None) -> None:
         """Hand a core output to its stream, under the stream's request id; `error` makes it an "error"."""
@@ -245,6 +268,8 @@ class Engine:
         self._deliver(stream, dataclasses.replace(output, request_id=stream.request_id))
 
     def _deliver(self, stream: RequestStream, output: RequestOutput) -> None:
+        if stream.finished.is_set():  # fail() ended it already
+            return
         if output.finished:
             with self._lock:
                 self._streams.pop(stream.request_id, None)

@@ -74,6 +74,51 @@ def test_a_failed_step_ends_its_requests_with_one_error_output(llm, engine, monk
     assert list(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=2)))[-1].finish_reason in ("length", "stop")
 
 
+def test_step_error_names_what_failed(llm, monkeypatch):
+    """A multi-process server tells a failed step's requests which process died (jaxllm/serve.py's step_error)."""
+    def dispatch(plan, *, token_source=None):
+        raise ValueError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer")
+
+    monkeypatch.setattr(llm.executor, "dispatch", dispatch)
+    engine = Engine(llm.core, llm.tokenizer, llm.info(), step_error=lambda e: "process 1 of 2 died")
+    try:
+        (output,) = list(engine.submit([5, 6, 7], SamplingParams(max_new_tokens=4)))
+    finally:
+        engine.shutdown(grace_s=5.0)
+    assert (output.finish_reason, output.error) == ("error", "process 1 of 2 died")
+
+
+def test_fail_ends_every_request_now_and_refuses_new_ones(llm, monkeypatch):
+    """Engine.fail from another thread, while the engine's thread is blocked in a step that never returns
+    (a collective that lost a peer): every stream ends at once with the error, new requests are refused."""
+    import threading
+
+    blocked, release = threading.Event(), threading.Event()
+    dispatch = llm.executor.dispatch
+
+    def stuck(plan, *, token_source=None):
+        blocked.set()
+        release.wait()
+        return dispatch(plan, token_source=token_source)
+
+    monkeypatch.setattr(llm.executor, "dispatch", stuck)
+    engine = Engine(llm.core, llm.tokenizer, llm.info())
+    try:
+        streams = [engine.submit([5, 6, i], SamplingParams(max_new_tokens=4)) for i in range(2)]
+        assert blocked.wait(30)
+        engine.fail("process 1 of 2 died")
+        for stream in streams:
+            (output,) = list(stream)
+            assert (output.request_id, output.finish_reason, output.error) == (stream.request_id, "error",
+                                                                              "process 1 of 2 died")
+        with pytest.raises(EngineStopped, match="process 1 of 2 died"):
+            engine.submit([5], SamplingParams(max_new_tokens=1))
+    finally:
+        release.set()  # the step comes back (here it can): its outputs go nowhere, the thread ends
+        engine.shutdown(grace_s=5.0)
+    assert all(stream.finished.is_set() for stream in streams)
+
+
 def test_submit_checked_queues_all_or_none(engine):
     before = engine.stats()
     requests = [Request([7, i], SamplingParams(max_new_tokens=1)) for i in range(3)]

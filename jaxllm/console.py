@@ -1,0 +1,85 @@
+"""Standard output and error that outlive their reader: the entry points' prints never raise.
+
+`python -m jaxllm.generate ... | head -c 1` closes generate's stdout after one byte; a server whose
+launcher died writes into a pipe nobody reads. Python then raises BrokenPipeError at the next write,
+anywhere (a progress bar, a shutdown message, a worker thread), and once more when it flushes at exit.
+`guard()` (entry points only, first thing) wraps sys.stdout and sys.stderr: the first failed write points
+the stream's file descriptor at /dev/null (so later writes, C++ logs and the flush at exit go there
+quietly) and marks the stream closed; `closed("stdout")` tells a caller whose output is the product
+(generate) to stop.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+_closed: set[str] = set()
+
+
+class _Guarded(io.TextIOBase):
+    """A text stream whose writes never raise once its reader is gone (see the module docstring)."""
+
+    def __init__(self, name: str, stream):
+        self._name = name
+        self._stream = stream
+
+    def _lost(self) -> None:
+        _closed.add(self._name)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor to redirect: drop writes only
+            pass
+
+    def write(self, text: str) -> int:
+        if self._name not in _closed:
+            try:
+                self._stream.write(text)
+            except (OSError, ValueError):
+                self._lost()
+        return len(text)
+
+    def flush(self) -> None:
+        if self._name in _closed:
+            return
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            self._lost()
+
+    def isatty(self) -> bool:
+        return self._name not in _closed and self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self):
+        return self._stream.encoding
+
+    def writable(self) -> bool:
+        return True
+
+    def __getattr__(self, name):  # anything else (buffer, errors, ...) is the stream's
+        return getattr(self._stream, name)
+
+
+def guard() -> None:
+    """Wrap sys.stdout and sys.stderr (see the module docstring); a stream Python found closed at start
+    (sys.stdout is None) counts as closed. Idempotent."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Guarded):
+            continue
+        if stream is None:
+            _closed.add(name)
+            stream = open(os.devnull, "w")
+        setattr(sys, name, _Guarded(name, stream))
+
+
+def closed(name: str = "stdout") -> bool:
+    """Whether the reader of sys.stdout (or "stderr") went away."""
+    return name in _closed

@@ -77,6 +77,13 @@ class EngineOptions:
     # Top tokens a request may ask log-probabilities of (SamplingParams.logprobs); 0: none, and no
     # logprob step variants are compiled.
     max_logprobs: int = 0
+    # frequency / presence / repetition penalties and logit_bias (vLLM's semantics: jaxllm.contract.sampling_params).
+    # On, each instance keeps max_seqs rows of penalty state on the device, 5 bytes a vocabulary entry (41 MB
+    # for a 32K vocabulary at max_seqs 256, 164 MB for 128K: jaxllm.executor.penalties); sampling steps read
+    # their rows, greedy steps without penalties do not. False: no state, and requests using any of the four
+    # are refused. max_logit_bias: logit_bias entries one request may give (a fixed width of every step's inputs).
+    penalties: bool = True
+    max_logit_bias: int = 64
     # Which kernels each step runs: "auto" (the learned tuner if a cost model was trained for this
     # device kind, else "fixed", said once) or "fixed" (the backend's defaults for every bucket).
     tuner: str = "auto"
@@ -95,8 +102,12 @@ class EngineOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        for name in ("max_logprobs", "max_logit_bias"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.penalties, bool):
+            raise ValueError(f"penalties must be True or False, got {self.penalties!r}")
         if not (0.0 < self.kv_memory_fraction <= 1.0):
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         for name in ("block_size", "num_blocks", "max_tokens_per_step"):
@@ -184,7 +195,8 @@ class LLM:
         self.executor = Executor(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
                                  table_width=-(-longest // block_size), kernels=base, mesh=self.mesh,
                                  instances=instances, borrowing=lending, max_logprobs=self.options.max_logprobs,
-                                 tuner=self._tuner(base, step_model.config, pool_dtype, block_size, progress))
+                                 tuner=self._tuner(base, step_model.config, pool_dtype, block_size, progress),
+                                 penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias)
         if instances > 1:
             self.scheduler = InstanceSchedulers(instances, num_blocks, block_size, max_tokens_per_step=max_step,
                                                 max_seqs=self.options.max_seqs, lending=self.options.lending,
@@ -201,7 +213,8 @@ class LLM:
                                     vocab_size=self.config.vocab_size, max_logprobs=self.options.max_logprobs,
                                     default_max_tokens=self.options.default_max_tokens,
                                     max_stop_strings=self.options.max_stop_strings,
-                                    max_stop_length=self.options.max_stop_length)
+                                    max_stop_length=self.options.max_stop_length,
+                                    penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias)
         self.core = EngineCore(self.scheduler, self.executor, self.tokenizer, self.limits,
                                pipeline=self.options.pipeline)
 
@@ -347,7 +360,8 @@ class LLM:
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int = 0, stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> list[Completion]:
+                 prompt_logprobs: int | None = None, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None) -> list[Completion]:
         """Complete each prompt (text, or a list of token ids); all prompts run together, continuously batched.
 
         A prompt may have at most context_limit - 1 tokens, and max_new_tokens may be at most the room
@@ -361,6 +375,10 @@ class LLM:
         prompt_logprobs: None, or k <= EngineOptions.max_logprobs: each Completion carries every prompt token's
         log-probability given the tokens before it (None for the first) and the k most likely there, computed
         in the prefill steps (such a prompt takes nothing from the prefix cache); max_new_tokens may then be 0.
+        frequency_penalty, presence_penalty (in [-2, 2], 0 off), repetition_penalty (> 0, 1 off), logit_bias
+        ({token id: bias in [-100, 100]}, at most EngineOptions.max_logit_bias entries): vLLM's semantics
+        (jaxllm.contract.sampling_params), applied before temperature / top-k / top-p and the greedy argmax;
+        log-probabilities stay the model's raw ones.
         """
         temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -369,7 +387,9 @@ class LLM:
             raise ValueError("prompts is empty")
         sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, max_tokens_name="max_new_tokens")
+                        prompt_logprobs=prompt_logprobs, frequency_penalty=frequency_penalty,
+                        presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
+                        logit_bias=logit_bias, max_tokens_name="max_new_tokens")
         outputs = self.run(self._requests(prompts, sampling))
         completions = []
         for outs in outputs.values():
@@ -383,7 +403,8 @@ class LLM:
     def stream(self, prompt: str | Seq[int], *, max_new_tokens: int, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
-               ignore_eos: bool = False) -> Iterator[str]:
+               ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+               repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None) -> Iterator[str]:
         """Yield text pieces of one completion as its tokens are produced (arguments as generate's).
 
         Text that could still grow into a stop string is held back until it cannot.
@@ -391,6 +412,8 @@ class LLM:
         temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         sampling = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                        repetition_penalty=repetition_penalty, logit_bias=logit_bias,
                         max_tokens_name="max_new_tokens")
         # Checked now, so a bad argument raises here rather than at the first next(); queued when iterated.
         return self._stream(self._requests([prompt], sampling)[0])

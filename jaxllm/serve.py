@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=20, help="top tokens a request may ask log-probabilities of "
                    "(OpenAI logprobs / top_logprobs); 0 refuses logprobs and compiles no logprob step variants "
                    "(default: 20)")
+    p.add_argument("--no-penalties", action="store_true", help="refuse frequency / presence / repetition penalties "
+                   "and logit_bias, and keep no penalty state on the device (5 bytes x vocabulary x --max-running per "
+                   "instance: 41 MB for a 32K vocabulary at 256)")
+    p.add_argument("--max-logit-bias", type=int, default=64,
+                   help="logit_bias entries one request may give (default: 64)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none (default: 256)")
     p.add_argument("--max-stop-strings", type=int, default=16, help="stop strings one request may give (default: 16)")
     p.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string (default: 256)")
@@ -101,7 +106,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
                          prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
                          lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
-                         tuner=args.tuner, compile_cache_dir=args.compile_cache,
+                         tuner=args.tuner, compile_cache_dir=args.compile_cache, penalties=not args.no_penalties,
+                         max_logit_bias=args.max_logit_bias,
                          default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
                          max_stop_length=args.max_stop_length)
 

@@ -29,14 +29,26 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     request = pb.GenerateRequest(prompt=args.prompt, temperature=args.temperature, top_k=args.top_k,
-                                 stop=args.stop or [], ignore_eos=args.ignore_eos)
+                                 stop=args.stop or [], ignore_eos=args.ignore_eos,
+                                 frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                                 logit_bias=dict(args.logit_bias or []))
     if args.seed is not None:
         request.seed = args.seed
     if args.max_tokens is not None:
         request.max_tokens = args.max_tokens
     if args.top_p is not None:
         request.top_p = args.top_p
+    if args.repetition_penalty is not None:
+        request.repetition_penalty = args.repetition_penalty
     return request
+
+
+def _bias(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="reproducible sampling (default: a fresh random seed)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 is off")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0 (default: the server's 1, off)")
+    p.add_argument("--logit-bias", action="append", type=_bias, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to a token's logit (repeatable)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
                    help="sent as 'authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: none)")

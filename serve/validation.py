@@ -31,5 +31,8 @@ def to_engine_request(request, tokenizer, limits: RequestLimits) -> tuple[list[i
         temperature=float(request.temperature), top_k=int(request.top_k),
         top_p=float(request.top_p) if request.HasField("top_p") else 1.0,
         seed=int(request.seed) if request.HasField("seed") else random_seed(),
-        stop=tuple(request.stop), ignore_eos=bool(request.ignore_eos))
+        stop=tuple(request.stop), ignore_eos=bool(request.ignore_eos),
+        frequency_penalty=float(request.frequency_penalty), presence_penalty=float(request.presence_penalty),
+        repetition_penalty=float(request.repetition_penalty) if request.HasField("repetition_penalty") else 1.0,
+        logit_bias={int(token): float(bias) for token, bias in request.logit_bias.items()})
     return ids, params

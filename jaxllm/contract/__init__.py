@@ -2,7 +2,8 @@
 parameters, as plain values (NumPy, no jax), so each of those packages can speak of a step without
 importing another."""
 
-from jaxllm.contract.sampling_params import SEED_LIMIT, SamplingParams
-from jaxllm.contract.step_plan import PENDING_TOKEN, StepPlan, kv_extent_of
+from jaxllm.contract.sampling_params import BIAS_LIMIT, PENALTY_LIMIT, SEED_LIMIT, SamplingParams
+from jaxllm.contract.step_plan import PENDING_TOKEN, LogitBias, RowPenalties, StepPlan, kv_extent_of
 
-__all__ = ["PENDING_TOKEN", "SEED_LIMIT", "SamplingParams", "StepPlan", "kv_extent_of"]
+__all__ = ["BIAS_LIMIT", "PENALTY_LIMIT", "PENDING_TOKEN", "SEED_LIMIT", "LogitBias", "RowPenalties", "SamplingParams",
+           "StepPlan", "kv_extent_of"]

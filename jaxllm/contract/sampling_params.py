@@ -1,15 +1,28 @@
 """How one request samples and when it stops: `SamplingParams`, plain values (no jax).
 
-The device sampler (jaxllm.executor.sampler) reads these per row; the scheduler and the request
-checks read them on the host.
+The device sampler (jaxllm.executor.sampler, jaxllm.executor.penalties) reads these per row; the scheduler
+and the request checks read them on the host.
+
+Penalties and logit bias follow vLLM (its sampler's order and formulas), applied to the logits of the token
+being sampled, in this order, before temperature, top-k and top-p (and before the greedy argmax):
+  1. logit_bias: logits[t] += bias[t] for each (token id t, bias) given, bias in [-100, 100];
+  2. repetition_penalty r > 0 (1: off): for every token t of the prompt or of the generated tokens,
+     logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r;
+  3. frequency_penalty f and presence_penalty p in [-2, 2] (0: off): logits[t] -= f * c[t] + p * (c[t] > 0),
+     c[t] the number of times t occurs among the sequence's generated tokens (not the prompt's).
+Log-probabilities (logprobs, prompt_logprobs) stay those of the model's raw distribution, before any of this
+(vLLM's default, logprobs_mode "raw_logprobs").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 SEED_LIMIT = 2**31  # seeds are in [0, SEED_LIMIT): they travel as int32
+PENALTY_LIMIT = 2.0  # frequency_penalty and presence_penalty are in [-PENALTY_LIMIT, PENALTY_LIMIT] (OpenAI, vLLM)
+BIAS_LIMIT = 100.0  # each logit_bias value is in [-BIAS_LIMIT, BIAS_LIMIT] (OpenAI)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +45,19 @@ class SamplingParams:
     # takes nothing from the prefix cache (its prompt's logits must be computed). With it, max_new_tokens may
     # be 0: the prompt is scored and nothing is generated (OpenAI's echo with max_tokens 0).
     prompt_logprobs: int | None = None
+    # The module docstring gives their semantics (vLLM's). frequency and presence penalties count generated
+    # tokens, the repetition penalty sees the prompt's and the generated ones: such a request holds a row of its
+    # instance's penalty state while it runs (`penalized`). logit_bias: (token id, bias) pairs, a dict accepted;
+    # kept sorted by token id.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on (frequency, presence or repetition): the request needs a row of penalty state."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -77,3 +103,43 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None (off) or an integer >= 0, got {value!r}")
             if value is not None:
                 object.__setattr__(self, name, int(value))
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 disables it), "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), "
+                             f"got {self.repetition_penalty!r}")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a dict or pairs; ValueError naming the bad entry."""
+    if value is None:
+        return ()
+    pairs = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [tuple(pair) for pair in pairs]
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}") from None
+    seen = set()
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"logit_bias entries are (token id, bias) pairs, got {pair!r}")
+        token, bias = pair
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise ValueError(f"logit_bias: {token!r} is not a token id (an integer >= 0)")
+        if not _is_number(bias) or not -BIAS_LIMIT <= bias <= BIAS_LIMIT:
+            raise ValueError(f"logit_bias[{token}]: the bias must be in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], "
+                             f"got {bias!r}")
+        if int(token) in seen:
+            raise ValueError(f"logit_bias names token {int(token)} twice")
+        seen.add(int(token))
+    return tuple(sorted((int(token), float(bias)) for token, bias in pairs))

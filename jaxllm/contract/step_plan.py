@@ -23,6 +23,72 @@ def kv_extent_of(kv_lens: np.ndarray) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class RowPenalties:
+    """Each row's penalties in a step where some sequence has them (SamplingParams.penalized), [S] each.
+
+    slot int32: the sequence's row of its instance's penalty state (-1: the row has no penalties, and the other
+    fields are inert); start int32: the position its first step after admission starts at (the step whose first
+    token sits there clears the slot first); prompt_len int32: its prompt's tokens; recount_end int32: its
+    tokens at admission: an input token at a position in [prompt_len, recount_end) is a generated token computed
+    again after a preemption, counted as it is read (tokens sampled later are counted as they are sampled);
+    frequency, presence, repetition float32: SamplingParams' (0, 0, 1 on a row without penalties).
+    """
+
+    slot: np.ndarray
+    start: np.ndarray
+    prompt_len: np.ndarray
+    recount_end: np.ndarray
+    frequency: np.ndarray
+    presence: np.ndarray
+    repetition: np.ndarray
+
+    def rows(self, first: int, last: int) -> RowPenalties:
+        return RowPenalties(**{f.name: getattr(self, f.name)[first:last] for f in dataclasses.fields(self)})
+
+    @staticmethod
+    def inert(rows: int) -> RowPenalties:
+        """Rows without penalties."""
+        ints = lambda: np.zeros(rows, np.int32)  # noqa: E731  (a fresh array each: callers fill them in)
+        return RowPenalties(slot=np.full(rows, -1, np.int32), start=ints(), prompt_len=ints(), recount_end=ints(),
+                            frequency=np.zeros(rows, np.float32), presence=np.zeros(rows, np.float32),
+                            repetition=np.ones(rows, np.float32))
+
+    @staticmethod
+    def join(parts: list[RowPenalties | None], sizes: list[int]) -> RowPenalties | None:
+        """Parts of `sizes` rows each, end to end (None: rows without penalties); None if every part is."""
+        if all(p is None for p in parts):
+            return None
+        parts = [RowPenalties.inert(n) if p is None else p for p, n in zip(parts, sizes)]
+        return RowPenalties(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
+                               for f in dataclasses.fields(RowPenalties)})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LogitBias:
+    """Each row's logit_bias in a step where some sequence has one: ids [S, B] int32 (-1: padding), values [S, B]
+    float32, B the most entries of any row."""
+
+    ids: np.ndarray
+    values: np.ndarray
+
+    @staticmethod
+    def join(parts: list[LogitBias | None], sizes: list[int]) -> LogitBias | None:
+        """Parts of `sizes` rows each, end to end (None: rows without a bias); None if every part is."""
+        if all(p is None for p in parts):
+            return None
+        width = max(p.ids.shape[1] for p in parts if p is not None)
+        ids = np.full((sum(sizes), width), -1, np.int32)
+        values = np.zeros((sum(sizes), width), np.float32)
+        row = 0
+        for p, n in zip(parts, sizes):
+            if p is not None:
+                ids[row:row + n, :p.ids.shape[1]] = p.ids
+                values[row:row + n, :p.ids.shape[1]] = p.values
+            row += n
+        return LogitBias(ids, values)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class StepPlan:
     """One step's work as plain numpy arrays and ids (unpadded; the executor pads them to a bucket).
 
@@ -39,6 +105,8 @@ class StepPlan:
     (whose log-probability its logits give); -1 elsewhere. None: no token of the step wants one.
     block_copies [M, 2] int32: rBlocks (global source id, global destination id) the device copies before
     this step, all reads before any write (DistKV recalls: borrowed rBlocks going home); None: none.
+    penalties: RowPenalties, when some row has penalties (None: none has); logit_bias: LogitBias, when some row has
+    a logit bias (None: none has).
     kv_extent: (total, longest) of kv_lens as Python ints; computed here unless given (the scheduler gives a
     continuation its source's, grown by one token a sequence: the tuner's per-step key reads it, so a steady
     decode step costs no reduction over the batch).
@@ -60,6 +128,8 @@ class StepPlan:
     instances: np.ndarray | None = None
     targets: np.ndarray | None = None
     block_copies: np.ndarray | None = None
+    penalties: RowPenalties | None = None
+    logit_bias: LogitBias | None = None
     kv_extent: tuple[int, int] | None = None
 
     def __post_init__(self):
@@ -74,6 +144,13 @@ class StepPlan:
             value = getattr(self, name)
             if value is not None and len(value) != s:
                 raise ValueError(f"StepPlan.{name} has {len(value)} rows, want {s} ({s} sequences)")
+        if self.penalties is not None and any(len(getattr(self.penalties, f.name)) != s
+                                              for f in dataclasses.fields(RowPenalties)):
+            raise ValueError(f"StepPlan.penalties must have {s} rows ({s} sequences)")
+        if self.logit_bias is not None and (self.logit_bias.ids.shape != self.logit_bias.values.shape
+                                            or len(self.logit_bias.ids) != s):
+            raise ValueError(f"StepPlan.logit_bias ids and values must both be [{s}, entries] ({s} sequences), got "
+                             f"{self.logit_bias.ids.shape} and {self.logit_bias.values.shape}")
         if self.targets is not None and len(self.targets) != t:
             raise ValueError(f"StepPlan.targets has {len(self.targets)} rows, want {t} ({t} tokens)")
         if self.block_copies is not None and (self.block_copies.ndim != 2 or self.block_copies.shape[1] != 2):
@@ -127,4 +204,8 @@ class StepPlan:
             kv_lens=self.kv_lens[first:last], block_tables=self.block_tables[first:last], sample=self.sample[first:last],
             temperature=self.temperature[first:last], top_k=self.top_k[first:last], top_p=self.top_p[first:last],
             seed=self.seed[first:last], logprobs=pick(self.logprobs), instances=pick(self.instances),
-            targets=None if self.targets is None else self.targets[t0:t1], kv_extent=kv_extent)
+            targets=None if self.targets is None else self.targets[t0:t1],
+            penalties=None if self.penalties is None else self.penalties.rows(first, last),
+            logit_bias=None if self.logit_bias is None else LogitBias(self.logit_bias.ids[first:last],
+                                                                      self.logit_bias.values[first:last]),
+            kv_extent=kv_extent)

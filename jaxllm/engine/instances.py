@@ -23,7 +23,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from jaxllm.contract import SamplingParams, StepPlan
+from jaxllm.contract import LogitBias, RowPenalties, SamplingParams, StepPlan
 from jaxllm.engine.distkv import GManager, InstanceSpec, RManager
 from jaxllm.engine.lending import LendingAllocator
 from jaxllm.engine.scheduler import Scheduler
@@ -216,4 +216,6 @@ def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | Non
             [np.full(p.num_tokens, -1, np.int32) if p.targets is None else p.targets for _, p in plans]),
         instances=np.concatenate([np.full(p.num_seqs, i, np.int32) for i, p in plans]),
         block_copies=block_copies,
+        penalties=RowPenalties.join([p.penalties for _, p in plans], [p.num_seqs for _, p in plans]),
+        logit_bias=LogitBias.join([p.logit_bias for _, p in plans], [p.num_seqs for _, p in plans]),
         kv_extent=(sum(p.kv_extent[0] for _, p in plans), max(p.kv_extent[1] for _, p in plans)))

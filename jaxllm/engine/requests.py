@@ -10,6 +10,9 @@ The rules, the same everywhere:
   characters; `stop=""` and `stop=[""]` are the same empty stop string and both refused;
 - logprobs and prompt_logprobs: at most `max_logprobs` top tokens per token (0: the engine returns none,
   and any request for them is refused); with prompt_logprobs, max_tokens may be 0 (score the prompt only);
+- frequency_penalty and presence_penalty in [-2, 2], repetition_penalty > 0, logit_bias values in [-100, 100]
+  (SamplingParams), logit_bias token ids in the vocabulary and at most `max_logit_bias` of them; an engine
+  started without penalties (`penalties` False) refuses all four;
 - text (a prompt, each stop string) is valid Unicode: a lone surrogate is refused naming the field
   (`check_unicode`; chat contents follow the same rule in jaxllm.model.chat);
 - a server request without a seed gets a fresh random one (`random_seed`); a given seed reproduces.
@@ -37,10 +40,14 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters per stop string
     max_logprobs: int = 0  # top tokens a request may ask log-probabilities of (0: logprobs are off)
+    penalties: bool = True  # frequency / presence / repetition penalties and logit_bias are served
+    max_logit_bias: int = 64  # logit_bias entries one request may give
 
     def __post_init__(self):
-        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        for name in ("max_logprobs", "max_logit_bias"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("context_limit", "vocab_size", "default_max_tokens", "max_stop_strings", "max_stop_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -121,6 +128,25 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: Request
     check_stop(params.stop, limits)
     check_logprobs(params.logprobs, limits, logprobs_name)
     check_logprobs(params.prompt_logprobs, limits, "prompt_logprobs")
+    check_penalties(params, limits)
+    return params
+
+
+def check_penalties(params: SamplingParams, limits: RequestLimits) -> SamplingParams:
+    """params, if the engine serves their penalties and logit bias (SamplingParams checked the ranges)."""
+    if not limits.penalties:
+        for name, off in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(params, name) != off:
+                raise ValueError(f"{name} {getattr(params, name):g} is not served: this engine was started without "
+                                 f"penalties (EngineOptions.penalties False, --no-penalties)")
+        if params.logit_bias:
+            raise ValueError("logit_bias is not served: this engine was started without penalties "
+                             "(EngineOptions.penalties False, --no-penalties)")
+    if len(params.logit_bias) > limits.max_logit_bias:
+        raise ValueError(f"logit_bias has {len(params.logit_bias)} entries, over the limit {limits.max_logit_bias}")
+    for token, _ in params.logit_bias:
+        if token >= limits.vocab_size:
+            raise ValueError(f"logit_bias: token id {token} is outside the vocabulary [0, {limits.vocab_size})")
     return params
 
 
@@ -161,7 +187,9 @@ def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                     stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                     ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                    max_tokens_name: str = "max_tokens", logprobs_name: str = "logprobs") -> SamplingParams:
+                    frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                    logit_bias=None, max_tokens_name: str = "max_tokens",
+                    logprobs_name: str = "logprobs") -> SamplingParams:
     """Build and check one request's SamplingParams; max_tokens None means the default, capped at the room.
 
     max_tokens_name, logprobs_name: what the caller calls max_tokens (LLM.generate: max_new_tokens) and
@@ -177,6 +205,8 @@ def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens
     stop = check_stop(normalize_stop(stop), limits)
     params = SamplingParams(max_new_tokens=int(max_tokens), temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
+                            logit_bias=logit_bias)
     return check_params(params, num_prompt_tokens, limits, max_tokens_name=max_tokens_name,
                         logprobs_name=logprobs_name)

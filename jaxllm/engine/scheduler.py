@@ -10,17 +10,25 @@ chained over the tokens up to its end; a sequence admitted later whose tokens st
 full rBlocks shares them and prefills only the rest (at least its last token, whose logits it
 samples from). A preempted sequence finds its own rBlocks still cached when it resumes, unless
 the pool needed them meanwhile.
+
+Penalties (SamplingParams.penalized): such a sequence holds one of max_seqs rows ("slots") of the instance's
+penalty state on the device while it runs, from admission to its finish, cancel or preemption; its plan rows
+carry the slot (StepPlan.penalties), and its first step after admission clears it. The device state learns the
+sequence's tokens by reading them as the step's inputs, so they must all be read after admission: with a
+repetition penalty (which sees the prompt) nothing comes from the prefix cache; with frequency or presence
+penalties alone (which count generated tokens) only rBlocks within the prompt do.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from jaxllm.contract import PENDING_TOKEN, SamplingParams, StepPlan
+from jaxllm.contract import PENDING_TOKEN, LogitBias, RowPenalties, SamplingParams, StepPlan
 from jaxllm.engine.allocator import BlockPool, OutOfBlocks
 from jaxllm.engine.scheduling import SchedulerStats
 from jaxllm.engine.sequence import Sequence, Status
@@ -54,6 +62,7 @@ class Scheduler:
         self.preemptions = 0  # sequences preempted so far, all together
         self._ids = seq_ids if seq_ids is not None else itertools.count()
         self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id: what a plan's ids name
+        self._free_slots = list(range(max_seqs))  # rows of the penalty state no running sequence holds (a heap)
 
     # ----- requests -----
 
@@ -115,6 +124,9 @@ class Scheduler:
             self.cached_tokens += seq.num_cached_prompt
             self.waiting.pop(0)
             seq.status = Status.RUNNING
+            if seq.params.penalized:  # running < max_seqs, and each running sequence holds at most one slot
+                seq.penalty_slot = heapq.heappop(self._free_slots)
+                seq.penalty_start, seq.penalty_recount_end = seq.num_computed, seq.num_tokens
             self.running.append(seq)
             chunks.append((seq, n))
             budget -= n
@@ -158,9 +170,11 @@ class Scheduler:
     def _share_cached_prefix(self, seq: Sequence) -> None:
         """Admission: take the longest run of cached full rBlocks that starts seq's tokens, leaving at
         least its last token to compute (its logits give the next token)."""
-        if not (self.prefix_caching and seq.reuse_prefix):
-            return
+        if not (self.prefix_caching and seq.reuse_prefix) or seq.params.repetition_penalty != 1:
+            return  # a repetition penalty reads the whole prompt into the penalty state (see the module docstring)
         usable = (seq.num_tokens - 1) // self.block_size
+        if seq.params.penalized:  # generated tokens are counted as they are read: only the prompt's rBlocks
+            usable = min(usable, len(seq.prompt_ids) // self.block_size)
         blocks = self.allocator.lookup(self._block_keys(seq, usable)[:usable])
         if blocks:
             self.allocator.share(seq.seq_id, blocks)
@@ -208,8 +222,14 @@ class Scheduler:
                     return False
                 self._preempt(victims[0])
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.penalty_slot >= 0:
+            heapq.heappush(self._free_slots, seq.penalty_slot)
+            seq.penalty_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.free(seq.seq_id)
+        self._release_slot(seq)
         self.running.remove(seq)
         seq.num_computed = seq.num_registered = 0
         seq.status = Status.WAITING
@@ -256,8 +276,32 @@ class Scheduler:
             seed=np.fromiter((p.seed for p in params), np.int32, len(rows)),
             logprobs=np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int32, len(rows)),
             targets=self._targets(rows, cu) if any(p.prompt_logprobs is not None for p in params) else None,
+            penalties=self._penalties(rows) if any(r[0].penalty_slot >= 0 for r in rows) else None,
+            logit_bias=self._logit_bias(params) if any(p.logit_bias for p in params) else None,
             kv_extent=kv_extent,
         )
+
+    @staticmethod
+    def _penalties(rows: list[tuple[Sequence, int, list[int], bool]]) -> RowPenalties:
+        seqs = [r[0] for r in rows]
+        ints = lambda values: np.fromiter(values, np.int32, len(seqs))  # noqa: E731
+        floats = lambda name: np.fromiter((getattr(s.params, name) for s in seqs), np.float32, len(seqs))  # noqa: E731
+        held = [s.penalty_slot >= 0 for s in seqs]  # a row without penalties keeps the inert values
+        return RowPenalties(
+            slot=ints(s.penalty_slot for s in seqs), start=ints(s.penalty_start for s in seqs),
+            prompt_len=ints(len(s.prompt_ids) if h else 0 for s, h in zip(seqs, held)),
+            recount_end=ints(s.penalty_recount_end if h else 0 for s, h in zip(seqs, held)),
+            frequency=floats("frequency_penalty"), presence=floats("presence_penalty"),
+            repetition=floats("repetition_penalty"))
+
+    @staticmethod
+    def _logit_bias(params: list[SamplingParams]) -> LogitBias:
+        ids = np.full((len(params), max(len(p.logit_bias) for p in params)), -1, np.int32)
+        values = np.zeros(ids.shape, np.float32)
+        for i, p in enumerate(params):
+            for j, (token, bias) in enumerate(p.logit_bias):
+                ids[i, j], values[i, j] = token, bias
+        return LogitBias(ids, values)
 
     @staticmethod
     def _targets(rows: list[tuple[Sequence, int, list[int], bool]], cu: np.ndarray) -> np.ndarray:
@@ -356,6 +400,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free(seq.seq_id)
+        self._release_slot(seq)
         self._live.pop(seq.seq_id, None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

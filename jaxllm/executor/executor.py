@@ -11,7 +11,9 @@ Shapes come from a small set of buckets (jaxllm.tuner.buckets), so a long-runnin
 number of programs, all at warm-up: a decode step is shaped by its sequence count (a power of two), a
 prefill step by its token count, the rBlock-table width by the context limit. A decode step whose
 sequences are all greedy has its own variant (argmax, no sampler sort); a step in which some sequence wants
-log-probabilities has a variant that returns them (with max_logprobs > 0). Each bucket has the Kernels
+log-probabilities has a variant that returns them (with max_logprobs > 0). A step in which some sequence has a
+penalty or a logit bias runs the sampling variant, which applies them (jaxllm.executor.penalties: the penalty
+state is the programs' second donated argument, beside the pool). Each bucket has the Kernels
 variants its StepTuner lists (jaxllm.tuner.protocol): every instance of a step runs the same variant, the one
 the tuner picks for the busiest instance's rows. A step in which some sequence has rBlocks on another
 instance runs the borrowed variant (DistAttention, with the bucket's first tuner variant), compiled at
@@ -30,12 +32,15 @@ import sys
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.contract import StepPlan
 from jaxllm.executor.calls import BlockCopies, CallChannel, Op, StepCall, TokenSource
 from jaxllm.executor.in_flight import InFlight, Launched, host_array
 from jaxllm.executor.inputs import InputLayout, token_rows
 from jaxllm.executor.launcher import Launcher
+from jaxllm.executor.penalties import PenaltyInputs, init_penalty_state
 from jaxllm.executor.programs import StepPrograms
 from jaxllm.executor.step import StepInputs, bucket
 from jaxllm.model.kv_cache import KVCache
@@ -47,7 +52,7 @@ from pallas_kernels import compat
 from pallas_kernels.dispatch import Kernels, default_kernels
 from sharding import multihost
 from sharding.dist_attention import DistAttention
-from sharding.mesh import make_mesh
+from sharding.mesh import INSTANCE, make_mesh
 from sharding.tensor_parallel import tensor_parallel_kernels
 
 __all__ = ["Executor", "InFlight", "host_array"]
@@ -66,6 +71,9 @@ class Executor:
     borrowed variant is compiled at warm-up.
     kernels: the backend's Kernels (unwrapped; default from `backend`); tuner: the StepTuner that lists each
     bucket's variants and picks one per step (default FixedTuner(kernels)); set it before warm-up.
+    penalties: keep the penalty state (max_seqs rows of the vocabulary per instance: jaxllm.executor.penalties) and
+    apply each row's penalties and logit bias (at most max_logit_bias entries a row); False: steps as without
+    them, and plans must carry none.
 
     On a multi-process mesh every process holds an Executor over the same mesh and runs the same programs:
     process 0 sends each call through a CallChannel before running it, and every other process runs
@@ -74,9 +82,12 @@ class Executor:
 
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int, table_width: int,
                  backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None, mesh=None,
-                 instances: int = 1, borrowing: bool = False, max_logprobs: int = 0, tuner: StepTuner | None = None):
+                 instances: int = 1, borrowing: bool = False, max_logprobs: int = 0, tuner: StepTuner | None = None,
+                 penalties: bool = True, max_logit_bias: int = 64):
         if not 0 <= max_logprobs <= model.config.vocab_size:
             raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
+        if max_logit_bias < 0:
+            raise ValueError(f"max_logit_bias must be >= 0, got {max_logit_bias}")
         if kv_cache.num_blocks % instances:
             raise ValueError(f"the KV pool's {kv_cache.num_blocks} rBlocks do not split among {instances} instances")
         graphdef, state = nnx.split(model)
@@ -94,13 +105,18 @@ class Executor:
         self.borrowing = borrowing and instances > 1
         self.max_logprobs = max_logprobs  # top tokens the logprob variants return (0: never run)
         multi_process = jax.process_count() > 1
+        # Split over `instance` like the pool (each instance its max_seqs rows), whole on every tensor shard.
+        rows = NamedSharding(self.mesh, P(INSTANCE) if instances > 1 else P())
+        self._penalty_state = init_penalty_state(instances * max_seqs, model.config.vocab_size, rows) if penalties \
+            else None
         self.programs = StepPrograms(graphdef, self.state, kv_cache, self.mesh, instances=instances,
-                                     replicated_io=multi_process)
+                                     replicated_io=multi_process, penalty_state=self._penalty_state)
+        self._inert_penalties: dict[tuple, PenaltyInputs] = {}  # placed once per shape (_placed says why)
         self.buckets = Buckets(max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, table_width=table_width,
                                min_tokens=min_tokens)
         self.layout = InputLayout(instances=instances, blocks_per_instance=self.blocks_per_instance,
                                   block_size=kv_cache.block_size, min_tokens=min_tokens, seq_cap=self.buckets.seq_cap,
-                                  table_width=table_width)
+                                  table_width=table_width, bias_width=max_logit_bias if penalties else None)
         # Resolved once, here: inside the trace no backend name is read and no device is asked.
         base = kernels or default_kernels(backend, head_dim=model.config.head_dim)
         self.kernels = tensor_parallel_kernels(base, self.mesh)
@@ -191,6 +207,8 @@ class Executor:
             self._copy_blocks(plan.block_copies)
         if plan.num_seqs == 0:  # a step of copies alone
             return InFlight(plan, Launched(None, None, None), np.zeros(0, np.int64))
+        if self._penalty_state is None and (plan.penalties is not None or plan.logit_bias is not None):
+            raise ValueError("the plan has penalties or a logit bias; this executor was built without them")
         batch = self.layout.build(plan)
         decode = plan.is_decode
         variant = self._choose(plan, batch)
@@ -207,8 +225,9 @@ class Executor:
         else:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
-            # Padding rows are greedy, so "no row samples" is "every sequence is greedy".
-            greedy = decode and not np.any(plan.temperature > 0)
+            # Padding rows are greedy, so "no row samples" is "every sequence is greedy"; a penalty or a bias moves
+            # even a greedy row's argmax, and only the sampling variant applies them.
+            greedy = decode and not np.any(plan.temperature > 0) and plan.penalties is None and plan.logit_bias is None
             call = StepCall(Op.DECODE if decode else Op.PREFILL, greedy, plan.wants_logprobs, variant, batch.borrowed)
         launched = self.launcher.submit(self._launch, call, batch.inputs, token_source)
         scored = None if plan.targets is None else token_rows(plan, self.instances, batch.inputs.num_tokens)
@@ -262,15 +281,26 @@ class Executor:
                 statics["logprobs"] = self.max_logprobs
             if decode:
                 statics["greedy"] = call.greedy
-        out, self._pool = self.programs.run(_OPS[call.op], self.state_leaves, self._pool, inputs, **statics)
+        out, self._pool, self._penalty_state = self.programs.run(_OPS[call.op], self.state_leaves, self._pool, inputs,
+                                                                 self._penalty_state, **statics)
         return out
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
-        """Tokens and sampling arrays on the devices once, so the continuations that reuse them transfer
-        nothing (and jit sees the same committed arguments every step: a host array and a committed one of
-        one shape are traced apart)."""
+        """Tokens, sampling arrays and penalty inputs on the devices once, so the continuations that reuse them
+        transfer nothing (and jit sees the same committed arguments every step: a host array and a committed one
+        of one shape are traced apart). Penalty inputs with no penalty and no bias in any row (most steps) are
+        the same for every step of their shape: placed once."""
         placed = jax.device_put(tuple(getattr(inputs, name) for name in _SAMPLING), self.programs.io_sharding)
-        return dataclasses.replace(inputs, **dict(zip(_SAMPLING, placed)))
+        inputs = dataclasses.replace(inputs, **dict(zip(_SAMPLING, placed)))
+        rows = inputs.penalties
+        if rows is None:
+            return inputs
+        if np.any(rows.slot >= 0) or np.any(rows.bias_ids >= 0):
+            return dataclasses.replace(inputs, penalties=jax.device_put(rows, self.programs.io_sharding))
+        key = (rows.slot.shape, rows.bias_ids.shape)
+        if key not in self._inert_penalties:
+            self._inert_penalties[key] = jax.device_put(rows, self.programs.io_sharding)
+        return dataclasses.replace(inputs, penalties=self._inert_penalties[key])
 
     def _copy_blocks(self, copies: np.ndarray) -> None:
         """Copy rBlocks (global source, global destination) [M, 2] on the devices, all reads before any write."""
@@ -379,7 +409,9 @@ class Executor:
 
 def _continued(inputs: StepInputs, source: Launched) -> StepInputs:
     """A continuation step's inputs: the previous step's sampled tokens (still on the devices) and its
-    sampling arrays (same sequences, same order: same parameters, already on the devices)."""
+    sampling arrays and penalty inputs (same sequences, same order, every row sampling in both: the same values,
+    already on the devices; a row clears its penalty slot only at its admission's start position, which a
+    continuation has left behind)."""
     prev = source.inputs
     return dataclasses.replace(inputs, tokens=source.tokens, temperature=prev.temperature, top_k=prev.top_k,
-                               top_p=prev.top_p, seed=prev.seed)
+                               top_p=prev.top_p, seed=prev.seed, penalties=prev.penalties)

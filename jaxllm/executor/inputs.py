@@ -14,17 +14,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import numpy as np
 
 from jaxllm.contract import StepPlan
+from jaxllm.executor import penalties
 from jaxllm.executor.step import StepInputs, bucket, inert_step_inputs, make_step_inputs, padded_sizes
 from sharding.dist_attention import DistParts
 from sharding.prefill_parts import prefill_parts_from_global
 
 __all__ = ["InputLayout", "StepBatch", "inert_inputs", "is_borrowed", "token_rows"]
-
-_FIELDS = ("tokens", "positions", "block_tables", "kv_lens", "cu_q_lens", "slot_mapping", "temperature", "top_k",
-           "top_p", "seed", "targets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +54,8 @@ class StepBatch:
 
 @dataclasses.dataclass(frozen=True)
 class InputLayout:
-    """How plans become inputs: the mesh's instances, each one's pool, and the bucket rule's parameters."""
+    """How plans become inputs: the mesh's instances, each one's pool, and the bucket rule's parameters;
+    bias_width: the engine's max_logit_bias with penalties on (StepInputs.penalties), None with them off."""
 
     instances: int
     blocks_per_instance: int
@@ -63,14 +63,15 @@ class InputLayout:
     min_tokens: int
     seq_cap: int
     table_width: int
+    bias_width: int | None = None
 
     def build(self, plan: StepPlan) -> StepBatch:
         """The plan padded and stacked (see the module docstring); ValueError when it exceeds the limits."""
         if self.instances == 1:
             inputs = make_step_inputs(plan, min_tokens=self.min_tokens, seq_cap=self.seq_cap,
-                                      table_width=self.table_width)
+                                      table_width=self.table_width, bias_width=self.bias_width)
             size = inputs.num_seqs if plan.is_decode else inputs.num_tokens
-            stacked = StepInputs(**{f: getattr(inputs, f)[None] for f in _FIELDS})
+            stacked = jax.tree.map(lambda x: x[None], inputs)
             return StepBatch(stacked, np.arange(plan.num_seqs), size, False, plan)
         return self._build_instances(plan)
 
@@ -92,7 +93,7 @@ class InputLayout:
         q_lens = np.diff(plan.cu_q_lens)
         token_home = homes if decode else np.repeat(homes, q_lens)
         local_token = np.arange(plan.num_tokens) - first_token[token_home]
-        out = inert_inputs(decode, t_pad, s_pad, self.table_width, n, borrowed=False)
+        out = inert_inputs(decode, t_pad, s_pad, self.table_width, n, borrowed=False, bias_width=self.bias_width)
         out.tokens[token_home, local_token] = plan.token_ids
         out.positions[token_home, local_token] = plan.positions
         if plan.targets is not None:
@@ -100,6 +101,10 @@ class InputLayout:
         out.kv_lens[homes, local_row] = plan.kv_lens
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(out, name)[homes, local_row] = getattr(plan, name)
+        if out.penalties is not None and (plan.penalties is not None or plan.logit_bias is not None):
+            rows = penalties.penalty_inputs(plan, plan.num_seqs, self.bias_width)
+            for f in dataclasses.fields(rows):
+                getattr(out.penalties, f.name)[homes, local_row] = getattr(rows, f.name)
         if not decode:
             out.cu_q_lens[:] = token_counts[:, None]  # padding rows hold no query token
             out.cu_q_lens[:, 0] = 0
@@ -122,7 +127,7 @@ class InputLayout:
         """Warm-up inputs of one bucket (`size`: sequences for decode, tokens for prefill): real shapes,
         nothing written, nothing attended."""
         t_pad, s_pad = padded_sizes(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
-        return inert_inputs(decode, t_pad, s_pad, self.table_width, self.instances, borrowed)
+        return inert_inputs(decode, t_pad, s_pad, self.table_width, self.instances, borrowed, self.bias_width)
 
 
 def token_rows(plan: StepPlan, instances: int, num_tokens: int) -> np.ndarray:
@@ -151,7 +156,7 @@ def _used_entries(plan: StepPlan, block_size: int) -> np.ndarray:
 
 
 def _stack(per_instance: list[StepInputs]) -> StepInputs:
-    return StepInputs(**{f: np.stack([getattr(x, f) for x in per_instance]) for f in _FIELDS})
+    return jax.tree.map(lambda *xs: np.stack(xs), *per_instance)
 
 
 def _dist_parts(plan: StepPlan, used, instances: int, nb: int, bs: int, t_pad: int, s_pad: int, width: int,
@@ -201,9 +206,10 @@ def _dist_parts(plan: StepPlan, used, instances: int, nb: int, bs: int, t_pad: i
 
 
 def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int, instances: int,
-                 borrowed: bool) -> StepInputs:
-    """Warm-up inputs of one bucket, stacked for `instances`: real shapes, nothing written, nothing attended."""
-    stacked = _stack([inert_step_inputs(decode, num_tokens, num_seqs, table_width)] * instances)
+                 borrowed: bool, bias_width: int | None = None) -> StepInputs:
+    """Warm-up inputs of one bucket, stacked for `instances`: real shapes, nothing written, nothing attended, no
+    penalties (bias_width as InputLayout's)."""
+    stacked = _stack([inert_step_inputs(decode, num_tokens, num_seqs, table_width, bias_width)] * instances)
     if not borrowed:
         return stacked
     rows, queries = instances * num_seqs, instances * num_tokens

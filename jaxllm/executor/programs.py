@@ -1,12 +1,14 @@
 """The jitted programs of one engine over its mesh (one device being the 1 x 1 mesh), and their compile counters.
 
 Each step function of step.py becomes one jitted program, jitted with the model's graphdef bound (not passed:
-as a static argument it would be hashed on every call, ~0.7 ms for a 32-layer model), the KV pool donated
-(updated in place: out sharding == in sharding) and its inputs stacked on a leading instance axis [I, ...]:
+as a static argument it would be hashed on every call, ~0.7 ms for a 32-layer model), the KV pool and the
+penalty state (jaxllm.executor.penalties) donated (updated in place: out sharding == in sharding) and its inputs
+stacked on a leading instance axis [I, ...]:
   - one instance: the step runs on instance 0's rows, no shard_map;
   - several: the step runs per instance inside a `shard_map` manual over `instance` (the `tensor` axis stays
     with XLA; the tensor wrappers of sharding/ go manual over `tensor` only inside it), each instance on its
-    own rows and its own pool shard. Inputs and outputs are split over `instance`, so a step in which nothing
+    own rows and its own pool and penalty-state shards. Inputs and outputs are split over `instance`, so a step
+    in which nothing
     is borrowed moves nothing between devices: no collective. (A multi-process run keeps them replicated:
     process 0 reads every instance's tokens, and the other processes get their inputs by broadcast.)
 The recall copy (`copy_blocks`) moves rBlocks between instances' pools. Every trace of a program is counted
@@ -32,10 +34,10 @@ from sharding.mesh import INSTANCE
 __all__ = ["StepPrograms"]
 
 
-def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shardings, donate: int = 1):
-    """fn(state, pool, inputs, **statics) jitted with shardings and the pool donated, called as jax.jit's
-    result is. jit takes no keyword arguments alongside in_shardings, so the static ones travel
-    positionally (a keyword left out takes fn's default)."""
+def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shardings, donate: tuple[int, ...]):
+    """fn(*arrays, **statics) jitted with shardings and the arguments `donate` donated (a step's pool and penalty
+    state), called as jax.jit's result is. jit takes no keyword arguments alongside in_shardings, so the static
+    ones travel positionally (a keyword left out takes fn's default)."""
     defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items() if name in static_argnames}
     first = len(in_shardings)
 
@@ -43,7 +45,7 @@ def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shar
         return fn(*args[:first], **dict(zip(static_argnames, args[first:])))
 
     jitted = jax.jit(positional, static_argnums=tuple(range(first, first + len(static_argnames))),
-                     donate_argnums=(donate,), in_shardings=in_shardings, out_shardings=out_shardings)
+                     donate_argnums=donate, in_shardings=in_shardings, out_shardings=out_shardings)
 
     def call(*args, **statics):
         return jitted(*args, *(statics.get(name, defaults.get(name)) for name in static_argnames))
@@ -54,12 +56,12 @@ def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shar
 class StepPrograms:
     """The step programs of one engine (see the module docstring).
 
-    graphdef: the model's (nnx.split); state, pool: placed on `mesh` already (their shardings are the
-    programs'); instances: the mesh's instance axis; replicated_io: inputs and outputs whole on every
-    device (a multi-process run) instead of split over `instance`.
+    graphdef: the model's (nnx.split); state, pool, penalty_state: placed on `mesh` already (their shardings are
+    the programs'; penalty_state None: penalties off); instances: the mesh's instance axis; replicated_io: inputs
+    and outputs whole on every device (a multi-process run) instead of split over `instance`.
     """
 
-    def __init__(self, graphdef, state, pool, mesh, *, instances: int, replicated_io: bool):
+    def __init__(self, graphdef, state, pool, mesh, *, instances: int, replicated_io: bool, penalty_state=None):
         self.graphdef = graphdef
         self.mesh = mesh
         self.instances = instances
@@ -69,19 +71,20 @@ class StepPrograms:
         split = instances > 1 and not replicated_io
         self.io_sharding = NamedSharding(mesh, P(INSTANCE) if split else P())
         self.pool_shardings = jax.tree.map(lambda x: x.sharding, pool)
+        penalty_shardings = jax.tree.map(lambda x: x.sharding, penalty_state)
         # The state travels as its flat list of leaves: flattening an nnx State (a Python call per Variable, ~200
         # for a 32-layer model) on every step costs host time a step cannot spare; the program rebuilds it.
         leaves, self.state_treedef = jax.tree.flatten(state)
-        shardings = ([x.sharding for x in leaves], self.pool_shardings, self.io_sharding)
-        jit = functools.partial(_jit_on_mesh, in_shardings=shardings, out_shardings=(self.io_sharding,
-                                                                                     self.pool_shardings))
+        shardings = ([x.sharding for x in leaves], self.pool_shardings, self.io_sharding, penalty_shardings)
+        jit = functools.partial(_jit_on_mesh, in_shardings=shardings, donate=(1, 3),
+                                out_shardings=(self.io_sharding, self.pool_shardings, penalty_shardings))
         self._decode = jit(self._per_instance(decode_step), static_argnames=("kernels", "greedy", "logprobs"))
         self._prefill = jit(self._per_instance(prefill_step), static_argnames=("kernels", "logprobs"))
         self._logits = jit(self._per_instance(logits_step), static_argnames=("kernels",))
         self._copy = None if instances == 1 else _jit_on_mesh(
             self._counted(self._copy_local), static_argnames=(),
             in_shardings=(self.pool_shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
-            out_shardings=self.pool_shardings, donate=0)
+            out_shardings=self.pool_shardings, donate=(0,))
 
     # ----- the steps -----
 
@@ -94,31 +97,34 @@ class StepPrograms:
         return traced
 
     def _per_instance(self, fn):
-        """fn (a step function of step.py) with the graphdef bound, on inputs [I, ...] -> outputs [I, ...]."""
+        """fn (a step function of step.py) with the graphdef bound, on inputs [I, ...] -> outputs [I, ...]; the pool
+        and the penalty state go in and come back."""
         graphdef, mesh, treedef = self.graphdef, self.mesh, self.state_treedef
 
-        def local(state_leaves, pool, inputs, **statics):
+        def local(state_leaves, pool, inputs, penalty_state, **statics):
             state = jax.tree.unflatten(treedef, state_leaves)
-            out, pool = fn(graphdef, state, pool, jax.tree.map(lambda x: x[0], inputs), **statics)
-            return jax.tree.map(lambda x: x[None], out), pool
+            out, pool, penalty_state = fn(graphdef, state, pool, jax.tree.map(lambda x: x[0], inputs), penalty_state,
+                                          **statics)
+            return jax.tree.map(lambda x: x[None], out), pool, penalty_state
 
         if self.instances == 1:
             return self._counted(functools.wraps(fn)(local))
 
-        def per_instance(state, pool, inputs, **statics):
-            return jax.shard_map(functools.partial(local, **statics), mesh=mesh,
-                                 in_specs=(P(), P(INSTANCE), P(INSTANCE)), out_specs=(P(INSTANCE), P(INSTANCE)),
-                                 axis_names={INSTANCE}, check_vma=False)(state, pool, inputs)
+        def per_instance(state, pool, inputs, penalty_state, **statics):
+            split = P(INSTANCE)
+            return jax.shard_map(functools.partial(local, **statics), mesh=mesh, in_specs=(P(), split, split, split),
+                                 out_specs=(split, split, split), axis_names={INSTANCE},
+                                 check_vma=False)(state, pool, inputs, penalty_state)
 
         return self._counted(functools.wraps(fn)(per_instance))
 
-    def run(self, op: str, state_leaves: list, pool, inputs: StepInputs, **statics):
+    def run(self, op: str, state_leaves: list, pool, inputs: StepInputs, penalty_state, **statics):
         """Run program `op` ("decode", "prefill" or "logits") on the state's leaves (jax.tree.leaves of the state
         the programs were built for) with its statics (kernels, greedy, logprobs); returns (outputs [I, ...],
-        pool). Counts the XLA compiles behind the call."""
+        pool, penalty state). Counts the XLA compiles behind the call."""
         program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
         before = compile_events()
-        out = program(state_leaves, pool, inputs, **statics)
+        out = program(state_leaves, pool, inputs, penalty_state, **statics)
         self._count(before)
         return out
 

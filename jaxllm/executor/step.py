@@ -1,10 +1,10 @@
 """One engine step as plain values: `StepInputs` (one pytree of arrays) and the step as free functions.
 
-A step is `(graphdef, state, kv_pool, inputs, *, kernels)`: `inputs` is what a mesh shards (in_specs)
-and what process 0 broadcasts each step on a multi-host run; `kernels` (pallas_kernels.dispatch.Kernels)
+A step is `(graphdef, state, kv_pool, inputs, penalty_state, *, kernels)`: `inputs` is what a mesh shards
+(in_specs) and what process 0 broadcasts each step on a multi-host run; `kernels` (pallas_kernels.dispatch.Kernels)
 is the static description of each op's implementation and schedule that a tuner supplies. The executor
-jits these functions with the KV pool donated (jaxllm.executor.programs, per instance on a mesh of several);
-nothing here reads a live Sequence or queries a device.
+jits these functions with the KV pool and the penalty state donated (jaxllm.executor.programs, per instance on a
+mesh of several); nothing here reads a live Sequence or queries a device.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.contract import StepPlan
+from jaxllm.executor import penalties
+from jaxllm.executor.penalties import PenaltyInputs, PenaltyState
 from jaxllm.executor.sampler import greedy_tokens, sample_tokens, token_logprobs
 from jaxllm.model.kv_cache import KVCache
 from jaxllm.tuner.buckets import pad_to_bucket, pow2_at_least
@@ -34,7 +36,9 @@ class StepInputs:
     tokens; on a decode step cu_q_lens == arange(S + 1), each padding sequence owning one padding
     token); temperature, top_p [S] float32, top_k, seed [S] int32 (padding rows greedy); targets [T] int32: the
     prompt token each token precedes where its sequence scores its prompt, -1 elsewhere (StepPlan.targets).
-    Leaves are numpy arrays on the host or jax arrays on the device.
+    penalties: each row's penalties and logit bias (jaxllm.executor.penalties.PenaltyInputs) on an engine with
+    penalties on (inert rows where none), None on one with them off. Leaves are numpy arrays on the host or jax
+    arrays on the device.
     """
 
     tokens: np.ndarray | jax.Array
@@ -49,6 +53,7 @@ class StepInputs:
     seed: np.ndarray | jax.Array
     targets: np.ndarray | jax.Array
     parts: Any = None  # on several instances, a step with borrowed rBlocks: sharding.dist_attention.DistParts
+    penalties: PenaltyInputs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,9 +74,10 @@ def padded_sizes(decode: bool, size: int, *, min_tokens: int, seq_cap: int) -> t
     return pad_to_bucket(decode, size, min_tokens=min_tokens, seq_cap=seq_cap)
 
 
-def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int) -> StepInputs:
+def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int,
+                      bias_width: int | None = None) -> StepInputs:
     """Real shapes, inert values (warm-up): every token's slot is -1 (nothing written), every kv_len 0,
-    every row greedy."""
+    every row greedy and without penalties. bias_width: the engine's max_logit_bias, None with penalties off."""
     return StepInputs(
         tokens=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32),
         block_tables=np.zeros((num_seqs, table_width), np.int32), kv_lens=np.zeros(num_seqs, np.int32),
@@ -79,18 +85,23 @@ def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width:
         slot_mapping=np.full(num_tokens, -1, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.zeros(num_seqs, np.int32),
         top_p=np.ones(num_seqs, np.float32), seed=np.zeros(num_seqs, np.int32),
-        targets=np.full(num_tokens, -1, np.int32))
+        targets=np.full(num_tokens, -1, np.int32),
+        penalties=None if bias_width is None else penalties.inert_penalty_inputs(num_seqs, bias_width))
 
 
-def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_width: int) -> StepInputs:
-    """The plan padded to its bucket (`padded_sizes`), as host arrays. Raises ValueError when the plan
-    exceeds the limits (more sequences than its bucket holds, a wider rBlock table than table_width)."""
+def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_width: int,
+                     bias_width: int | None = None) -> StepInputs:
+    """The plan padded to its bucket (`padded_sizes`), as host arrays; with bias_width (penalties on: the engine's
+    max_logit_bias) its penalty inputs too. Raises ValueError when the plan exceeds the limits (more sequences
+    than its bucket holds, a wider rBlock table than table_width, more logit_bias entries than bias_width)."""
     num_seqs, num_tokens, decode = plan.num_seqs, plan.num_tokens, plan.is_decode
     t_pad, s_pad = padded_sizes(decode, num_seqs if decode else num_tokens, min_tokens=min_tokens, seq_cap=seq_cap)
     if plan.block_tables.shape[1] > table_width or num_seqs > s_pad:
         raise ValueError(f"step plan of {num_seqs} sequences x {plan.block_tables.shape[1]} rBlocks exceeds the "
                          f"executor's limits ({s_pad} x {table_width})")
-    out = inert_step_inputs(decode, t_pad, s_pad, table_width)
+    out = inert_step_inputs(decode, t_pad, s_pad, table_width, bias_width)
+    if bias_width is not None and (plan.penalties is not None or plan.logit_bias is not None):
+        out = dataclasses.replace(out, penalties=penalties.penalty_inputs(plan, s_pad, bias_width))
     out.tokens[:num_tokens] = plan.token_ids
     out.positions[:num_tokens] = plan.positions
     out.slot_mapping[:num_tokens] = plan.slot_mapping
@@ -116,51 +127,71 @@ def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, decode: bool
     return model, hidden, kv_pool
 
 
-def _sample(model, logits, inputs: StepInputs, greedy: bool):
+def _read_tokens(penalty_state: PenaltyState | None, inputs: StepInputs) -> PenaltyState | None:
+    """The penalty state after the step's input tokens (penalties.read_tokens); as it was with penalties off."""
+    if penalty_state is None:
+        return None
+    return penalties.read_tokens(penalty_state, inputs.penalties, inputs.tokens, inputs.positions, inputs.cu_q_lens)
+
+
+def _sample(logits, inputs: StepInputs, greedy: bool, penalty_state: PenaltyState | None):
+    """(tokens [S] int32, the penalty state with them counted). The greedy variant runs only when no row samples,
+    has a penalty or a logit bias, so it leaves the state alone."""
     if greedy:  # every row has temperature 0: sample_tokens would return this argmax too
-        return greedy_tokens(logits)
-    return sample_tokens(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed, inputs.kv_lens)
+        return greedy_tokens(logits), penalty_state
+    if penalty_state is not None:
+        logits = penalties.process_logits(logits, penalty_state, inputs.penalties)
+    tokens = sample_tokens(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seed, inputs.kv_lens)
+    if penalty_state is not None:
+        penalty_state = penalties.count_sampled(penalty_state, inputs.penalties, tokens)
+    return tokens, penalty_state
 
 
 def _last_tokens(inputs: StepInputs) -> jax.Array:
     return jnp.maximum(inputs.cu_q_lens[1:] - 1, 0)  # each sequence's last query token
 
 
-def decode_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels, greedy: bool = False,
-                logprobs: int | None = None):
-    """One query token per sequence -> (next tokens [S] int32, KV pool). greedy (static): every row
-    has temperature 0, so the argmax replaces the sampler's full-vocabulary sort. logprobs (static):
-    None, or k: the variant that returns ((tokens, sampled, prompt), KV pool) with sampled = (token logprob
-    [S], top ids [S, k], top logprobs [S, k]) (sampler.token_logprobs) and prompt the same for each token's
-    target (StepInputs.targets; a one-token chunk of a prompt can be a decode-shaped step); the plain
-    variants compute no log-probabilities."""
+def decode_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_state: PenaltyState | None = None, *,
+                kernels: Kernels, greedy: bool = False, logprobs: int | None = None):
+    """One query token per sequence -> (next tokens [S] int32, KV pool, penalty state). greedy (static): every row
+    has temperature 0 and no penalty or bias, so the argmax replaces the sampler's full-vocabulary sort.
+    logprobs (static): None, or k: the variant that returns ((tokens, sampled, prompt), KV pool, penalty state)
+    with sampled = (token logprob [S], top ids [S, k], top logprobs [S, k]) (sampler.token_logprobs, of the raw
+    logits) and prompt the same for each token's target (StepInputs.targets; a one-token chunk of a prompt can be
+    a decode-shaped step); the plain variants compute no log-probabilities. penalty_state: None with penalties
+    off (jaxllm.executor.penalties)."""
     model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, True, kernels)
     logits = model.logits(hidden[_last_tokens(inputs)])  # [S, vocab]; S == T on a decode step
-    tokens = _sample(model, logits, inputs, greedy)
+    if not greedy:
+        penalty_state = _read_tokens(penalty_state, inputs)
+    tokens, penalty_state = _sample(logits, inputs, greedy, penalty_state)
     if logprobs is None:
-        return tokens, kv_pool
+        return tokens, kv_pool, penalty_state
     prompt = token_logprobs(logits, jnp.maximum(inputs.targets, 0), logprobs)
-    return (tokens, token_logprobs(logits, tokens, logprobs), prompt), kv_pool
+    return (tokens, token_logprobs(logits, tokens, logprobs), prompt), kv_pool, penalty_state
 
 
-def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels,
-                 logprobs: int | None = None):
-    """Packed chunks of any lengths -> (a token sampled after each sequence's last one [S] int32, KV pool);
-    logprobs (static) as decode_step's, the prompt part over every token of the step [T] (the whole chunk's
-    logits are computed only in this variant)."""
+def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_state: PenaltyState | None = None, *,
+                 kernels: Kernels, logprobs: int | None = None):
+    """Packed chunks of any lengths -> (a token sampled after each sequence's last one [S] int32, KV pool, penalty
+    state); logprobs (static) as decode_step's, the prompt part over every token of the step [T] (the whole
+    chunk's logits are computed only in this variant)."""
     model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
+    penalty_state = _read_tokens(penalty_state, inputs)
     if logprobs is None:
         logits = model.logits(hidden[_last_tokens(inputs)])  # [S, vocab]
-        return _sample(model, logits, inputs, False), kv_pool
+        tokens, penalty_state = _sample(logits, inputs, False, penalty_state)
+        return tokens, kv_pool, penalty_state
     every = model.logits(hidden)  # [T, vocab]
     logits = every[_last_tokens(inputs)]
-    tokens = _sample(model, logits, inputs, False)
+    tokens, penalty_state = _sample(logits, inputs, False, penalty_state)
     prompt = token_logprobs(every, jnp.maximum(inputs.targets, 0), logprobs)
-    return (tokens, token_logprobs(logits, tokens, logprobs), prompt), kv_pool
+    return (tokens, token_logprobs(logits, tokens, logprobs), prompt), kv_pool, penalty_state
 
 
-def logits_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, *, kernels: Kernels
-                ) -> tuple[jax.Array, KVCache]:
-    """A prefill step's teacher-forced logits of every token -> ([T, vocab] float32, KV pool)."""
+def logits_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_state: PenaltyState | None = None, *,
+                kernels: Kernels) -> tuple[jax.Array, KVCache, PenaltyState | None]:
+    """A prefill step's teacher-forced logits of every token -> ([T, vocab] float32, KV pool, the penalty state
+    as it was: no sequence of a teacher-forced step has penalties)."""
     model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
-    return model.logits(hidden), kv_pool
+    return model.logits(hidden), kv_pool, penalty_state

@@ -204,13 +204,14 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
     # Without a seed, a fresh random one (gRPC's rule too); choice j then samples with seed + j.
     base = req.seed if req.seed is not None else random_seed()
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
+    penalties = req.penalties()
     checked, echo, prompt_tokens = [], [], 0
     for p, prompt in enumerate(prompts):
         for j in range(req.n):
             seed = base if j == 0 else (base + j) % SEED_LIMIT  # choice 0 carries the seed as sent (checked)
             sampling = Sampling(max_tokens=req.output_limit(), temperature=temperature, top_p=req.top_p,
                                 top_k=req.top_k, seed=seed, stop=req.stops(), ignore_eos=req.ignore_eos,
-                                logprobs=logprobs, logprobs_name=logprobs_name, prompt_logprobs=scored)
+                                logprobs=logprobs, logprobs_name=logprobs_name, prompt_logprobs=scored, **penalties)
             try:
                 ids, params = adapter.check(prompt, sampling)
             except ValueError as e:

@@ -35,6 +35,10 @@ class Sampling:
     logprobs: int | None = None  # top tokens to return log-probabilities of; None: none
     logprobs_name: str = "logprobs"  # the request's field for it (chat: top_logprobs), for messages
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo with logprobs, vLLM's extra)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
 
 class EngineAdapter:
@@ -70,7 +74,10 @@ class EngineAdapter:
                                  temperature=sampling.temperature, top_k=sampling.top_k,
                                  top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed,
                                  stop=sampling.stop, ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
-                                 prompt_logprobs=sampling.prompt_logprobs, logprobs_name=sampling.logprobs_name)
+                                 prompt_logprobs=sampling.prompt_logprobs, logprobs_name=sampling.logprobs_name,
+                                 frequency_penalty=sampling.frequency_penalty,
+                                 presence_penalty=sampling.presence_penalty,
+                                 repetition_penalty=sampling.repetition_penalty, logit_bias=sampling.logit_bias)
         return ids, params
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -4,8 +4,9 @@ Requests are strict about the types of the fields they know (a string where a nu
 400 naming the field) and ignore fields they do not know, as OpenAI's API does. Fields jaxllm
 cannot honour yet are refused with a 400 rather than silently ignored (see `unsupported`).
 Log-probabilities: completions' `logprobs: k`, chat's `logprobs: true` with `top_logprobs: k`
-(`logprobs_wanted` turns either into the engine's k and the field that named it).
-jaxllm's own extras: `top_k` and `ignore_eos`. The prompt, stop and content fields have validators of
+(`logprobs_wanted` turns either into the engine's k and the field that named it). Penalties: OpenAI's
+`frequency_penalty`, `presence_penalty` and `logit_bias` (token ids as strings), vLLM's `repetition_penalty`
+(`penalties` turns them into the engine's). jaxllm's own extras: `top_k` and `ignore_eos`. The prompt, stop and content fields have validators of
 their own, so a bad one is named down to the element at fault ("prompt[0]: 1.5 is not a token id").
 Also vLLM's /tokenize and /detokenize bodies.
 """
@@ -24,6 +25,7 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\
 _BAD = "jaxllm_bad_value"  # a validator's own error: `parse` writes its text as it is, after the field's path
 _PROMPT_KINDS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 _MIXED = "; a list prompt holds strings or token ids, not both"
+_TOKEN_KEY = re.compile(r"-?[0-9]+")  # a logit_bias key (fullmatch: no sign "+", spaces or "_" as int() takes)
 
 
 def shown(value) -> str:
@@ -120,9 +122,10 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_logprobs: int | None = None
-    # Accepted only at their neutral values (see `unsupported`).
+    # null is the neutral value (0, 0, 1, no bias); vLLM's repetition_penalty beside OpenAI's three.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # jaxllm's extras, and vLLM's prompt_logprobs (per prompt token: its logprob and the k most likely there).
     top_k: int = 0
@@ -152,6 +155,19 @@ class _Common(BaseModel):
             raise APIError(400, f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}", param="prompt_logprobs")
         return self.prompt_logprobs
 
+    def penalties(self) -> dict:
+        """The engine's penalty arguments (jaxllm.engine.requests.sampling_params); logit_bias keys must be token
+        ids written in decimal."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not _TOKEN_KEY.fullmatch(key):
+                raise APIError(400, f"logit_bias: key {shown(key)} is not a token id (an integer)", param="logit_bias")
+            bias[int(key)] = value
+        return dict(frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+                    presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logit_bias=bias)
+
     def output_limit(self) -> int | None:
         """max_completion_tokens (the newer name) or max_tokens; None: the server's default."""
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -161,12 +177,8 @@ class _Common(BaseModel):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def unsupported(self) -> None:
-        """Refuse what the engine cannot do yet, naming the field (one place to lift each limit)."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported yet (only 0)", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+        """Refuse what the engine cannot do yet, naming the field (one place to lift each limit): nothing common to
+        both routes today (CompletionRequest refuses its own)."""
 
 
 class CompletionRequest(_Common):

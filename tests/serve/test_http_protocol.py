@@ -34,14 +34,19 @@ def test_parse_names_the_bad_field(body, param, message):
 
 
 def test_unsupported_fields_are_refused_not_ignored():
-    for fields, message in [({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
-                            ({"best_of": 3}, "best_of is not supported"),
+    for fields, message in [({"best_of": 3}, "best_of is not supported"),
                             ({"max_tokens": 3, "max_completion_tokens": 4}, "disagree")]:
         r = parse(CompletionRequest, {"model": "m", "prompt": "x", **fields})
         with pytest.raises(APIError, match=message):
             r.unsupported()
             r.output_limit()
     parse(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 0, "best_of": 1}).unsupported()
+    # Penalties are served (tests/serve/test_penalties.py): parsed into the engine's arguments, not refused.
+    penalized = parse(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 0.5, "presence_penalty": 1,
+                                          "repetition_penalty": 1.1, "logit_bias": {"12": -100, "0": 3}})
+    penalized.unsupported()
+    assert penalized.penalties() == dict(frequency_penalty=0.5, presence_penalty=1.0, repetition_penalty=1.1,
+                                         logit_bias={12: -100.0, 0: 3.0})
     echo = parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "logprobs": 2})
     echo.unsupported()  # echo with logprobs is supported: the prompt's tokens are scored
     assert echo.prompt_logprobs_wanted() == 2

@@ -79,7 +79,8 @@ def llm():
 def _grpc_request(prompt_ids, max_tokens=None):
     """A stand-in for pb.GenerateRequest with the fields the adapter reads (no grpc import needed)."""
     fields = dict(prompt="", prompt_token_ids=list(prompt_ids), temperature=0.0, top_k=0, seed=0, stop=[],
-                  ignore_eos=False, max_tokens=max_tokens, top_p=1.0)
+                  ignore_eos=False, max_tokens=max_tokens, top_p=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                  repetition_penalty=1.0, logit_bias={})
     request = types.SimpleNamespace(**fields)
     request.HasField = lambda name: name == "max_tokens" and max_tokens is not None
     return request

@@ -40,7 +40,21 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         request.top_p = args.top_p
     if args.repetition_penalty is not None:
         request.repetition_penalty = args.repetition_penalty
+    if args.logprobs is not None:
+        request.logprobs = args.logprobs
+    if args.prompt_logprobs is not None:
+        request.prompt_logprobs = args.prompt_logprobs
     return request
+
+
+def format_logprobs(title: str, entries) -> str:
+    """TokenLogprob messages as lines `token_id logprob  top: id:logprob ...` under a title."""
+    lines = [title]
+    for entry in entries:
+        own = f"{entry.logprob:.4f}" if entry.HasField("logprob") else "-"
+        top = " ".join(f"{t.token_id}:{t.logprob:.4f}" for t in entry.top)
+        lines.append(f"  {entry.token_id:>7} {own:>9}" + (f"  top: {top}" if top else ""))
+    return "\n".join(lines)
 
 
 def _bias(text: str) -> tuple[int, float]:
@@ -68,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=None, help="> 0 (default: the server's 1, off)")
     p.add_argument("--logit-bias", action="append", type=_bias, metavar="TOKEN_ID=BIAS",
                    help="add BIAS (in [-100, 100]) to a token's logit (repeatable)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each new token's log-probability and the K most likely tokens (stderr)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="the same for the prompt's tokens (with --max-tokens 0: score the prompt only)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
                    help="sent as 'authorization: Bearer KEY' (default: $JAXLLM_API_KEY; unset: none)")
@@ -90,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
             start = time.monotonic()
             first = None
             last = None
+            generated, prompt_scored = [], []
             for message in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False,
                                          metadata=metadata):
                 if first is None and message.token_ids:
                     first = time.monotonic()
                 sys.stdout.write(message.text)
                 sys.stdout.flush()
+                generated.extend(message.logprobs)
+                prompt_scored.extend(message.prompt_logprobs)
                 last = message
         except grpc.RpcError as e:
             sys.stdout.write("\n")
@@ -105,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write("\n")
             return 130
     sys.stdout.write("\n")
+    if args.prompt_logprobs is not None:
+        print(format_logprobs("prompt log-probabilities:", prompt_scored), file=sys.stderr)
+    if args.logprobs is not None:
+        print(format_logprobs("log-probabilities:", generated), file=sys.stderr)
     if args.usage and last is not None:
         elapsed = time.monotonic() - start
         ttft = f"{(first - start) * 1e3:.0f} ms" if first is not None else "n/a"

@@ -38,7 +38,7 @@ from serve.auth import MISSING, bearer_problem
 from serve.client import grpc_target
 from serve.decoding import Malformed, tolerant
 from serve.metrics import Registry, register_engine_metrics, serve_metrics
-from serve.validation import to_engine_request
+from serve.validation import to_engine_request, token_logprobs
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LLMService"].full_name  # "jaxllm.v1.LLMService"
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED}
@@ -169,6 +169,12 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             response = pb.GenerateResponse(
                 text=event.text, token_ids=event.token_ids,
                 usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens))
+            if event.logprobs is not None:
+                response.logprobs.extend(pb.TokenLogprob(**fields)
+                                         for fields in token_logprobs(zip(event.token_ids, event.logprobs)))
+            if event.prompt_logprobs is not None:
+                response.prompt_logprobs.extend(pb.TokenLogprob(**fields)
+                                                for fields in token_logprobs(zip(ids, event.prompt_logprobs)))
             if event.finish_reason is not None:
                 response.finish_reason = _FINISH.get(event.finish_reason, pb.FINISH_REASON_CANCELLED)
             yield response

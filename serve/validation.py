@@ -11,7 +11,7 @@ from __future__ import annotations
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, random_seed, sampling_params
 from jaxllm.contract import SamplingParams
 
-__all__ = ["to_engine_request"]
+__all__ = ["to_engine_request", "token_logprobs"]
 
 
 def to_engine_request(request, tokenizer, limits: RequestLimits) -> tuple[list[int], SamplingParams]:
@@ -34,5 +34,21 @@ def to_engine_request(request, tokenizer, limits: RequestLimits) -> tuple[list[i
         stop=tuple(request.stop), ignore_eos=bool(request.ignore_eos),
         frequency_penalty=float(request.frequency_penalty), presence_penalty=float(request.presence_penalty),
         repetition_penalty=float(request.repetition_penalty) if request.HasField("repetition_penalty") else 1.0,
-        logit_bias={int(token): float(bias) for token, bias in request.logit_bias.items()})
+        logit_bias={int(token): float(bias) for token, bias in request.logit_bias.items()},
+        logprobs=int(request.logprobs) if request.HasField("logprobs") else None,
+        prompt_logprobs=int(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None)
     return ids, params
+
+
+def token_logprobs(entries) -> list:
+    """The engine's `(logprob, ((id, logprob), ...))` entries (None for the prompt's first token) with the
+    token ids they belong to -> TokenLogprob messages' fields, as dicts for pb.TokenLogprob(**fields)."""
+    out = []
+    for token_id, entry in entries:
+        fields = {"token_id": int(token_id)}
+        if entry is not None:
+            logprob, top = entry
+            fields["logprob"] = float(logprob)
+            fields["top"] = [{"token_id": int(t), "logprob": float(lp)} for t, lp in top]
+        out.append(fields)
+    return out

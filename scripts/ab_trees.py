@@ -1,8 +1,12 @@
-"""A/B of two source trees in one run on one GPU: batch-1 decode ms/token and decode attention time.
+"""A/B of source trees in one run on one GPU: batch-1 decode ms/token, the mixed workload, decode attention.
 
   git archive <old-commit> jaxllm pallas_kernels sharding serve scripts | (mkdir -p .ab/old && tar -x -C .ab/old)
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 PYTHONPATH=$PWD python3 scripts/ab_trees.py \
       --tree old=.ab/old --tree new=. --contexts 1024 32768 --attention 131072 --repeats 2
+
+More arms compare with the first: `--tree new-penalties=. --tree-args new-penalties=--penalties` runs the
+new tree again with extra `bench_generate.py` arguments. `--mixed N` adds the mixed workload
+(`--mixed-max-prompt`, `--mixed-new-tokens` as in bench_generate.py).
 
 Each measurement runs in a child process whose working directory and PYTHONPATH are one tree, so each
 tree's own code (and its own benchmark script) does the work; the trees take turns (A B, then B A, ...)
@@ -62,14 +66,15 @@ def _run(tree: str, argv: list[str], timeout_s: float) -> tuple[int, str, float]
     return proc.returncode, proc.stdout, time.perf_counter() - start
 
 
-def _generate(tree: str, contexts: list[int], new_tokens: int) -> dict:
+def _generate(tree: str, contexts: list[int], new_tokens: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
         rc, _, wall = _run(tree, [sys.executable, "scripts/bench_generate.py", "--contexts", *map(str, contexts),
-                                  "--new-tokens", str(new_tokens), "--out", out], timeout_s=900)
+                                  "--new-tokens", str(new_tokens), "--out", out, *extra], timeout_s=900)
         files = [f for f in os.listdir(out) if f.endswith(".json")]
         result = json.load(open(os.path.join(out, files[0]))) if rc == 0 and files else None
     decode = {row["context"]: row["ms_per_token"] for row in (result or {}).get("decode", [])}
-    return {"rc": rc, "wall_s": wall, "ms_per_token": decode}
+    mixed = (result or {}).get("mixed")
+    return {"rc": rc, "wall_s": wall, "ms_per_token": decode, "mixed": mixed}
 
 
 def _attention(tree: str, context: int) -> dict:
@@ -80,7 +85,13 @@ def _attention(tree: str, context: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", action="append", required=True, metavar="NAME=DIR", help="exactly two: A then B")
+    p.add_argument("--tree", action="append", required=True, metavar="NAME=DIR",
+                   help="two or more: A first, each other compared with A")
+    p.add_argument("--tree-args", action="append", default=[], metavar="NAME=ARGS",
+                   help="extra bench_generate.py arguments for the arm NAME (space-separated)")
+    p.add_argument("--mixed", type=int, default=0, help="requests in the mixed workload (0: skip)")
+    p.add_argument("--mixed-max-prompt", type=int, default=8192)
+    p.add_argument("--mixed-new-tokens", type=int, default=128)
     p.add_argument("--contexts", type=int, nargs="*", default=[1024, 32768])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--attention", type=int, nargs="*", default=[131072], help="decode attention contexts")
@@ -88,42 +99,57 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     trees = [t.split("=", 1) for t in args.tree]
-    if len(trees) != 2 or any(len(t) != 2 for t in trees):
-        p.error(f"--tree must be given twice as NAME=DIR, got {args.tree}")
+    if len(trees) < 2 or any(len(t) != 2 for t in trees) or len({n for n, _ in trees}) != len(trees):
+        p.error(f"--tree must be given at least twice as NAME=DIR with distinct names, got {args.tree}")
+    extra = {name: [] for name, _ in trees}
+    for item in args.tree_args:
+        name, _, text = item.partition("=")
+        if name not in extra:
+            p.error(f"--tree-args names {name!r}, which no --tree names (trees: {sorted(extra)})")
+        extra[name] += text.split()
+    if args.mixed:
+        mixed_args = ["--mixed", str(args.mixed), "--mixed-max-prompt", str(args.mixed_max_prompt),
+                      "--mixed-new-tokens", str(args.mixed_new_tokens)]
+        extra = {name: mixed_args + more for name, more in extra.items()}
     device = device_kind()
     runs = []
     for rep in range(args.repeats):
         order = trees if rep % 2 == 0 else trees[::-1]
         for name, tree in order:
-            row = {"tree": name, "rep": rep}
-            if args.contexts:
-                row["generate"] = _generate(tree, args.contexts, args.new_tokens)
+            row = {"tree": name, "rep": rep, "extra_args": extra[name]}
+            if args.contexts or args.mixed:
+                row["generate"] = _generate(tree, args.contexts, args.new_tokens, extra[name])
             row["attention"] = [_attention(tree, c) for c in args.attention]
             runs.append(row)
             print(f"rep {rep} {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
-    (a_name, _), (b_name, _) = trees
+    a_name, others = trees[0][0], [name for name, _ in trees[1:]]
     summary = []
 
     def median_of(name, pick):
         values = [v for r in runs if r["tree"] == name for v in [pick(r)] if v is not None]
         return statistics.median(values) if values else None
 
+    def add(measure, pick):
+        row = {"measure": measure, **{name: median_of(name, pick) for name, _ in trees}}
+        a = row[a_name]
+        row["ratio_to_a"] = {name: row[name] / a if a and row[name] else None for name in others}
+        summary.append(row)
+
     for c in args.contexts:
-        pick = lambda r, c=c: r.get("generate", {}).get("ms_per_token", {}).get(c)  # noqa: E731
-        a, b = median_of(a_name, pick), median_of(b_name, pick)
-        summary.append({"measure": f"batch-1 decode ms/token at {c}", a_name: a, b_name: b,
-                        "ratio_b_over_a": b / a if a and b else None})
+        add(f"batch-1 decode ms/token at {c}",
+            lambda r, c=c: r.get("generate", {}).get("ms_per_token", {}).get(c))
+    if args.mixed:
+        add(f"mixed ({args.mixed} requests, prompts 128..{args.mixed_max_prompt}) generated tok/s",
+            lambda r: ((r.get("generate") or {}).get("mixed") or {}).get("generated_tokens_per_s"))
     for i, c in enumerate(args.attention):
-        pick = lambda r, i=i: r["attention"][i].get("us")  # noqa: E731
-        a, b = median_of(a_name, pick), median_of(b_name, pick)
-        summary.append({"measure": f"decode attention us at {c} (32 x 128 MHA, batch 1)", a_name: a, b_name: b,
-                        "ratio_b_over_a": b / a if a and b else None})
-    print(f"\n{'measure':55s} {a_name:>12s} {b_name:>12s} {'B/A':>7s}")
+        add(f"decode attention us at {c} (32 x 128 MHA, batch 1)", lambda r, i=i: r["attention"][i].get("us"))
+    print(f"\n{'measure':60s} " + " ".join(f"{name:>14s}" for name, _ in trees)
+          + " " + " ".join(f"{name + '/' + a_name:>18s}" for name in others))
     for row in summary:
-        fmt = lambda v: f"{v:12.3f}" if v is not None else f"{'failed':>12s}"  # noqa: E731
-        ratio = f"{row['ratio_b_over_a']:7.3f}" if row["ratio_b_over_a"] else "      -"
-        print(f"{row['measure']:55s} {fmt(row[a_name])} {fmt(row[b_name])} {ratio}")
+        fmt = lambda v: f"{v:14.3f}" if v is not None else f"{'failed':>14s}"  # noqa: E731
+        ratios = " ".join(f"{row['ratio_to_a'][n]:18.3f}" if row["ratio_to_a"][n] else f"{'-':>18s}" for n in others)
+        print(f"{row['measure']:60s} " + " ".join(fmt(row[name]) for name, _ in trees) + " " + ratios)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, result_stem(device, "ab-trees") + ".json")
     with open(path, "w") as f:

@@ -153,15 +153,21 @@ def _generated(outputs: dict) -> int:
     return sum(len(out.token_ids) for outs in outputs.values() for out in outs)
 
 
+# --penalties: what every request then carries (vLLM's semantics; a penalized request runs the sampling
+# variant, which applies them to the whole vocabulary each step).
+PENALTIES = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1)
+
+
 def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float, weight_bytes: int,
-                   hbm_tb_s: float | None = None) -> dict:
+                   hbm_tb_s: float | None = None, sampling: dict | None = None) -> dict:
     """Batch-1 decode ms/token at context; the floor (weights + KV read at hbm_tb_s) is None without it."""
     from jaxllm.engine.core import Request
     from jaxllm.contract import SamplingParams
 
     prompt = np.random.default_rng(context).integers(3, 259, size=context).tolist()
     t0 = time.perf_counter()
-    times, _ = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))])
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **(sampling or {}))
+    times, _ = _drive(llm, [Request(prompt, params)])
     decode = np.asarray(times["decode"][2:])  # the first decode steps may compile
     ms = float(np.median(decode) * 1e3)
     floor = None if hbm_tb_s is None else (weight_bytes + context * kv_bytes_per_token) / (hbm_tb_s * 1e12) * 1e3
@@ -169,7 +175,8 @@ def decode_latency(llm, context: int, new_tokens: int, kv_bytes_per_token: float
                 prefill_s=float(sum(times["prefill"])), wall_s=time.perf_counter() - t0, decode_steps=int(decode.size))
 
 
-def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, warm: bool = True) -> dict:
+def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, warm: bool = True,
+                   sampling: dict | None = None) -> dict:
     """The mixed workload; with `warm`, once untimed first, so the timed pass compiles nothing (checked)."""
     from jaxllm.engine.core import Request
     from jaxllm.contract import SamplingParams
@@ -181,7 +188,8 @@ def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, war
     def run() -> tuple[dict, dict, float, int]:
         rng = np.random.default_rng(2)
         requests = [Request(rng.integers(3, 259, size=n).tolist(),
-                            SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for n in lengths]
+                            SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **(sampling or {})))
+                    for n in lengths]
         preempted = llm.core.stats().preemptions_total
         t0 = time.perf_counter()
         times, outputs = _drive(llm, requests)
@@ -292,6 +300,8 @@ def main(argv=None) -> int:
     p.add_argument("--tuner", choices=("auto", "fixed"), default="auto",
                    help="each step's kernels: the learned tuner where a model exists for the GPU, or the fixed defaults "
                         "(run both, one after the other, for the tuner's end-to-end A/B)")
+    p.add_argument("--penalties", action="store_true",
+                   help=f"every decode and mixed request carries penalties ({PENALTIES})")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
 
@@ -334,6 +344,8 @@ def main(argv=None) -> int:
         harness.write_json(path, result)
 
     result["jax"] = jax.__version__
+    sampling = PENALTIES if args.penalties else None
+    result["penalties"] = sampling
     shared_len = args.shared_prefix_tokens + args.shared_suffix_tokens + 1 if args.shared_prefix else 0
     max_context = max(args.contexts + [args.mixed_max_prompt if args.mixed else 0, shared_len]) + max(
         args.mixed_new_tokens, args.shared_new_tokens) + 64
@@ -348,13 +360,13 @@ def main(argv=None) -> int:
         _log(f"[jaxllm] pool {result['pool_tokens']} tokens; weights {weight_bytes / 1e9:.2f} GB")
         result["decode"] = []
         for context in args.contexts:
-            row = decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes, hbm)
+            row = decode_latency(llm, context, args.new_tokens, kv_per_token, weight_bytes, hbm, sampling)
             result["decode"].append(row)
             _log(f"[jaxllm] {json.dumps(row)}")
             save()
         if args.mixed:
             result["mixed"] = mixed_workload(llm, args.mixed, args.mixed_new_tokens, args.mixed_max_prompt,
-                                             warm=not args.mixed_cold)
+                                             warm=not args.mixed_cold, sampling=sampling)
             _log(f"[jaxllm] mixed {json.dumps(result['mixed'])}")
         if args.shared_prefix:
             result["shared_prefix"] = shared_prefix_workload(llm, args.shared_prefix, args.shared_prefix_tokens,

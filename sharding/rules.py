@@ -62,9 +62,13 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^layers/\d+/mlp/gate_up$", (2,)),  # [D, 2, F]: column-parallel on F
     Rule(r"^layers/\d+/mlp/down$", (0,)),  # [F, D]: row-parallel on F
     # [V, D]: vocabulary where it divides (the lookup becomes a masked gather and an all-reduce), else
-    # hidden (a local gather and an all-gather); the tiny byte vocabulary (259) divides nothing.
-    Rule(r"^embedding$", (0, 1), required=False),
-    Rule(r"^lm_head$", (1, 0), required=False),  # [D, V]: vocabulary (each device its logits' columns)
+    # replicated: split over hidden, the looked-up rows would leave the residual stream split over hidden
+    # and XLA would keep it so, paying an all-gather before every column-parallel matmul and an all-reduce
+    # in every RMSNorm (the tiny byte vocabulary, 259, divides nothing).
+    Rule(r"^embedding$", (0,), required=False),
+    # [D, V]: vocabulary (each device its logits' columns), else replicated: split over hidden, its contraction
+    # would pull the hidden split back through the final norm into the whole residual stream (as above).
+    Rule(r"^lm_head$", (1,), required=False),
     Rule(r"(^|/)\w*norm/weight$", ()),  # [D]: tiny, read whole by every device
     Rule(r"^inv_freq$", ()),
 )

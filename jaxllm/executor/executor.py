@@ -225,10 +225,8 @@ class Executor:
         else:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
-            # Padding rows are greedy, so "no row samples" is "every sequence is greedy"; a penalty or a bias moves
-            # even a greedy row's argmax, and only the sampling variant applies them.
-            greedy = decode and not np.any(plan.temperature > 0) and plan.penalties is None and plan.logit_bias is None
-            call = StepCall(Op.DECODE if decode else Op.PREFILL, greedy, plan.wants_logprobs, variant, batch.borrowed)
+            call = StepCall(Op.DECODE if decode else Op.PREFILL, _greedy(plan), plan.wants_logprobs, variant,
+                            batch.borrowed)
         launched = self.launcher.submit(self._launch, call, batch.inputs, token_source)
         scored = None if plan.targets is None else token_rows(plan, self.instances, batch.inputs.num_tokens)
         self._last = InFlight(plan, launched, batch.rows, greedy=call.greedy, token_rows=scored)
@@ -271,8 +269,8 @@ class Executor:
             return 0
         return int(self.tuner.choose(batch.heaviest, decode, batch.size))
 
-    def _run(self, call: StepCall, inputs: StepInputs):
-        """Run one program on placed inputs, updating the KV pool; returns its device outputs [I, ...]."""
+    def _statics(self, call: StepCall, inputs: StepInputs) -> dict:
+        """The static arguments of the program that runs `call` on these inputs."""
         decode = call.op == Op.DECODE
         size = inputs.num_seqs if decode else inputs.num_tokens
         statics = dict(kernels=self.kernels_for(decode, size, call.variant, borrowed=call.borrowed))
@@ -281,9 +279,25 @@ class Executor:
                 statics["logprobs"] = self.max_logprobs
             if decode:
                 statics["greedy"] = call.greedy
+        return statics
+
+    def _run(self, call: StepCall, inputs: StepInputs):
+        """Run one program on placed inputs, updating the KV pool; returns its device outputs [I, ...]."""
         out, self._pool, self._penalty_state = self.programs.run(_OPS[call.op], self.state_leaves, self._pool, inputs,
-                                                                 self._penalty_state, **statics)
+                                                                 self._penalty_state, **self._statics(call, inputs))
         return out
+
+    def compiled_step_text(self, plan: StepPlan) -> str:
+        """XLA's optimized HLO of the program a (non-continued) step of this plan runs, with the variant the tuner
+        picks (for profiling scripts: the collectives and copies in it). Compiles it again; runs nothing."""
+        batch = self.layout.build(plan)
+        decode = plan.is_decode
+        call = StepCall(Op.DECODE if decode else Op.PREFILL, _greedy(plan), plan.wants_logprobs,
+                        int(self.tuner.choose(batch.heaviest, decode, batch.size)) if not batch.borrowed else 0,
+                        batch.borrowed)
+        inputs = self._placed(batch.inputs)
+        return self.programs.compiled_text(_OPS[call.op], self.state_leaves, self._pool, inputs, self._penalty_state,
+                                           **self._statics(call, inputs))
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
         """Tokens, sampling arrays and penalty inputs on the devices once, so the continuations that reuse them
@@ -405,6 +419,14 @@ class Executor:
         if self.channel is not None and multihost.is_leader():
             self.launcher.run(self.channel.stop)  # after every call already submitted
             self.channel = None
+
+
+def _greedy(plan: StepPlan) -> bool:
+    """Whether a step runs the argmax-only decode variant. Padding rows are greedy, so "no row samples" is "every
+    sequence is greedy"; a penalty or a bias moves even a greedy row's argmax, and only the sampling variant
+    applies them."""
+    return (plan.is_decode and not np.any(plan.temperature > 0) and plan.penalties is None
+            and plan.logit_bias is None)
 
 
 def _continued(inputs: StepInputs, source: Launched) -> StepInputs:

@@ -50,6 +50,10 @@ def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shar
     def call(*args, **statics):
         return jitted(*args, *(statics.get(name, defaults.get(name)) for name in static_argnames))
 
+    def compiled_text(*args, **statics) -> str:
+        return jitted.lower(*args, *(statics.get(name, defaults.get(name)) for name in static_argnames)).compile().as_text()
+
+    call.compiled_text = compiled_text
     return call
 
 
@@ -127,6 +131,12 @@ class StepPrograms:
         out = program(state_leaves, pool, inputs, penalty_state, **statics)
         self._count(before)
         return out
+
+    def compiled_text(self, op: str, state_leaves: list, pool, inputs: StepInputs, penalty_state, **statics) -> str:
+        """XLA's optimized HLO of program `op` for these arguments, as `run` would call it (for profiling scripts:
+        which collectives and copies the partitioner put in). Lowers and compiles it again; runs nothing."""
+        program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
+        return program.compiled_text(state_leaves, pool, inputs, penalty_state, **statics)
 
     def _count(self, before) -> None:
         """Add the XLA compiles and persistent-cache reads since `before` (a compile happens inside the call

@@ -50,6 +50,22 @@ def gpu_kernel_events(fn, reps: int) -> list[tuple[str, int, int]]:
     return [] if data is None else [(e.name, e.start_ns, e.duration_ns) for e in _gpu_kernels(data)]
 
 
+def gpu_kernel_events_by_device(run) -> dict[str, list[tuple[str, int, int]]]:
+    """device plane name (e.g. `/device:GPU:0`) -> (kernel name, start ns, duration ns) of every GPU kernel that
+    ran while run() ran under a trace (run must wait for its device work). Empty where no GPU plane was written."""
+    data = _traced(run)
+    if data is None:
+        return {}
+    out = {}
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            events = [(e.name, e.start_ns, e.duration_ns) for line in plane.lines if line.name.startswith("Stream")
+                      for e in line.events]
+            if events:
+                out[plane.name] = sorted(events, key=lambda e: e[1])
+    return out
+
+
 def per_kernel_us(events: list[tuple[str, int, int]], reps: int) -> dict[str, float]:
     """gpu_kernel_events of `reps` calls -> us per call spent in each kernel, by name (first seen first)."""
     totals = defaultdict(float)

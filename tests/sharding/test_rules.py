@@ -56,11 +56,12 @@ def test_param_specs_follow_the_table():
     assert specs["layers/1/attention/o"] == P(TENSOR, None, None)
     assert specs["layers/0/mlp/gate_up"] == P(None, None, TENSOR)
     assert specs["layers/0/mlp/down"] == P(TENSOR, None)
-    assert specs["embedding"] == P(None, TENSOR)  # 259 words divide by nothing: hidden
-    assert specs["lm_head"] == P(TENSOR, None)
+    # 259 words divide by nothing: replicated (split over hidden they would split the residual stream)
+    assert specs["embedding"] == specs["lm_head"] == P()
     assert specs["final_norm/weight"] == specs["layers/0/input_norm/weight"] == specs["inv_freq"] == P()
     assert all(s == P() for s in jax.tree.leaves(rules.param_specs(state, 1), is_leaf=lambda x: isinstance(x, P)))
     assert rules.spec_for("lm_head", (64, 256), 4) == P(None, TENSOR)  # a vocabulary that divides
+    assert rules.spec_for("embedding", (256, 64), 4) == P(TENSOR, None)
 
 
 def test_spec_errors_name_the_parameter():

@@ -4,7 +4,9 @@ recalls compared the same way in test_lending_engine.py); and with instances, as
 decode continuations feed each step from the last one's device tokens, and nothing compiles after warm-up.
 """
 
+import collections
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -142,3 +144,30 @@ def test_a_borrowed_step_under_tensor_parallelism_runs_the_pallas_kernels_per_sh
     assert_same_greedy(reference, prompt, got, want)
     stats = llm.core.stats()
     assert stats.loans_total > 0 and stats.dist_steps_total > 0
+
+
+_COLLECTIVE = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def _decode_step_collectives(llm: LLM) -> collections.Counter:
+    """The collectives XLA put in the program of a greedy decode step of one short sequence (nothing borrowed)."""
+    request_id = llm.core.add(Request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    produced = 0
+    while produced < 2:  # the prefill, then a decode step
+        produced += sum(len(out.token_ids) for out in llm.core.step() if out.request_id == request_id)
+    llm.core.drain()
+    plan = llm.scheduler.plan()
+    assert plan.is_decode and plan.num_seqs == 1
+    text = llm.executor.compiled_step_text(plan)
+    llm.core.cancel(request_id)
+    return collections.Counter(_COLLECTIVE.findall(text))
+
+
+@pytest.mark.parametrize("mesh", ["tp2", "i2", "i2xtp2"])
+def test_a_decode_step_runs_only_the_collectives_it_needs(runs, mesh):
+    """Tensor parallel: two all-reduces a layer (after the row-parallel o and down projections), nothing else: no
+    all-gather or resharding of the residual stream (the tiny model's vocabulary divides nothing, so its embedding
+    and head are replicated). Instances with nothing borrowed: no collective at all."""
+    llm = runs[1][mesh]["llm"]
+    expected = {"all-reduce": 2 * llm.config.num_layers} if llm.options.tensor_parallel > 1 else {}
+    assert dict(_decode_step_collectives(llm)) == expected

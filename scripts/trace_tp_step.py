@@ -1,0 +1,216 @@
+"""Where a tensor-parallel decode step's time goes: a device trace per GPU at TP 1/2/4, and the step's collectives.
+
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/trace_tp_step.py --model llama2-13b \\
+      --tp-sizes 1 2 4 --context 4096
+
+For each tensor-parallel size (one engine each, random bf16 weights, batch 1) one sequence of --context tokens is
+prefilled, then:
+  engine_ms   the engine core's pipelined loop: ms between two steps' tokens reaching the host
+  bare_ms     the same greedy decode step dispatched back to back as continuations, no scheduler (it rewrites
+              one KV slot each time: fine for timing), ms a step
+  floor_ms    (weights + KV of the context) / tp read at the card's HBM bandwidth
+and, from a jax.profiler trace of --reps bare steps, per GPU: kernels a step, their time, the span, the idle time
+(span minus the union of kernel intervals), kernel time by kind (matmul, attention, collective, other),
+collectives by NCCL kernel, and the largest idle gaps by the kernel that follows them. From XLA's optimized HLO of
+the step (Executor.compiled_step_text), every collective with its shape and the jax operation it comes from
+(op_name), and the resharding the partitioner inserted (all-gathers, all-to-alls, collective-permutes).
+--dry-run: the tiny model on CPU host devices (no GPU trace; the HLO part still runs). Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+
+from common import harness
+
+_MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", "skinny_matmul")
+_COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|Broadcast|Reduce)", re.I)
+# One HLO instruction producing a collective: `%name = shape kind(` with kind maybe `-start` (async on GPU).
+_HLO_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                             r"(?:-start)?\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return "collective"
+    if any(w in lowered for w in _MATMUL_WORDS):
+        return "matmul"
+    return "attention" if "ragged" in lowered or "attention" in lowered else "other"
+
+
+def device_summary(events: list[tuple[str, int, int]], reps: int, top: int = 12) -> dict:
+    """One GPU's kernels over `reps` steps (sorted by start) -> per-step figures (see the module docstring)."""
+    busy, end_so_far = 0, None
+    gaps = defaultdict(lambda: [0.0, 0])
+    by_kind = defaultdict(lambda: [0.0, 0])
+    collectives = defaultdict(lambda: [0.0, 0])
+    for name, start, duration in events:
+        kind = kernel_kind(name)
+        by_kind[kind][0] += duration
+        by_kind[kind][1] += 1
+        if kind == "collective":
+            match = _COLLECTIVE.search(name)
+            entry = collectives[match.group(1) if match else name[:40]]
+            entry[0] += duration
+            entry[1] += 1
+        end = start + duration
+        if end_so_far is None or start >= end_so_far:  # a new busy interval; the gap before it was idle
+            if end_so_far is not None:
+                gap = gaps[name[:100]]
+                gap[0] += start - end_so_far
+                gap[1] += 1
+            busy += duration
+            end_so_far = end
+        elif end > end_so_far:  # overlapping kernels: only the part past the interval's end is new busy time
+            busy += end - end_so_far
+            end_so_far = end
+    span = end_so_far - events[0][1]
+    per = lambda ns: ns / reps / 1e3  # noqa: E731  (us per step)
+    largest = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernels_per_step": len(events) / reps, "kernel_us_per_step": per(sum(d for _, _, d in events)),
+            "busy_us_per_step": per(busy), "span_us_per_step": per(span), "idle_us_per_step": per(span - busy),
+            "by_kind": {k: {"us_per_step": per(t), "kernels_per_step": n / reps} for k, (t, n) in by_kind.items()},
+            "collectives": {k: {"us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in collectives.items()},
+            "idle_gaps_before": [{"kernel": k, "us_per_step": per(t), "gaps_per_step": n / reps}
+                                 for k, (t, n) in largest]}
+
+
+def hlo_collectives(text: str) -> dict:
+    """Collectives in optimized HLO text: counts by (kind, shape, op_name), and the resharding ones."""
+    found = Counter()
+    for line in text.splitlines():
+        match = _HLO_COLLECTIVE.search(line)
+        if match:
+            op = _OP_NAME.search(line)
+            found[(match.group(2), match.group(1), op.group(1) if op else "")] += 1
+    rows = [{"kind": k, "shape": shape, "op_name": op, "count": n} for (k, shape, op), n in found.most_common()]
+    by_kind = Counter()
+    for (kind, _, _), n in found.items():
+        by_kind[kind] += n
+    return {"by_kind": dict(by_kind), "ops": rows,
+            "resharding": sum(n for (kind, _, _), n in found.items() if kind != "all-reduce")}
+
+
+def _weight_bytes(llm) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.executor.state))
+
+
+def trace_one(args, tp: int, floor_tb_s: float | None) -> dict:
+    import jax
+
+    from common.device_trace import gpu_kernel_events_by_device
+    from jaxllm import LLM, EngineOptions
+    from jaxllm.contract import SamplingParams
+    from jaxllm.engine.core import Request
+    from jaxllm.model.kv_cache import kv_bytes_per_block
+
+    _log(f"[trace] {args.model} at tensor parallel {tp}, context {args.context}")
+    llm = LLM(args.model, dtype=None if args.dry_run else "bfloat16", allow_long_context=True, progress=not args.dry_run,
+              max_context=args.context + 20 * args.reps + 64,
+              options=EngineOptions(tensor_parallel=tp, max_seqs=1, max_logprobs=0, penalties=False))
+    prompt = np.random.default_rng(1).integers(3, 259, size=args.context).tolist()
+    request_id = llm.core.add(Request(prompt, SamplingParams(max_new_tokens=20 * args.reps + 32, ignore_eos=True)))
+    produced = 0
+    while produced < 2:  # the prefill, then a decode step
+        produced += sum(len(out.token_ids) for out in llm.core.step() if out.request_id == request_id)
+    llm.core.drain()
+
+    gaps, last = [], time.perf_counter()
+    while len(gaps) <= args.reps:  # the engine's pipelined loop
+        llm.core.step()
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    llm.core.drain()
+    row = {"tensor_parallel": tp, "context": args.context, "engine_ms": float(np.median(gaps[1:]) * 1e3)}
+
+    executor, plan = llm.executor, llm.scheduler.plan()
+
+    def bare(reps: int):
+        step = executor.dispatch(plan)
+        for _ in range(reps - 1):
+            step = executor.dispatch(plan, token_source=step)
+        step.tokens()
+
+    bare(3)
+    start = time.perf_counter()
+    bare(args.reps)
+    row["bare_ms"] = (time.perf_counter() - start) / args.reps * 1e3
+    info = llm.info()
+    kv_token = kv_bytes_per_block(executor.config, info.block_size, info.kv_dtype) / info.block_size
+    weights = _weight_bytes(llm)
+    row["weight_bytes"] = weights
+    row["floor_ms"] = (1e3 * (weights + args.context * kv_token) / tp / (floor_tb_s * 1e12)) if floor_tb_s else None
+    row["bare_x_floor"] = row["bare_ms"] / row["floor_ms"] if row["floor_ms"] else None
+
+    per_device = gpu_kernel_events_by_device(lambda: bare(args.reps))
+    row["devices"] = {name: device_summary(events, args.reps) for name, events in sorted(per_device.items())}
+    row["hlo"] = hlo_collectives(executor.compiled_step_text(plan))
+    llm.core.cancel(request_id)
+    llm.close()
+    del llm, executor
+    gc.collect()
+    jax.clear_caches()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default llama2-13b (tiny with --dry-run)")
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=24)
+    p.add_argument("--dry-run", action="store_true", help="the tiny model on CPU host devices")
+    p.add_argument("--out", default=harness.RESULTS_DIR)
+    args = p.parse_args(argv)
+    args.model = args.model or ("tiny" if args.dry_run else "llama2-13b")
+
+    import jax
+
+    device = harness.device_kind()
+    floor_tb_s = harness.hbm_floor_tb_s(device)
+    sizes = [n for n in args.tp_sizes if n <= jax.device_count()]
+    if sizes != args.tp_sizes:
+        _log(f"[trace] {jax.device_count()} devices: skipping tensor-parallel sizes {sorted(set(args.tp_sizes) - set(sizes))}")
+    result = {"script": "scripts/trace_tp_step.py", "argv": sys.argv[1:], "device": device, "devices": jax.device_count(),
+              "date": harness.today(), "jax": jax.__version__, "model": args.model, "rows": []}
+    kind = "dry-run" if args.dry_run else f"x{jax.device_count()}"
+    path = f"{args.out}/{harness.result_stem(device, f'trace-tp-{kind}.json', result['date'])}"
+    for tp in sizes:
+        result["rows"].append(trace_one(args, tp, floor_tb_s))
+        harness.write_json(path, result)  # after each size: a run stopped at its limit keeps what it measured
+
+    print(f"{'TP':>3} {'engine ms':>10} {'bare ms':>8} {'floor ms':>9} {'x floor':>8}  HLO collectives")
+    for r in result["rows"]:
+        floor = f"{r['floor_ms']:9.2f}" if r["floor_ms"] else f"{'-':>9}"
+        ratio = f"{r['bare_x_floor']:8.2f}" if r["bare_x_floor"] else f"{'-':>8}"
+        print(f"{r['tensor_parallel']:>3} {r['engine_ms']:>10.2f} {r['bare_ms']:>8.2f} {floor} {ratio}  {r['hlo']['by_kind']}")
+        for name, d in r["devices"].items():
+            kinds = ", ".join(f"{k} {v['us_per_step']:.0f}" for k, v in sorted(d["by_kind"].items()))
+            print(f"    {name}: {d['kernels_per_step']:.0f} kernels, {d['kernel_us_per_step']:.0f} us of kernels, busy "
+                  f"{d['busy_us_per_step']:.0f} of a {d['span_us_per_step']:.0f} us span (idle "
+                  f"{d['idle_us_per_step']:.0f}); {kinds}")
+            for g in d["idle_gaps_before"][:4]:
+                print(f"        idle {g['us_per_step']:7.1f} us ({g['gaps_per_step']:.0f} gaps) before {g['kernel'][:70]}")
+    _log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

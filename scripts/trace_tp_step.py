@@ -34,7 +34,8 @@ from common import harness
 _MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", "skinny_matmul")
 _COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|Broadcast|Reduce)", re.I)
 # One HLO instruction producing a collective: `%name = shape kind(` with kind maybe `-start` (async on GPU).
-_HLO_COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+# Async ones return a tuple shape, with spaces: `(bf16[5120]{0}, bf16[5120]{0})`.
+_HLO_COLLECTIVE = re.compile(r"= (\([^()]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
                              r"(?:-start)?\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -81,12 +82,18 @@ def device_summary(events: list[tuple[str, int, int]], reps: int, top: int = 12)
     span = end_so_far - events[0][1]
     per = lambda ns: ns / reps / 1e3  # noqa: E731  (us per step)
     largest = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    kernels = defaultdict(lambda: [0.0, 0])
+    for name, _, duration in events:
+        kernels[name[:100]][0] += duration
+        kernels[name[:100]][1] += 1
+    heaviest = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:3 * top]
     return {"kernels_per_step": len(events) / reps, "kernel_us_per_step": per(sum(d for _, _, d in events)),
             "busy_us_per_step": per(busy), "span_us_per_step": per(span), "idle_us_per_step": per(span - busy),
             "by_kind": {k: {"us_per_step": per(t), "kernels_per_step": n / reps} for k, (t, n) in by_kind.items()},
             "collectives": {k: {"us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in collectives.items()},
             "idle_gaps_before": [{"kernel": k, "us_per_step": per(t), "gaps_per_step": n / reps}
-                                 for k, (t, n) in largest]}
+                                 for k, (t, n) in largest],
+            "heaviest": [{"kernel": k, "us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in heaviest]}
 
 
 def hlo_collectives(text: str) -> dict:

@@ -12,8 +12,17 @@ import jax.numpy as jnp
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
-    """The most likely token of every row ([rows] int32): what sample_tokens gives a temperature-0 row."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """The most likely token of every row ([rows] int32): what sample_tokens gives a temperature-0 row.
+
+    jnp.argmax's answer (the first maximum; the first NaN if any), written as two reductions: over logits split
+    on the vocabulary (tensor parallel) XLA runs each as an all-reduce of one value a row, which its own
+    all-reduce kernel does in microseconds, where an argmax's (value, index) pair goes through an NCCL all-gather
+    that cost 0.66-0.85 ms a decode step on 2 and 4 H100s (benchmarks/NOTES.md, "Tensor parallel decode step").
+    """
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == best) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -12,12 +12,29 @@ import pytest
 
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.contract import SamplingParams
-from jaxllm.executor.sampler import sample_tokens
+from jaxllm.executor.sampler import greedy_tokens, sample_tokens
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Status
 from tests.seeds import seed
 
 _sample = jax.jit(sample_tokens)
+
+
+def test_greedy_tokens_are_numpys_argmax_ties_and_nans_included():
+    """The two-reduction argmax (first maximum, first NaN) against NumPy's argmax, on rows with ties at the
+    top, a NaN, an all-equal row, and bfloat16 logits."""
+    rng = np.random.default_rng(_seed())
+    logits = rng.standard_normal((6, 300)).astype(np.float32)
+    logits[1, [7, 250]] = logits[1].max() + 1.0  # a tie at the top: the first wins
+    logits[2, 123] = np.nan
+    logits[2, 200] = np.nan
+    logits[3] = 0.5
+    logits[4, -1] = 9.0  # the last id
+    want = np.argmax(logits, axis=-1)
+    assert want[1] == 7 and want[2] == 123 and want[3] == 0 and want[4] == 299
+    assert np.array_equal(np.asarray(jax.jit(greedy_tokens)(jnp.asarray(logits))), want)
+    half = jnp.asarray(logits[[0, 1, 3, 4, 5]], jnp.bfloat16)
+    assert np.array_equal(np.asarray(greedy_tokens(half)), np.argmax(np.asarray(half, np.float32), axis=-1))
 
 
 def _seed() -> int:

@@ -34,8 +34,8 @@ from common import harness
 _MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", "skinny_matmul")
 _COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|Broadcast|Reduce)", re.I)
 # One HLO instruction producing a collective: `%name = shape kind(` with kind maybe `-start` (async on GPU).
-# Async ones return a tuple shape, with spaces: `(bf16[5120]{0}, bf16[5120]{0})`.
-_HLO_COLLECTIVE = re.compile(r"= (\([^()]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+# Async ones return a tuple shape, with spaces and maybe nested: `((s32[1]{0}), s32[4]{0})`.
+_HLO_COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
                              r"(?:-start)?\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 

@@ -61,11 +61,12 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^layers/\d+/attention/o$", (0,)),  # [Hq, hd, D]: row-parallel on query heads
     Rule(r"^layers/\d+/mlp/gate_up$", (2,)),  # [D, 2, F]: column-parallel on F
     Rule(r"^layers/\d+/mlp/down$", (0,)),  # [F, D]: row-parallel on F
-    # [V, D]: vocabulary where it divides (the lookup becomes a masked gather and an all-reduce), else
-    # replicated: split over hidden, the looked-up rows would leave the residual stream split over hidden
-    # and XLA would keep it so, paying an all-gather before every column-parallel matmul and an all-reduce
-    # in every RMSNorm (the tiny byte vocabulary, 259, divides nothing).
-    Rule(r"^embedding$", (0,), required=False),
+    # [V, D]: replicated. Split over the vocabulary, XLA on GPUs runs the lookup through an NCCL all-gather
+    # (a sync point costing 0.66-0.8 ms of a 13B TP decode step on H100s: benchmarks/NOTES.md); split over
+    # hidden, the looked-up rows would leave the residual stream split over hidden and XLA would keep it so
+    # (an all-gather before every column-parallel matmul, an all-reduce in every RMSNorm). A decode step
+    # reads one row a token, and the copies cost V x D per device (0.33 GB for 32000 x 5120 bf16).
+    Rule(r"^embedding$", ()),
     # [D, V]: vocabulary (each device its logits' columns), else replicated: split over hidden, its contraction
     # would pull the hidden split back through the final norm into the whole residual stream (as above).
     Rule(r"^lm_head$", (1,), required=False),

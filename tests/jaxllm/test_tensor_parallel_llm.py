@@ -22,13 +22,13 @@ from tests.devices import needs_host_devices
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jaxllm_tp"), needs_host_devices]
 
-SPLIT = ("attention/qkv", "attention/o", "mlp/gate_up", "mlp/down", "lm_head", "embedding")
-REPLICATED = ("norm/weight", "inv_freq")
+SPLIT = ("attention/qkv", "attention/o", "mlp/gate_up", "mlp/down", "lm_head")
+REPLICATED = ("norm/weight", "inv_freq", "embedding")
 SMALL = dict(hidden_size=64, num_layers=2, intermediate_size=128, max_position_embeddings=256)
 CONFIGS = {
     "mha": LlamaConfig(vocab_size=320, num_heads=8, num_kv_heads=8, name="mha", **SMALL),
     "gqa": LlamaConfig(vocab_size=320, num_heads=8, num_kv_heads=4, name="gqa", **SMALL),
-    # 2 KV heads: TP 4 and 8 replicate them; 259 words divide by nothing, so the embedding splits on hidden
+    # 2 KV heads: TP 4 and 8 replicate them; 259 words divide by nothing, so the head is replicated
     "gqa_wide": LlamaConfig(vocab_size=259, num_heads=8, num_kv_heads=2, name="gqa_wide", **SMALL),
     # llama2-70b's head counts (64 query / 8 KV heads) at a small width
     "70b": LlamaConfig.llama2_70b(vocab_size=512, hidden_size=256, num_layers=2, intermediate_size=256,
@@ -173,20 +173,22 @@ def test_every_config_generates_at_some_tensor_parallel_size(tp_result):
     assert generated == {case.split("/")[0] for case in CASES}, generated
 
 
-def _assert_split(params: dict, n: int, devices: int) -> None:
+def _assert_split(params: dict, n: int, devices: int, vocab: int) -> None:
+    """Each weight split n ways or whole (the head split over the vocabulary only where n divides it)."""
     assert params
     for name, held in params.items():
         assert held["devices"] == devices, (name, held)
-        if name.endswith(SPLIT):
+        if name.endswith(SPLIT) and (vocab % n == 0 or not name.endswith("lm_head")):
             assert held["fraction"] == pytest.approx(1 / n), (name, held)
         else:
-            assert name.endswith(REPLICATED) and held["fraction"] == 1.0, (name, held)
+            assert name.endswith(REPLICATED + ("lm_head",)) and held["fraction"] == 1.0, (name, held)
 
 
 @pytest.mark.parametrize("case", CASES + ["orbax/tp4"])
 def test_each_device_holds_its_share_of_weights_and_pool(tp_result, case):
     n, r = _tp(case), tp_result(case)
-    _assert_split(r["params"], n, n)
+    config = CONFIGS["gqa_wide" if case == "orbax/tp4" else case.split("/")[0]]
+    _assert_split(r["params"], n, n, config.vocab_size)
     for name, held in r.get("pool", {}).items():
         assert held["fraction"] == pytest.approx(1 / n) and held["devices"] == n, (name, held)
     if "pool" in r:
@@ -206,7 +208,7 @@ def test_info_reports_the_mesh(tp_result):
 
 
 def test_hf_checkpoint_loads_straight_into_its_shards(hf_load_result):
-    _assert_split(hf_load_result, 4, 4)
+    _assert_split(hf_load_result, 4, 4, CONFIGS["gqa"].vocab_size)
 
 
 def test_pallas_kernels_run_per_shard(triton_result):
@@ -225,7 +227,7 @@ def test_a_preset_is_drawn_straight_into_its_shards():
     from jaxllm.model.checkpoints import load_model
 
     model, _ = load_model("tiny", sharding=functools.partial(rules.load_sharding, mesh=make_mesh(2)))
-    _assert_split({k: _held(v) for k, v in _named(nnx.state(model, nnx.Param)).items()}, 2, 2)
+    _assert_split({k: _held(v) for k, v in _named(nnx.state(model, nnx.Param)).items()}, 2, 2, 259)
     one = LLM("tiny", progress=False, options=_options(1))
     two = LLM("tiny", progress=False, options=_options(2))
     want = one.logits(PROMPTS[0])

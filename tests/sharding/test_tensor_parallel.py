@@ -25,9 +25,9 @@ from tests.devices import needs_host_devices
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharding_tp"), needs_host_devices]
 
-SPLIT = ("attention/qkv", "attention/o", "mlp/gate_up", "mlp/down", "lm_head", "embedding")
-REPLICATED = ("norm/weight", "inv_freq")
-VOCABULARY = ("lm_head", "embedding")  # split over the vocabulary where it divides, else replicated
+SPLIT = ("attention/qkv", "attention/o", "mlp/gate_up", "mlp/down", "lm_head")
+REPLICATED = ("norm/weight", "inv_freq", "embedding")
+VOCABULARY = ("lm_head",)  # split over the vocabulary where it divides, else replicated
 BLOCK, BLOCKS = 4, 8
 CONFIGS = {
     "mha": LlamaConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=8,

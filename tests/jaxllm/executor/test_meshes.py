@@ -146,7 +146,7 @@ def test_a_borrowed_step_under_tensor_parallelism_runs_the_pallas_kernels_per_sh
     assert stats.loans_total > 0 and stats.dist_steps_total > 0
 
 
-_COLLECTIVE = re.compile(r"= (?:\([^()]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_COLLECTIVE = re.compile(r"= .*? (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 
 
 def _decode_step_collectives(llm: LLM) -> collections.Counter:

@@ -18,6 +18,9 @@ variants its StepTuner lists (jaxllm.tuner.protocol): every instance of a step r
 the tuner picks for the busiest instance's rows. A step in which some sequence has rBlocks on another
 instance runs the borrowed variant (DistAttention, with the bucket's first tuner variant), compiled at
 warm-up beside the plain ones when instances lend; a step with nothing borrowed runs no collective.
+With a host tier (one instance) a plan's host copies (StepPlan.host_copies) run before its step, through the
+HostStore (jaxllm.executor.host_store): runs of rBlocks gathered out of the pool and copied to host memory, and
+runs copied back and scattered into the pool, none of it waited for by the host.
 
 `dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode continuation
 takes its input tokens straight from the previous step's device output, so the host queues step N+1 while
@@ -36,7 +39,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.contract import StepPlan
+from jaxllm.contract import HostCopies
 from jaxllm.executor.calls import BlockCopies, CallChannel, Op, StepCall, TokenSource
+from jaxllm.executor.host_store import HostStore
+from jaxllm.executor.host_transfer import AsyncHostTransfer, HostTransfer
 from jaxllm.executor.in_flight import InFlight, Launched, host_array
 from jaxllm.executor.inputs import InputLayout, token_rows
 from jaxllm.executor.launcher import Launcher
@@ -74,6 +80,9 @@ class Executor:
     penalties: keep the penalty state (max_seqs rows of the vocabulary per instance: jaxllm.executor.penalties) and
     apply each row's penalties and logit bias (at most max_logit_bias entries a row); False: steps as without
     them, and plans must carry none.
+    host_tier: plans may carry host copies (the scheduler has a host tier: one instance of one process), so the
+    HostStore is built and its copy programs compiled at warm-up; host_transfer: how its runs cross the host
+    link (default AsyncHostTransfer: JAX's host memory kinds).
 
     On a multi-process mesh every process holds an Executor over the same mesh and runs the same programs:
     process 0 sends each call through a CallChannel before running it, and every other process runs
@@ -83,7 +92,8 @@ class Executor:
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int, table_width: int,
                  backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None, mesh=None,
                  instances: int = 1, borrowing: bool = False, max_logprobs: int = 0, tuner: StepTuner | None = None,
-                 penalties: bool = True, max_logit_bias: int = 64):
+                 penalties: bool = True, max_logit_bias: int = 64, host_tier: bool = False,
+                 host_transfer: HostTransfer | None = None):
         if not 0 <= max_logprobs <= model.config.vocab_size:
             raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
         if max_logit_bias < 0:
@@ -130,6 +140,16 @@ class Executor:
         self.padding_tokens = 0
         self.borrowed_steps = 0
         self.copied_blocks = 0
+        self.host_store = None
+        if host_tier:
+            if instances > 1 or multi_process:
+                raise ValueError(f"a host tier serves one instance of one process; this engine has {instances} "
+                                 f"instances over {jax.process_count()} processes")
+            longest_table = 1 << max(table_width - 1, 0).bit_length()  # a sequence's whole table in one run
+            block_bytes = sum(x.nbytes for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
+            self.host_store = HostStore(
+                self.programs, host_transfer or AsyncHostTransfer(self.programs.pool_shardings),
+                max_run=min(longest_table, 1 << (kv_cache.num_blocks.bit_length() - 1)), block_bytes=block_bytes)
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
 
@@ -205,6 +225,8 @@ class Executor:
         """
         if plan.block_copies is not None and len(plan.block_copies):
             self._copy_blocks(plan.block_copies)
+        if plan.host_copies is not None and len(plan.host_copies):
+            self._copy_host(plan.host_copies)
         if plan.num_seqs == 0:  # a step of copies alone
             return InFlight(plan, Launched(None, None, None), np.zeros(0, np.int64))
         if self._penalty_state is None and (plan.penalties is not None or plan.logit_bias is not None):
@@ -250,6 +272,8 @@ class Executor:
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
+        if plan.host_copies is not None and len(plan.host_copies):
+            self._copy_host(plan.host_copies)
         batch = self.layout.build(plan)
         call = StepCall(Op.LOGITS, variant=self._choose(plan, batch), borrowed=batch.borrowed)
         out = host_array(self.launcher.run(self._launch_logits, call, batch.inputs))
@@ -310,9 +334,21 @@ class Executor:
         self.launcher.submit(self._launch_copy, BlockCopies(src, dst))
         self.copied_blocks += len(copies)
 
+    def _copy_host(self, copies: HostCopies) -> None:
+        """Queue a plan's host-tier copies before its step."""
+        if self.host_store is None:
+            raise ValueError("the plan has host copies; this executor was built without a host tier")
+        self.launcher.submit(self._launch_host_copies, copies)
+
+    def _launch_host_copies(self, copies: HostCopies) -> None:
+        self._pool = self.host_store.apply(self._pool, copies)
+
     def _launch_copy(self, copies: BlockCopies) -> None:
         self._announce(StepCall(Op.COPY), copies)
         self._pool = self.programs.copy_blocks(self._pool, copies.src, copies.dst)
+
+    def _warm_host_copies(self) -> None:
+        self._pool = self.host_store.warm_up(self._pool)
 
     # ----- warm-up -----
 
@@ -345,12 +381,15 @@ class Executor:
 
         plan = self.warm_up_plan()
         copies = 1 if self.borrowing else 0
+        runs = [] if self.host_store is None else self.host_store.run_lengths()
         if progress:
             buckets = len(self.buckets.decode_sizes), len(self.buckets.prefill_sizes)
             borrowed = ", each also with borrowed rBlocks, and the recall copy" if copies else ""
-            print(f"[jaxllm] warm-up: {len(plan) + copies} compiles ({buckets[0]} decode + {buckets[1]} prefill "
-                  f"buckets x tuner variants x greedy/logprob variants{borrowed})", file=sys.stderr, flush=True)
-        with Progress(len(plan) + copies, "warm-up compiles", enabled=progress) as bar:
+            host = f", and the host tier's gather and scatter of {len(runs)} run lengths" if runs else ""
+            print(f"[jaxllm] warm-up: {len(plan) + copies + 2 * len(runs)} compiles ({buckets[0]} decode + "
+                  f"{buckets[1]} prefill buckets x tuner variants x greedy/logprob variants{borrowed}{host})",
+                  file=sys.stderr, flush=True)
+        with Progress(len(plan) + copies + 2 * len(runs), "warm-up compiles", enabled=progress) as bar:
             for call, size in plan:
                 inputs = self.layout.inert(call.op == Op.DECODE, size, call.borrowed)
                 jax.block_until_ready(self.launcher.run(self._launch, call, inputs, None).tokens)
@@ -363,6 +402,9 @@ class Executor:
                 self.copied_blocks -= 1
                 self.launcher.drain()
                 bar.update(1, detail="recall copy")
+            if runs:
+                self.launcher.run(self._warm_host_copies)
+                bar.update(2 * len(runs), detail=f"host copies of {runs[0]}..{runs[-1]} rBlocks")
 
     # ----- multi-process runs -----
 

@@ -11,7 +11,9 @@ stacked on a leading instance axis [I, ...]:
     in which nothing
     is borrowed moves nothing between devices: no collective. (A multi-process run keeps them replicated:
     process 0 reads every instance's tokens, and the other processes get their inputs by broadcast.)
-The recall copy (`copy_blocks`) moves rBlocks between instances' pools. Every trace of a program is counted
+The recall copy (`copy_blocks`) moves rBlocks between instances' pools; `gather_blocks` and `scatter_blocks`
+take a run of rBlocks out of the pool into a compact array and put one back (the host tier's copies, one
+instance: jaxllm.executor.host_store), a run's length a power of two. Every trace of a program is counted
 (`compile_count`), and the XLA compiles and persistent-cache reads behind them (`xla_compiles`,
 `persistent_cache_hits`).
 """
@@ -85,6 +87,13 @@ class StepPrograms:
             self._counted(self._copy_local), static_argnames=(),
             in_shardings=(self.pool_shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
             out_shardings=self.pool_shardings, donate=(0,))
+        ids = NamedSharding(mesh, P())
+        self._gather = _jit_on_mesh(self._counted(_gather_rows), static_argnames=(),
+                                    in_shardings=(self.pool_shardings, ids), out_shardings=self.pool_shardings,
+                                    donate=())
+        self._scatter = _jit_on_mesh(self._counted(_scatter_rows), static_argnames=(),
+                                     in_shardings=(self.pool_shardings, self.pool_shardings, ids),
+                                     out_shardings=self.pool_shardings, donate=(0,))
 
     # ----- the steps -----
 
@@ -147,6 +156,26 @@ class StepPrograms:
         self._count(before)
         return pool
 
+    # ----- the host tier's runs -----
+
+    def gather_blocks(self, pool, blocks: np.ndarray):
+        """rBlocks `blocks` [R] int32 of the pool as a compact run (the pool's pytree, [R, ...] leaves); the pool is
+        read, not donated (device work runs in dispatch order: a later step's writes land after this read)."""
+        if self.instances != 1:
+            raise ValueError("runs of rBlocks are gathered from one instance's pool; this engine has "
+                             f"{self.instances}")
+        before = compile_events()
+        run = self._gather(pool, blocks)
+        self._count(before)
+        return run
+
+    def scatter_blocks(self, pool, run, blocks: np.ndarray):
+        """The pool (donated) with run's rows written into rBlocks `blocks` [R] int32 (-1: the row is skipped)."""
+        before = compile_events()
+        pool = self._scatter(pool, run, blocks)
+        self._count(before)
+        return pool
+
     def _copy_local(self, pool, src, dst):
         nb = jax.tree.leaves(pool)[0].shape[0] // self.instances
 
@@ -166,3 +195,13 @@ class StepPrograms:
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(INSTANCE), P(), P()), out_specs=P(INSTANCE),
                              axis_names={INSTANCE}, check_vma=False)(pool, src, dst)
+
+
+def _gather_rows(pool, blocks):
+    return jax.tree.map(lambda x: x[blocks], pool)
+
+
+def _scatter_rows(pool, run, blocks):
+    n = jax.tree.leaves(pool)[0].shape[0]
+    target = jnp.where(blocks >= 0, blocks, n)  # out of range: dropped (a negative index would wrap around)
+    return jax.tree.map(lambda x, r: x.at[target].set(r, mode="drop"), pool, run)

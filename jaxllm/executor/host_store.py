@@ -1,0 +1,157 @@
+"""The host tier's data: which host run holds each host slot's rBlock, and the copies a StepPlan asks for.
+
+The ledger (jaxllm.engine.host_tier) names slots; this store keeps, per slot, the run of rBlocks it was copied
+out in and its row there. Host copies move whole runs: a plan's out copies are gathered from the pool into
+compact runs of power-of-two lengths (a binary decomposition of their count, each run at most `max_run`
+rBlocks: the gather and scatter programs are compiled for those lengths at warm-up, and no rBlock is padded), each
+run handed to the HostTransfer (jaxllm.executor.host_transfer) as one copy; a plan's in copies bring back every
+run they read from (whole, as it was copied out) and scatter the rows they need into the pool, donated, before
+the step. Runs are immutable: a slot written again points at a new run, so a copy still in flight is never
+overwritten, and a run's host memory is released once no slot points into it (`bytes_used` counts what is
+held, which may exceed the ledger's slots while part of a run is still needed).
+
+Called on the launcher thread (jaxllm.executor.launcher), between the steps: the order of device work is the
+order of the calls, so the step after a copy reads the pool the copy left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+
+import jax
+import numpy as np
+
+from jaxllm.contract import HostCopies
+from jaxllm.executor.host_transfer import HostRun, HostTransfer
+
+__all__ = ["HostStore", "run_lengths"]
+
+
+def run_lengths(count: int, max_run: int) -> list[int]:
+    """`count` rBlocks as runs of power-of-two lengths, longest first, none over max_run (a power of two)."""
+    lengths = [max_run] * (count // max_run)
+    rest = count % max_run
+    bit = max_run
+    while rest:
+        bit //= 2
+        if rest & bit:
+            lengths.append(bit)
+            rest -= bit
+    return lengths
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+    host: HostRun
+    length: int
+    live: int = 0  # slots pointing into it
+
+
+class _CopyClock:
+    """Times copies from their start to their landing, on its own thread (the launcher never waits for one)."""
+
+    def __init__(self):
+        self.seconds = {"out": 0.0, "in": 0.0}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._watch, name="jaxllm-host-copies", daemon=True).start()
+
+    def started(self, direction: str, landed) -> None:
+        """landed(): blocks until the copy started now has landed."""
+        self._queue.put((direction, time.perf_counter(), landed))
+
+    def _watch(self) -> None:
+        while True:
+            direction, start, landed = self._queue.get()
+            try:
+                landed()
+            except Exception:  # noqa: BLE001  (a failed copy fails its step; the clock only stops timing it)
+                continue
+            self.seconds[direction] += time.perf_counter() - start
+
+
+class HostStore:
+    """The host runs of one engine's host tier (see the module docstring). programs: the StepPrograms whose
+    gather_blocks / scatter_blocks move runs; transfer: how runs cross the host link; max_run: the longest run
+    (a power of two); block_bytes: one rBlock's bytes (all layers)."""
+
+    def __init__(self, programs, transfer: HostTransfer, *, max_run: int, block_bytes: int):
+        if max_run <= 0 or max_run & (max_run - 1):
+            raise ValueError(f"max_run must be a power of two, got {max_run}")
+        self.programs = programs
+        self.transfer = transfer
+        self.max_run = max_run
+        self.block_bytes = block_bytes
+        self.bytes_used = 0  # host bytes held by runs some slot still points into
+        self.blocks_out = self.blocks_in = 0  # rBlocks copied, each way
+        self.runs_out = self.runs_in = 0  # copies (runs) issued, each way
+        self._slots: dict[int, tuple[_Run, int]] = {}
+        self._clock = _CopyClock()
+
+    @property
+    def copy_seconds(self) -> dict[str, float]:
+        """Seconds from start to landing of every copy so far, "out" (to the host) and "in"."""
+        return dict(self._clock.seconds)
+
+    def run_lengths(self) -> list[int]:
+        """Every run length a copy can have (each one gather and one scatter program)."""
+        return [1 << i for i in range(self.max_run.bit_length())]
+
+    def apply(self, pool, copies: HostCopies):
+        """Run a plan's host copies (HostCopies says in which order); returns the pool for the step."""
+        for slot in copies.dropped.tolist():
+            self._forget(slot)
+        start = 0
+        for length in run_lengths(copies.num_out, self.max_run):
+            blocks = copies.out_blocks[start:start + length]
+            run = _Run(self._to_host(self.programs.gather_blocks(pool, blocks)), length)
+            self.bytes_used += length * self.block_bytes
+            for row, slot in enumerate(copies.out_slots[start:start + length].tolist()):
+                self._forget(slot)
+                self._slots[slot] = (run, row)
+                run.live += 1
+            start += length
+        self.blocks_out += copies.num_out
+        # Rows needed of each run read, in the order the runs are first named.
+        wanted: dict[_Run, np.ndarray] = {}
+        for slot, block in zip(copies.in_slots.tolist(), copies.in_blocks.tolist()):
+            run, row = self._slots[slot]
+            targets = wanted.setdefault(run, np.full(run.length, -1, np.int32))
+            targets[row] = block
+            self._forget(slot)
+        for run, targets in wanted.items():
+            run.host.wait()  # never read a run before it has landed on the host
+            device = self.transfer.to_device(run.host)
+            self._clock.started("in", lambda arrays=device: jax.block_until_ready(arrays))
+            pool = self.programs.scatter_blocks(pool, device, targets)
+        self.blocks_in += copies.num_in
+        self.runs_in += len(wanted)
+        return pool
+
+    def warm_up(self, pool):
+        """Compile the gather and scatter of every run length (and make one copy each way of each); returns the
+        pool, unchanged."""
+        for length in self.run_lengths():
+            host = self._to_host(self.programs.gather_blocks(pool, np.zeros(length, np.int32)))
+            host.wait()
+            pool = self.programs.scatter_blocks(pool, self.transfer.to_device(host), np.full(length, -1, np.int32))
+        self.runs_out = 0
+        jax.block_until_ready(pool)
+        return pool
+
+    def _to_host(self, run) -> HostRun:
+        host = self.transfer.to_host(run)
+        self.runs_out += 1
+        self._clock.started("out", lambda: (host.wait(), jax.block_until_ready(host.arrays())))
+        return host
+
+    def _forget(self, slot: int) -> None:
+        entry = self._slots.pop(slot, None)
+        if entry is None:
+            return
+        run = entry[0]
+        run.live -= 1
+        if run.live == 0:
+            self.bytes_used -= run.length * self.block_bytes

@@ -11,7 +11,7 @@ Two kinds of content:
     recomputes, as without a tier: nothing is lost either way).
   - the host prefix cache: full rBlocks the device's prefix cache evicted (`spill`), under their content keys,
     least recently spilled evicted first when room is needed; a later prompt with that prefix copies them back
-    (`lookup`, then `copy_in`) instead of prefilling them.
+    (`lookup`, `claim`, then `restore`) instead of prefilling them.
 
 Copies in flight. A copy planned here runs on the device before the step of the plan it rides on, in dispatch
 order, so the device rBlock a swap-out read may be handed to another sequence at once, and a slot written by a
@@ -66,6 +66,7 @@ class HostTier:
         self._swapped: dict[int, list[int]] = {}  # seq_id -> its slots, in table order
         self._cached: OrderedDict[bytes, int] = OrderedDict()  # content key -> slot, oldest spill first
         self._key_of: dict[int, bytes] = {}
+        self._claimed: dict[int, bytes] = {}  # slot -> key: looked up for an admission, not evictable meanwhile
         self._releasing: list[int] = []  # slots read by the pending copies: free once they are taken
         self._out: list[tuple[int, int]] = []  # pending (rBlock, slot)
         self._in: list[tuple[int, int]] = []  # pending (slot, rBlock)
@@ -155,13 +156,28 @@ class HostTier:
             found.append(slot)
         return found
 
+    def claim(self, slots: list[int]) -> None:
+        """Hold lookup's slots for an admission: the rBlocks it grows may evict device-cached ones, whose spills
+        must not evict these. Then `restore` them, or `unclaim` them if the admission failed."""
+        for slot in slots:
+            key = self._key_of.pop(slot)
+            del self._cached[key]
+            self._claimed[slot] = key
+
+    def unclaim(self, slots: list[int]) -> None:
+        """The admission failed: claimed slots go back to the host cache (as the most recently spilled)."""
+        for slot in slots:
+            key = self._claimed.pop(slot)
+            self._cached[key] = slot
+            self._key_of[slot] = key
+
     def restore(self, slots: list[int], blocks: list[int]) -> None:
-        """Plan copying the host prefix cache's `slots` (lookup's) into `blocks`; they leave the host cache (the
-        device's prefix cache holds them again once computed KV is registered)."""
+        """Plan copying claimed `slots` into `blocks`; they leave the host cache (the device's prefix cache holds
+        them again once computed KV is registered)."""
         if len(slots) != len(blocks):
             raise ValueError(f"{len(slots)} host slots for {len(blocks)} rBlocks")
         for slot in slots:
-            del self._cached[self._key_of.pop(slot)]
+            del self._claimed[slot]
         self._copy_in(slots, blocks)
         self._counts["hit_blocks_total"] += len(slots)
 

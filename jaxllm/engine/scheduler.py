@@ -130,6 +130,8 @@ class Scheduler:
                 self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + n))
             except OutOfBlocks:
                 self.allocator.free(seq.seq_id)  # the shared prefix goes back to the cache
+                if slots and not seq.num_swapped:
+                    self.host.unclaim(slots)  # and so do the host cache's rBlocks
                 seq.num_computed = seq.num_cached_prompt = seq.num_registered = 0
                 break
             if slots:
@@ -199,6 +201,8 @@ class Scheduler:
         keys = self._block_keys(seq, usable)[:usable]
         blocks = self.allocator.lookup(keys)
         slots = [] if self.host is None else self.host.lookup(keys[len(blocks):])
+        if slots:
+            self.host.claim(slots)  # the grow that follows may spill: it must not evict these
         if blocks:
             self.allocator.share(seq.seq_id, blocks)
         seq.num_computed = (len(blocks) + len(slots)) * self.block_size

@@ -116,8 +116,8 @@ def test_copies_in_flight_are_never_read_before_they_land(expected):
     tight.executor.host_store.transfer = late
     got = [c.token_ids for c in tight.generate(PROMPTS, **SAMPLED)]
     assert tight.core.scheduler.stats().host.swap_ins_total > 0
-    assert "waited" in late.log, late.log  # some swap-in came before its copy out had landed
     assert got == expected
+    assert "waited" in late.log, late.log  # some swap-in came before its copy out had landed
     _idle(tight)
 
 

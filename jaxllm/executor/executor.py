@@ -140,16 +140,16 @@ class Executor:
         self.padding_tokens = 0
         self.borrowed_steps = 0
         self.copied_blocks = 0
+        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
         self.host_store = None
         if host_tier:
             if instances > 1 or multi_process:
                 raise ValueError(f"a host tier serves one instance of one process; this engine has {instances} "
                                  f"instances over {jax.process_count()} processes")
             longest_table = 1 << max(table_width - 1, 0).bit_length()  # a sequence's whole table in one run
-            block_bytes = sum(x.nbytes for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
             self.host_store = HostStore(
                 self.programs, host_transfer or AsyncHostTransfer(self.programs.pool_shardings),
-                max_run=min(longest_table, 1 << (kv_cache.num_blocks.bit_length() - 1)), block_bytes=block_bytes)
+                max_run=min(longest_table, 1 << (kv_cache.num_blocks.bit_length() - 1)), block_bytes=self.block_bytes)
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
 
@@ -184,6 +184,14 @@ class Executor:
 
     def tuner_stats(self) -> dict[str, int]:
         return dict(self.tuner.stats())
+
+    def host_tier_stats(self) -> dict[str, float]:
+        """The HostStore's bytes held and copy seconds each way ({} without a host tier)."""
+        store = self.host_store
+        if store is None:
+            return {}
+        seconds = store.copy_seconds
+        return dict(bytes_used=store.bytes_used, copy_out_seconds=seconds["out"], copy_in_seconds=seconds["in"])
 
     def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
         """The tuner's variants of this bucket, wrapped for the mesh (memoised: asked once per bucket)."""

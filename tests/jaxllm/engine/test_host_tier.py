@@ -4,6 +4,7 @@ host prefix-cache hit gives the logits a fresh prefill gives; nothing compiles a
 
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -164,3 +165,49 @@ def test_nothing_compiles_after_warm_up_with_the_tier_on():
     assert host.swap_outs_total > 0 and host.blocks_in_total > 0 and host.spilled_blocks_total > 0, host
     assert llm.compile_count == warm
     assert (compile_events() - before).xla_compiles == 0
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_host_kv_bytes_is_refused_naming_it(value):
+    with pytest.raises(ValueError, match=f"host_kv_bytes must be an integer >= 0 .*got {value!r}"):
+        EngineOptions(host_kv_bytes=value)
+
+
+def test_host_tier_with_several_instances_is_refused_naming_them():
+    with pytest.raises(ValueError, match="host_kv_bytes 1048576: a host tier serves one instance .* 2 instances"):
+        LLM("tiny", max_context=64, options=EngineOptions(instances=2, host_kv_bytes=1 << 20), progress=False)
+
+
+def test_host_tier_smaller_than_one_rblock_is_refused():
+    with pytest.raises(ValueError, match=r"host_kv_bytes 100 is less than one rBlock \(\d+ bytes\)"):
+        LLM("tiny", max_context=64, options=EngineOptions(block_size=4, host_kv_bytes=100), progress=False)
+
+
+@pytest.mark.parametrize("entry", ["generate", "serve"])
+def test_negative_host_kv_gib_flag_is_refused_naming_it(entry, capsys):
+    import importlib
+
+    main = importlib.import_module(f"jaxllm.{entry}").main
+    args = ["--host-kv-gib", "-1"] + (["hi"] if entry == "generate" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--host-kv-gib must be a finite number >= 0 (0 turns the host tier off), got -1.0" in err, err
+
+
+def test_engine_stats_report_the_tiers():
+    tight = _engine(1 << 20, prefix_caching=False)
+    tight.generate(PROMPTS, **SAMPLED)
+    stats = tight.core.stats()
+    assert stats.host_blocks == tight.host_blocks > 0 and stats.kv_block_bytes == _block_bytes(tight)
+    assert stats.swap_outs_total == stats.swap_ins_total > 0 and stats.host_blocks_in_total > 0
+    assert stats.host_blocks_out_total >= stats.host_blocks_in_total
+    assert stats.host_blocks_used == 0 and stats.host_bytes == 0  # every swapped run came back
+    from serve.metrics import Registry, parse, register_engine_metrics
+
+    registry = Registry()
+    engine = types.SimpleNamespace(stats=tight.core.stats, info=tight.info)  # what the metrics read of an Engine
+    register_engine_metrics(registry, lambda: engine)
+    metrics = parse(registry.render())
+    assert metrics['jaxllm_kv_tier_blocks{tier="host"}'] == stats.host_blocks
+    assert metrics['jaxllm_kv_swap_outs_total'] == stats.swap_outs_total
+    assert metrics['jaxllm_kv_host_copied_blocks_total{direction="in"}'] == stats.host_blocks_in_total

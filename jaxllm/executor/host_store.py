@@ -56,20 +56,33 @@ class _CopyClock:
     def __init__(self):
         self.seconds = {"out": 0.0, "in": 0.0}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._started = self._landed = 0
         threading.Thread(target=self._watch, name="jaxllm-host-copies", daemon=True).start()
 
     def started(self, direction: str, landed) -> None:
         """landed(): blocks until the copy started now has landed."""
+        with self._done:
+            self._started += 1
         self._queue.put((direction, time.perf_counter(), landed))
+
+    def sync(self) -> None:
+        """Wait until every copy started so far has landed (or failed)."""
+        with self._done:
+            target = self._started
+            self._done.wait_for(lambda: self._landed >= target)
 
     def _watch(self) -> None:
         while True:
             direction, start, landed = self._queue.get()
             try:
                 landed()
+                self.seconds[direction] += time.perf_counter() - start
             except Exception:  # noqa: BLE001  (a failed copy fails its step; the clock only stops timing it)
-                continue
-            self.seconds[direction] += time.perf_counter() - start
+                pass
+            with self._done:
+                self._landed += 1
+                self._done.notify_all()
 
 
 class HostStore:
@@ -129,6 +142,10 @@ class HostStore:
         self.blocks_in += copies.num_in
         self.runs_in += len(wanted)
         return pool
+
+    def sync(self) -> None:
+        """Wait until every copy issued so far has landed (benchmarks time copies with it; serving never waits)."""
+        self._clock.sync()
 
     def warm_up(self, pool):
         """Compile the gather and scatter of every run length (and make one copy each way of each); returns the

@@ -168,6 +168,10 @@ class HostTier:
         """The admission failed: claimed slots go back to the host cache (as the most recently spilled)."""
         for slot in slots:
             key = self._claimed.pop(slot)
+            if key in self._cached:  # spilled again meanwhile (the grow evicted the device's copy): keep that one
+                self._dropped.append(slot)
+                self._releasing.append(slot)
+                continue
             self._cached[key] = slot
             self._key_of[slot] = key
 

@@ -133,3 +133,15 @@ def test_random_workload_reads_only_its_own_kv(host_slots, prefix_caching):
         assert not prefix_caching or stats.hit_blocks_total > 0, stats
     if host_slots == 2:
         assert stats.swap_fallbacks_total > 0, stats
+
+
+def test_unclaiming_a_key_spilled_again_meanwhile_keeps_one_copy_and_frees_the_other():
+    host = HostTier(3)
+    host.spill(b"a", 1)
+    slots = host.lookup([b"a"])
+    host.claim(slots)
+    host.spill(b"a", 2)  # the device evicted its own copy of the same prefix meanwhile
+    host.unclaim(slots)
+    assert len(host.lookup([b"a"])) == 1
+    host.take_copies()
+    assert host.num_used == 1 and host.num_free == 3  # nothing leaked: one used (evictable), two free

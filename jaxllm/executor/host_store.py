@@ -10,12 +10,18 @@ the step. Runs are immutable: a slot written again points at a new run, so a cop
 overwritten, and a run's host memory is released once no slot points into it (`bytes_used` counts what is
 held, which may exceed the ledger's slots while part of a run is still needed).
 
+Device memory: a run gathered out, or copied back before its scatter, is a device array beside the pool. The runs
+in flight together are held to `max_copy_bytes` (the oldest is waited for before another starts past it, which
+happens only when one plan moves more than that), and a run is at most that long, so a big swap never needs
+more device memory than that beyond the pool.
+
 Called on the launcher thread (jaxllm.executor.launcher), between the steps: the order of device work is the
 order of the calls, so the step after a copy reads the pool the copy left.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -88,15 +94,22 @@ class _CopyClock:
 class HostStore:
     """The host runs of one engine's host tier (see the module docstring). programs: the StepPrograms whose
     gather_blocks / scatter_blocks move runs; transfer: how runs cross the host link; max_run: the longest run
-    (a power of two); block_bytes: one rBlock's bytes (all layers)."""
+    (a power of two; it is lowered until a run fits max_copy_bytes); block_bytes: one rBlock's bytes (all layers);
+    max_copy_bytes: device bytes the runs in flight may take together."""
 
-    def __init__(self, programs, transfer: HostTransfer, *, max_run: int, block_bytes: int):
+    def __init__(self, programs, transfer: HostTransfer, *, max_run: int, block_bytes: int,
+                 max_copy_bytes: int = 1 << 30):
         if max_run <= 0 or max_run & (max_run - 1):
             raise ValueError(f"max_run must be a power of two, got {max_run}")
+        while max_run > 1 and max_run * block_bytes > max_copy_bytes:
+            max_run //= 2
         self.programs = programs
         self.transfer = transfer
         self.max_run = max_run
         self.block_bytes = block_bytes
+        self.max_copy_bytes = max(max_copy_bytes, block_bytes)
+        self._in_flight: collections.deque = collections.deque()  # (bytes, wait until it no longer needs them)
+        self._in_flight_bytes = 0
         self.bytes_used = 0  # host bytes held by runs some slot still points into
         self.blocks_out = self.blocks_in = 0  # rBlocks copied, each way
         self.runs_out = self.runs_in = 0  # copies (runs) issued, each way
@@ -119,6 +132,7 @@ class HostStore:
         start = 0
         for length in run_lengths(copies.num_out, self.max_run):
             blocks = copies.out_blocks[start:start + length]
+            self._make_room(length)
             run = _Run(self._to_host(self.programs.gather_blocks(pool, blocks)), length)
             self.bytes_used += length * self.block_bytes
             for row, slot in enumerate(copies.out_slots[start:start + length].tolist()):
@@ -136,7 +150,9 @@ class HostStore:
             self._forget(slot)
         for run, targets in wanted.items():
             run.host.wait()  # never read a run before it has landed on the host
+            self._make_room(run.length)
             device = self.transfer.to_device(run.host)
+            self._hold(run.length, lambda arrays=device: jax.block_until_ready(arrays))
             self._clock.started("in", lambda arrays=device: jax.block_until_ready(arrays))
             pool = self.programs.scatter_blocks(pool, device, targets)
         self.blocks_in += copies.num_in
@@ -158,8 +174,21 @@ class HostStore:
         jax.block_until_ready(pool)
         return pool
 
+    def _make_room(self, length: int) -> None:
+        """Wait for the oldest runs in flight until one of `length` rBlocks fits max_copy_bytes beside the rest."""
+        need = length * self.block_bytes
+        while self._in_flight and self._in_flight_bytes + need > self.max_copy_bytes:
+            nbytes, landed = self._in_flight.popleft()
+            landed()
+            self._in_flight_bytes -= nbytes
+
+    def _hold(self, length: int, landed) -> None:
+        self._in_flight.append((length * self.block_bytes, landed))
+        self._in_flight_bytes += length * self.block_bytes
+
     def _to_host(self, run) -> HostRun:
         host = self.transfer.to_host(run)
+        self._hold(len(jax.tree.leaves(run)[0]), lambda: (host.wait(), jax.block_until_ready(host.arrays())))
         self.runs_out += 1
         self._clock.started("out", lambda: (host.wait(), jax.block_until_ready(host.arrays())))
         return host

@@ -14,7 +14,9 @@
 (c) preemption: --preempt-seqs sequences of --preempt-prompt tokens generating --preempt-new tokens in a pool
     (--num-blocks) that holds about half of them at full length: tokens/s with swap (tier on) and with
     recompute (tier off), with the preemptions, swaps and fallbacks each saw.
-(d) compiles: program traces and XLA compiles after warm-up, over (a)-(c), with the tier on (must be 0).
+(d) decode: batch-1 ms/token (median decode step) of one --decode-prompt token prompt generating --decode-new tokens,
+    tier on and off: the tier must cost a batch-1 decode nothing (within 2%).
+(e) compiles: program traces and XLA compiles after warm-up, over (a)-(d), with the tier on (must be 0).
 
 Llama-2-7B shape, random bf16 weights. --smoke runs the same code with the tiny model and small sizes on the CPU
 (the test suite does). Writes JSON to --out (benchmarks/results/ by default) named <device>-<date>-<HHMM>-host-tier
@@ -168,6 +170,29 @@ def preemption(args, llm) -> dict:
                 **{k: after[k] - before[k] for k in after})
 
 
+def decode(args, llm) -> dict:
+    """(d): batch-1 decode, ms a token: the median gap between decode steps' tokens, best of --reps runs."""
+    from jaxllm.contract import SamplingParams
+    from jaxllm.engine.core import Request
+
+    rng = np.random.default_rng(37)
+    prompt = rng.integers(3, llm.config.vocab_size, size=args.decode_prompt).tolist()
+    params = SamplingParams(max_new_tokens=args.decode_new, ignore_eos=True)
+    medians = []
+    for _ in range(args.reps):
+        gaps, last = [], [time.perf_counter()]
+
+        def on_step(_outputs) -> None:
+            now = time.perf_counter()
+            if llm.core.last_plan is not None and llm.core.last_plan.is_decode:
+                gaps.append(now - last[0])
+            last[0] = now
+
+        llm.run([Request(prompt, params)], on_step=on_step)
+        medians.append(float(np.median(gaps)) * 1e3)
+    return dict(ms_per_token=min(medians), runs_ms_per_token=medians)
+
+
 def _table(result: dict) -> str:
     rows = []
     if "link" in result:
@@ -176,7 +201,7 @@ def _table(result: dict) -> str:
             rows.append([f"copy {way} ({a['run_rblocks']} rBlocks)", f"{a['copy_gb_s'][way]:.2f} GB/s",
                          f"link {a['link_gb_s'][way]:.2f} GB/s", f"{100 * a['fraction_of_link'][way]:.0f}%"])
     for part, key, unit in (("multi_turn", "ttft_p50_s", "s TTFT p50"), ("multi_turn", "tokens_per_s", "tok/s"),
-                            ("preemption", "tokens_per_s", "tok/s")):
+                            ("preemption", "tokens_per_s", "tok/s"), ("decode", "ms_per_token", "ms/token")):
         if part in result:
             on, off = result[part]["on"][key], result[part]["off"][key]
             rows.append([f"{part} {key}", f"on {on:.3g} {unit}", f"off {off:.3g} {unit}", harness.ratio(on, off)])
@@ -187,8 +212,8 @@ def _table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["link", "multi_turn", "preemption"],
-                   choices=["link", "multi_turn", "preemption"])
+    p.add_argument("--parts", nargs="+", default=["link", "multi_turn", "preemption", "decode"],
+                   choices=["link", "multi_turn", "preemption", "decode"])
     p.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, small sizes (the test suite's)")
     p.add_argument("--model", default=None, help="default: llama2-7b (tiny with --smoke)")
     p.add_argument("--block-size", type=int, default=None, help="tokens an rBlock (default 256; 16 with --smoke)")
@@ -208,6 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--preempt-seqs", type=int, default=16)
     p.add_argument("--preempt-prompt", type=int, default=1536)
     p.add_argument("--preempt-new", type=int, default=512)
+    p.add_argument("--decode-prompt", type=int, default=1024, help="(d): the prompt's tokens")
+    p.add_argument("--decode-new", type=int, default=256, help="(d): tokens generated")
     p.add_argument("--compile-cache", default=os.environ.get("JAXLLM_COMPILE_CACHE") or None, metavar="DIR",
                    help="JAX's persistent compilation cache (default: $JAXLLM_COMPILE_CACHE; unset: off)")
     p.add_argument("--out", default=harness.RESULTS_DIR)
@@ -221,10 +248,11 @@ def main(argv=None) -> int:
         args.user_tokens, args.reply_tokens = 8, 4
         args.preempt_seqs, args.preempt_prompt, args.preempt_new = 4, 40, 24
         args.max_seqs, args.max_tokens_per_step = 4, 32
+        args.decode_prompt, args.decode_new = 20, 8
     args.model = args.model or "llama2-7b"
     args.block_size = args.block_size or 256
     longest = max(args.history + (args.turns + 1) * (args.user_tokens + args.reply_tokens),
-                  args.preempt_prompt + args.preempt_new)
+                  args.preempt_prompt + args.preempt_new, args.decode_prompt + args.decode_new)
     args.max_context = args.max_context or longest + 1
     import jax
 
@@ -236,10 +264,11 @@ def main(argv=None) -> int:
         _log(f"host tier {tier}: {args.model}, {args.num_blocks} rBlocks of {args.block_size} tokens on {device}")
         llm = _engine(args, host_gib=args.host_gib if tier == "on" else 0.0, num_blocks=args.num_blocks)
         warm = _compiles(llm)
-        for part in ("link", "preemption", "multi_turn"):
+        for part in ("decode", "link", "preemption", "multi_turn"):
             if part not in args.parts or (part == "link" and tier == "off"):
                 continue
-            measured = {"link": link, "multi_turn": multi_turn, "preemption": preemption}[part](args, llm)
+            measured = {"link": link, "multi_turn": multi_turn, "preemption": preemption, "decode": decode}[part](args,
+                                                                                                              llm)
             _log(f"[{part}] {tier}: {measured}")
             if part == "link":
                 result[part] = measured
@@ -251,9 +280,12 @@ def main(argv=None) -> int:
         del llm
         gc.collect()
     result["compiles_after_warm_up"] = compiles
-    for part in ("multi_turn", "preemption"):
+    for part in ("multi_turn", "preemption", "decode"):
         if part in result and {"on", "off"} <= set(result[part]):
             on, off = result[part]["on"], result[part]["off"]
+            if part == "decode":
+                result[part]["on_over_off"] = on["ms_per_token"] / off["ms_per_token"]
+                continue
             result[part]["tokens_per_s_on_over_off"] = on["tokens_per_s"] / off["tokens_per_s"]
             if part == "multi_turn":
                 result[part]["ttft_p50_off_over_on"] = off["ttft_p50_s"] / on["ttft_p50_s"]

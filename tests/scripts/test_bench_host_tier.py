@@ -32,5 +32,6 @@ def test_bench_host_tier_smoke(tmp_path):
     preempt = r["preemption"]
     assert preempt["on"]["swap_outs"] > 0 and preempt["off"]["swap_outs"] == 0 and preempt["off"]["preemptions"] > 0
     assert preempt["on"]["generated"] == preempt["off"]["generated"]
+    assert r["decode"]["on"]["ms_per_token"] > 0 and r["decode"]["off"]["ms_per_token"] > 0
     assert r["compiles_after_warm_up"] == 0
     assert (tmp_path / path.name.replace(".json", ".md")).exists()

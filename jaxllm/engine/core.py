@@ -403,8 +403,8 @@ class EngineCore:
                         host_cache_hit_blocks_total=tier.hit_blocks_total,
                         host_copy_out_seconds=float(store.get("copy_out_seconds", 0.0)),
                         host_copy_in_seconds=float(store.get("copy_in_seconds", 0.0)))
-        return EngineStats(**self._counts, **host, kv_block_bytes=executor.block_bytes, queue_depth=queue.waiting, running=queue.running,
-                           pool_blocks=queue.pool_blocks, pool_blocks_free=queue.pool_blocks_free,
+        return EngineStats(**self._counts, **host, kv_block_bytes=executor.block_bytes, queue_depth=queue.waiting,
+                           running=queue.running, pool_blocks=queue.pool_blocks, pool_blocks_free=queue.pool_blocks_free,
                            prefix_cache_hit_tokens=queue.cached_tokens, prefix_cache_blocks=queue.cached_blocks,
                            preemptions_total=queue.preemptions, compile_count=executor.compile_count,
                            xla_compiles=executor.xla_compiles, persistent_cache_hits=executor.persistent_cache_hits,

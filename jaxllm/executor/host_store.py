@@ -12,8 +12,8 @@ held, which may exceed the ledger's slots while part of a run is still needed).
 
 Device memory: a run gathered out, or copied back before its scatter, is a device array beside the pool. The runs
 in flight together are held to `max_copy_bytes` (the oldest is waited for before another starts past it, which
-happens only when one plan moves more than that), and a run is at most that long, so a big swap never needs
-more device memory than that beyond the pool.
+happens only when copies of more than that are still landing), and a run is at most that long, so a big swap
+never needs more device memory than that beyond the pool. Landed runs are let go at the next copy.
 
 Called on the launcher thread (jaxllm.executor.launcher), between the steps: the order of device work is the
 order of the calls, so the step after a copy reads the pool the copy left.
@@ -108,7 +108,8 @@ class HostStore:
         self.max_run = max_run
         self.block_bytes = block_bytes
         self.max_copy_bytes = max(max_copy_bytes, block_bytes)
-        self._in_flight: collections.deque = collections.deque()  # (bytes, wait until it no longer needs them)
+        # (bytes, wait until it landed, whether it landed (never waits)), oldest first
+        self._in_flight: collections.deque = collections.deque()
         self._in_flight_bytes = 0
         self.bytes_used = 0  # host bytes held by runs some slot still points into
         self.blocks_out = self.blocks_in = 0  # rBlocks copied, each way
@@ -152,7 +153,7 @@ class HostStore:
             run.host.wait()  # never read a run before it has landed on the host
             self._make_room(run.length)
             device = self.transfer.to_device(run.host)
-            self._hold(run.length, lambda arrays=device: jax.block_until_ready(arrays))
+            self._hold(run.length, device, lambda arrays=device: jax.block_until_ready(arrays))
             self._clock.started("in", lambda arrays=device: jax.block_until_ready(arrays))
             pool = self.programs.scatter_blocks(pool, device, targets)
         self.blocks_in += copies.num_in
@@ -177,18 +178,21 @@ class HostStore:
     def _make_room(self, length: int) -> None:
         """Wait for the oldest runs in flight until one of `length` rBlocks fits max_copy_bytes beside the rest."""
         need = length * self.block_bytes
-        while self._in_flight and self._in_flight_bytes + need > self.max_copy_bytes:
-            nbytes, landed = self._in_flight.popleft()
-            landed()
+        while self._in_flight and (self._in_flight_bytes + need > self.max_copy_bytes or self._in_flight[0][2]()):
+            nbytes, landed, _ = self._in_flight.popleft()
+            landed()  # at once where it already landed
             self._in_flight_bytes -= nbytes
 
-    def _hold(self, length: int, landed) -> None:
-        self._in_flight.append((length * self.block_bytes, landed))
+    def _hold(self, length: int, arrays, landed) -> None:
+        """Count a copy of `length` rBlocks in flight until `arrays` (its destination) are ready."""
+        ready = lambda: all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(arrays))  # noqa: E731
+        self._in_flight.append((length * self.block_bytes, landed, ready))
         self._in_flight_bytes += length * self.block_bytes
 
     def _to_host(self, run) -> HostRun:
         host = self.transfer.to_host(run)
-        self._hold(len(jax.tree.leaves(run)[0]), lambda: (host.wait(), jax.block_until_ready(host.arrays())))
+        self._hold(len(jax.tree.leaves(run)[0]), host.arrays(),
+                   lambda: (host.wait(), jax.block_until_ready(host.arrays())))
         self.runs_out += 1
         self._clock.started("out", lambda: (host.wait(), jax.block_until_ready(host.arrays())))
         return host

@@ -37,12 +37,23 @@ class _Run:
         return self._arrays
 
 
+class _Landing(np.ndarray):
+    """A host array still landing (is_ready False) or landed."""
+
+    landed = False
+
+    def is_ready(self):
+        return self.landed
+
+
 class _Transfer:
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, log, landed=False):
+        self.log, self.landed = log, landed
 
     def to_host(self, run):
-        return _Run(np.array(run), self.log)
+        arrays = np.array(run).view(_Landing)
+        arrays.landed = self.landed
+        return _Run(arrays, self.log)
 
     def to_device(self, run):
         return run.arrays()
@@ -80,4 +91,13 @@ def test_runs_in_flight_are_held_to_max_copy_bytes():
     kinds = [e[0] for e in log]
     # Each run after the first waits until the one before it landed (two rBlocks fill the 20 bytes).
     assert kinds == ["gather", "wait", "gather", "wait", "gather"], log
+    store.sync()
+
+
+def test_landed_runs_are_let_go_at_the_next_copy():
+    log = []
+    store = HostStore(_Programs(log), _Transfer(log, landed=True), max_run=8, block_bytes=10, max_copy_bytes=1000)
+    store.apply(np.arange(16), _copies(out=[0], slots=[0]))
+    store.apply(np.arange(16), _copies(out=[1], slots=[1]))
+    assert [e[0] for e in log] == ["gather", "wait", "gather"], log  # far under max_copy_bytes, but landed
     store.sync()

@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loaded {llm.config.name} ({llm.config.num_layers} layers, max_context {llm.max_context}, "
                   f"{llm.num_blocks} rBlocks of {llm.executor.block_size} tokens) in "
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+            if llm.host_blocks:
+                print(f"host tier: {llm.host_blocks} rBlocks ({llm.host_blocks * llm.executor.block_bytes / 2**30:.1f} "
+                      f"GiB of pinned host memory): preempted sequences swap, the prefix cache spills",
+                      file=sys.stderr, flush=True)
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
             llm.warm_up(progress=not args.quiet)

@@ -255,7 +255,8 @@ def register_engine_metrics(registry: Registry, engine) -> None:
              "swapped_pairs_total"),
             (r.counter, "jaxllm_dist_attention_steps_total",
              "steps that ran DistAttention (some sequence had borrowed rBlocks)", "dist_steps_total"),
-            (r.counter, "jaxllm_preemptions_total", "sequences preempted (rBlocks freed, recomputed later)",
+            (r.counter, "jaxllm_preemptions_total",
+             "sequences preempted (rBlocks freed: swapped to the host tier, or recomputed later)",
              "preemptions_total")):
         register(name, what, fn=read(lambda e, field=field: getattr(e.stats(), field)))
     _register_tier_metrics(r, read)

@@ -2,8 +2,9 @@
 
 A scheduler with a host tier (jaxllm.engine.host_tier) puts them on its StepPlan; the executor
 (jaxllm.executor.host_store) runs them before the step, in this order: `dropped` host slots are forgotten, the
-`out_*` rBlocks are copied to the host (read from the pool as the previous step left it), then the `in_*` host
-slots are copied into the pool (a slot written by this plan's out copies is read after that copy lands). Device
+`out_*` rBlocks are copied to the host (read from the pool as the previous step left it), then the plan's
+block_copies (DistKV recalls) run, then the `in_*` host slots are copied into the pool (a slot written by this
+plan's out copies is read after that copy lands). Device
 work runs in dispatch order, so an rBlock copied out may be handed to another sequence in the same plan, and
 the step reads every copied-in rBlock after it landed.
 """
@@ -45,3 +46,14 @@ class HostCopies:
 
     def __len__(self) -> int:
         return self.num_out + self.num_in + len(self.dropped)
+
+    @staticmethod
+    def join(parts: list[HostCopies | None]) -> HostCopies | None:
+        """Several schedulers' copies as one (their slots are disjoint); None when there are none."""
+        parts = [p for p in parts if p is not None and len(p)]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return HostCopies(**{f.name: np.concatenate([getattr(p, f.name) for p in parts]).astype(np.int32)
+                             for f in dataclasses.fields(HostCopies)})

@@ -118,8 +118,8 @@ class StepPlan:
     (whose log-probability its logits give); -1 elsewhere. None: no token of the step wants one.
     block_copies [M, 2] int32: rBlocks (global source id, global destination id) the device copies before
     this step, all reads before any write (DistKV recalls: borrowed rBlocks going home); None: none.
-    host_copies: HostCopies, rBlocks the device copies to and from the host tier before this step (after
-    block_copies); None: none.
+    host_copies: HostCopies, rBlocks the device copies to and from the host tier before this step (its out copies
+    before block_copies, its in copies after); None: none.
     penalties: RowPenalties, when some row has penalties (None: none has); logit_bias: LogitBias, when some row has
     a logit bias (None: none has).
     kv_extent: (total, longest) of kv_lens as Python ints; computed here unless given (the scheduler gives a

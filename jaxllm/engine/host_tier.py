@@ -71,6 +71,9 @@ class HostTier:
         self._out: list[tuple[int, int]] = []  # pending (rBlock, slot)
         self._in: list[tuple[int, int]] = []  # pending (slot, rBlock)
         self._dropped: list[int] = []
+        # rBlocks whose contents a copy planned with this plan moves before the host copies' step (DistKV recalls:
+        # destination -> source): a swap-out reads a moved rBlock at its source (host copies out run first).
+        self.moved: dict[int, int] = {}
         self._counts = dict(swap_outs_total=0, swap_ins_total=0, swap_fallbacks_total=0, blocks_out_total=0,
                             blocks_in_total=0, spilled_blocks_total=0, hit_blocks_total=0)
 
@@ -104,7 +107,7 @@ class HostTier:
             self._counts["swap_fallbacks_total"] += bool(blocks)
             return False
         slots = self._take(len(blocks))
-        self._out.extend(zip(blocks, slots))
+        self._out.extend(zip((self.moved.get(b, b) for b in blocks), slots))
         self._swapped[seq_id] = slots
         self._counts["swap_outs_total"] += 1
         self._counts["blocks_out_total"] += len(blocks)

@@ -53,11 +53,13 @@ class Scheduler:
     """The StepScheduler (jaxllm.engine.scheduling) of one instance over one BlockPool (see the module docstring)."""
 
     def __init__(self, allocator: BlockPool, block_size: int, *, max_tokens_per_step: int, max_seqs: int,
-                 prefix_caching: bool = True, seq_ids: Iterator[int] | None = None, host_tier: HostTier | None = None):
+                 prefix_caching: bool = True, seq_ids: Iterator[int] | None = None, host_tier: HostTier | None = None,
+                 takes_host_copies: bool = True):
         """seq_ids: where sequence ids come from (default 0, 1, 2, ...); several schedulers of one engine
         (one per instance) draw from disjoint ranges, so a plan's ids name one sequence engine-wide.
         host_tier: where preempted sequences swap to (and, if the allocator spills to it, the host prefix
-        cache); None: preemption recomputes."""
+        cache); None: preemption recomputes. takes_host_copies: its plans carry the tier's copies (False: the
+        caller takes them once every scheduler of its step has planned: InstanceSchedulers)."""
         if max_tokens_per_step <= 0 or max_seqs <= 0:
             raise ValueError("max_tokens_per_step and max_seqs must be positive")
         self.allocator = allocator
@@ -66,6 +68,7 @@ class Scheduler:
         self.max_seqs = max_seqs
         self.prefix_caching = prefix_caching
         self.host = host_tier
+        self.takes_host_copies = takes_host_copies and host_tier is not None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # oldest first
         self.cached_tokens = 0  # tokens whose KV came from the prefix cache, all admissions together
@@ -145,7 +148,7 @@ class Scheduler:
             self.running.append(seq)
             chunks.append((seq, n))
             budget -= n
-        copies = None if self.host is None else self.host.take_copies()
+        copies = self.host.take_copies() if self.takes_host_copies else None
         if not chunks:
             return None if copies is None else StepPlan.copies_only(host_copies=copies)
         return self._build(chunks, copies)
@@ -182,7 +185,7 @@ class Scheduler:
                 self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
         total, longest = prev.kv_extent  # every sequence one token longer than in prev
         # A grow may have evicted cached rBlocks that the host tier keeps: copied out before this step writes them.
-        copies = None if self.host is None else self.host.take_copies()
+        copies = self.host.take_copies() if self.takes_host_copies else None
         return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs],
                               kv_extent=(total + len(seqs), longest + 1), host_copies=copies)
 

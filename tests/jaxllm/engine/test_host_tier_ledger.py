@@ -145,3 +145,74 @@ def test_unclaiming_a_key_spilled_again_meanwhile_keeps_one_copy_and_frees_the_o
     assert len(host.lookup([b"a"])) == 1
     host.take_copies()
     assert host.num_used == 1 and host.num_free == 3  # nothing leaked: one used (evictable), two free
+
+
+def _apply_copies(plan, device: dict, slots: dict) -> None:
+    """The executor's order: host drops and copies out, the recall copies (all reads first), host copies in."""
+    host = plan.host_copies
+    if host is not None:
+        for slot in host.dropped.tolist():
+            slots.pop(slot, None)
+        outs = [(s, list(device[b])) for b, s in zip(host.out_blocks.tolist(), host.out_slots.tolist())]
+        for slot, rows in outs:
+            slots[slot] = rows
+    if plan.block_copies is not None:
+        moved = [(int(dst), list(device[int(src)])) for src, dst in plan.block_copies]
+        for dst, rows in moved:
+            device[dst] = rows
+    if host is not None:
+        for slot, block in zip(host.in_slots.tolist(), host.in_blocks.tolist()):
+            device[block] = list(slots.pop(slot))
+
+
+@pytest.mark.parametrize("host_slots", [3, 12, 60])
+@pytest.mark.parametrize("lending", [True, False])
+def test_instances_with_host_tiers_read_only_their_own_kv(host_slots, lending):
+    """Three instances lending each other rBlocks (recalls, loans that make creditors evict and spill), each with
+    its own host tier: every KV row a step reads is its own sequence's."""
+    from jaxllm.engine.instances import InstanceSchedulers
+
+    run_seed = seed(35036)
+    rng = np.random.default_rng(run_seed)
+    bs, nb, instances, vocab = 4, 8, 3, 6
+    sched = InstanceSchedulers(instances, nb, bs, max_tokens_per_step=16, max_seqs=4, lending=lending,
+                               host_blocks=host_slots)
+    device = {b: [None] * bs for b in range(instances * nb)}
+    slots: dict[int, list] = {}
+    table = rng.integers(0, vocab, size=(2000, 200)).astype(np.int32)
+    seqs, steps = [], 0
+    while len(seqs) < 200 or sched.has_work():
+        ctx = f"seed={run_seed} step={steps}"
+        if len(seqs) < 200 and rng.random() < 0.4:
+            for _ in range(int(rng.integers(1, 4))):
+                prompt = [1, 2, 3, 1, 2] * int(rng.integers(0, 3)) + rng.integers(1, vocab, size=int(
+                    rng.integers(1, 40 if lending else 20))).tolist()
+                seqs.append(sched.add(prompt, SamplingParams(max_new_tokens=int(rng.integers(1, 25))),
+                                      max_len=nb * bs * (instances if lending else 1) - 1))
+        live = sched.running + sched.waiting
+        if live and rng.random() < 0.02:
+            sched.cancel(live[int(rng.integers(len(live)))])
+        if not sched.has_work():
+            continue
+        plan = sched.plan()
+        assert plan is not None, ctx
+        _apply_copies(plan, device, slots)
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            tags = _tags(sched.sequence(seq_id).token_ids)
+            start, end = int(plan.positions[plan.cu_q_lens[i]]), int(plan.kv_lens[i])
+            blocks = plan.block_tables[i]
+            for p in range(start):
+                assert device[int(blocks[p // bs])][p % bs] == tags[p], f"{ctx}: seq {seq_id} reads stale KV at {p}"
+            for p in range(start, end):
+                device[int(blocks[p // bs])][p % bs] = tags[p]
+        sampled = np.array([table[int(i) % 2000, int(k)] for i, k in zip(plan.seq_ids, plan.kv_lens)], np.int32)
+        sched.update(plan, sampled, EOS)
+        steps += 1
+        assert steps < 20000, f"{ctx}: no end in sight"
+    assert all(s.status is Status.FINISHED for s in seqs)
+    stats = sched.stats()
+    assert stats.host.swapped_sequences == 0 and stats.host.blocks_used == stats.host.cached_blocks, stats.host
+    if host_slots == 60:
+        assert stats.host.swap_outs_total > 0 and stats.host.hit_blocks_total > 0, stats.host
+    if lending:
+        assert stats.lending.loans_total > 0 and stats.lending.recalled_blocks_total > 0, stats.lending

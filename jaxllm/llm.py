@@ -87,10 +87,10 @@ class EngineOptions:
     # are refused. max_logit_bias: logit_bias entries one request may give (a fixed width of every step's inputs).
     penalties: bool = True
     max_logit_bias: int = 64
-    # The host tier (docs/ARCHITECTURE.md, decision 12): bytes of pinned host memory for rBlocks, so a preempted
-    # sequence swaps out and back in instead of recomputing, and the prefix cache spills there instead of
-    # forgetting. None: HOST_KV_SHARE of the host's available memory on a GPU, none on the CPU (whose pool is
-    # host memory already); 0: off. One instance of one process (several instances: refused, README says why).
+    # The host tier (docs/ARCHITECTURE.md, decision 12): bytes of pinned host memory for each instance's rBlocks, so
+    # a preempted sequence swaps out and back in instead of recomputing, and the prefix cache spills there instead
+    # of forgetting. None: HOST_KV_SHARE of the host's available memory (split among the instances) on a GPU, none
+    # on the CPU (whose pool is host memory already); 0: off. One process (a multi-process run: refused).
     host_kv_bytes: int | None = None
     # Which kernels each step runs: "auto" (the learned tuner if a cost model was trained for this
     # device kind, else "fixed", said once) or "fixed" (the backend's defaults for every bucket).
@@ -211,12 +211,12 @@ class LLM:
                                  instances=instances, borrowing=lending, max_logprobs=self.options.max_logprobs,
                                  tuner=self._tuner(base, step_model.config, pool_dtype, block_size, progress),
                                  penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias,
-                                 host_tier=self.host_blocks > 0)
+                                 host_tier=self.host_blocks)
         if instances > 1:
             self.scheduler = InstanceSchedulers(instances, num_blocks, block_size, max_tokens_per_step=max_step,
                                                 max_seqs=self.options.max_seqs, lending=self.options.lending,
                                                 prefix_caching=self.options.prefix_caching,
-                                                hosts=instance_hosts(self.mesh))
+                                                hosts=instance_hosts(self.mesh), host_blocks=self.host_blocks)
         else:
             host = HostTier(self.host_blocks) if self.host_blocks else None
             # The device prefix cache spills what it evicts to the host tier (kept there, least recently spilled
@@ -291,17 +291,18 @@ class LLM:
 
 
     def _host_blocks(self, per_block: int, on_gpu: bool) -> int:
-        """rBlocks the host tier holds (0: no tier): EngineOptions.host_kv_bytes over one rBlock's bytes."""
+        """rBlocks each instance's host tier holds (0: no tier): EngineOptions.host_kv_bytes over one rBlock's
+        bytes."""
         wanted = self.options.host_kv_bytes
-        several = self.options.instances > 1 or jax.process_count() > 1
+        processes = jax.process_count()
         if wanted is None:
-            if not on_gpu or several:
+            if not on_gpu or processes > 1:
                 return 0
-            wanted = int(HOST_KV_SHARE * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        elif wanted and several:
-            raise ValueError(f"host_kv_bytes {wanted}: a host tier serves one instance of one process; this engine "
-                             f"has {self.options.instances} instances over {jax.process_count()} processes (set "
-                             f"host_kv_bytes=0 / --host-kv-gib 0)")
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            wanted = int(HOST_KV_SHARE * available) // self.options.instances
+        elif wanted and processes > 1:
+            raise ValueError(f"host_kv_bytes {wanted}: a host tier serves the instances of one process; this run has "
+                             f"{processes} processes (set host_kv_bytes=0 / --host-kv-gib 0)")
         if wanted and wanted < per_block:
             raise ValueError(f"host_kv_bytes {wanted} is less than one rBlock ({per_block} bytes): use 0 to turn "
                              f"the host tier off, or at least {per_block}")

@@ -72,9 +72,10 @@ def add_compile_flags(parser: argparse.ArgumentParser) -> None:
 def add_host_tier_flag(parser: argparse.ArgumentParser) -> None:
     """--host-kv-gib: the host tier's size (EngineOptions.host_kv_bytes; generate and serve)."""
     parser.add_argument("--host-kv-gib", type=float, default=None, metavar="GIB",
-                        help="pinned host memory for KV rBlocks, in GiB: preempted sequences swap there instead of "
-                             "recomputing, and the prefix cache spills there (0: off; default: a quarter of the "
-                             "host's available memory on a GPU, off on the CPU and with several instances)")
+                        help="pinned host memory for each instance's KV rBlocks, in GiB: preempted sequences swap "
+                             "there instead of recomputing, and the prefix cache spills there (0: off; default: a "
+                             "quarter of the host's available memory on a GPU, split among the instances; off on the "
+                             "CPU and in a multi-process run)")
 
 
 def host_kv_bytes(args: argparse.Namespace) -> int | None:

@@ -18,9 +18,10 @@ variants its StepTuner lists (jaxllm.tuner.protocol): every instance of a step r
 the tuner picks for the busiest instance's rows. A step in which some sequence has rBlocks on another
 instance runs the borrowed variant (DistAttention, with the bucket's first tuner variant), compiled at
 warm-up beside the plain ones when instances lend; a step with nothing borrowed runs no collective.
-With a host tier (one instance) a plan's host copies (StepPlan.host_copies) run before its step, through the
-HostStore (jaxllm.executor.host_store): runs of rBlocks gathered out of the pool and copied to host memory, and
-runs copied back and scattered into the pool, none of it waited for by the host.
+With a host tier (one process) a plan's host copies (StepPlan.host_copies) run before its step, through the
+HostStore (jaxllm.executor.host_store): runs of rBlocks gathered out of the pool and copied to host memory (before
+the plan's recall copies), and runs copied back and scattered into the pool (after them), none of it waited for
+by the host.
 
 `dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode continuation
 takes its input tokens straight from the previous step's device output, so the host queues step N+1 while
@@ -80,8 +81,8 @@ class Executor:
     penalties: keep the penalty state (max_seqs rows of the vocabulary per instance: jaxllm.executor.penalties) and
     apply each row's penalties and logit bias (at most max_logit_bias entries a row); False: steps as without
     them, and plans must carry none.
-    host_tier: plans may carry host copies (the scheduler has a host tier: one instance of one process), so the
-    HostStore is built and its copy programs compiled at warm-up; host_transfer: how its runs cross the host
+    host_tier: the slots of each instance's host tier (0: none): plans may carry host copies (one process), so
+    the HostStore is built and its copy programs compiled at warm-up; host_transfer: how its runs cross the host
     link (default AsyncHostTransfer: JAX's host memory kinds).
 
     On a multi-process mesh every process holds an Executor over the same mesh and runs the same programs:
@@ -92,7 +93,7 @@ class Executor:
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int, table_width: int,
                  backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None, mesh=None,
                  instances: int = 1, borrowing: bool = False, max_logprobs: int = 0, tuner: StepTuner | None = None,
-                 penalties: bool = True, max_logit_bias: int = 64, host_tier: bool = False,
+                 penalties: bool = True, max_logit_bias: int = 64, host_tier: int = 0,
                  host_transfer: HostTransfer | None = None):
         if not 0 <= max_logprobs <= model.config.vocab_size:
             raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
@@ -143,13 +144,14 @@ class Executor:
         self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
         self.host_store = None
         if host_tier:
-            if instances > 1 or multi_process:
-                raise ValueError(f"a host tier serves one instance of one process; this engine has {instances} "
-                                 f"instances over {jax.process_count()} processes")
+            if multi_process:
+                raise ValueError(f"a host tier serves the instances of one process; this run has "
+                                 f"{jax.process_count()} processes")
             longest_table = 1 << max(table_width - 1, 0).bit_length()  # a sequence's whole table in one run
+            transfer = host_transfer or AsyncHostTransfer(self.programs.run_shardings, instances=instances)
             self.host_store = HostStore(
-                self.programs, host_transfer or AsyncHostTransfer(self.programs.pool_shardings),
-                max_run=min(longest_table, 1 << (kv_cache.num_blocks.bit_length() - 1)), block_bytes=self.block_bytes)
+                self.programs, transfer, max_run=min(longest_table, 1 << (kv_cache.num_blocks.bit_length() - 1)),
+                block_bytes=self.block_bytes, slots_per_instance=host_tier if instances > 1 else None)
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
 
@@ -231,10 +233,13 @@ class Executor:
         devices, becomes this step's input tokens, so step N+1 is queued before step N's tokens reach the
         host. Both are decode steps of the same sequence counts, hence the same padded shapes.
         """
+        host = plan.host_copies if plan.host_copies is not None and len(plan.host_copies) else None
+        if host is not None:
+            self._copy_host(host, out=True)
         if plan.block_copies is not None and len(plan.block_copies):
             self._copy_blocks(plan.block_copies)
-        if plan.host_copies is not None and len(plan.host_copies):
-            self._copy_host(plan.host_copies)
+        if host is not None:
+            self._copy_host(host, out=False)
         if plan.num_seqs == 0:  # a step of copies alone
             return InFlight(plan, Launched(None, None, None), np.zeros(0, np.int64))
         if self._penalty_state is None and (plan.penalties is not None or plan.logit_bias is not None):
@@ -281,7 +286,8 @@ class Executor:
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
         if plan.host_copies is not None and len(plan.host_copies):
-            self._copy_host(plan.host_copies)
+            self._copy_host(plan.host_copies, out=True)
+            self._copy_host(plan.host_copies, out=False)
         batch = self.layout.build(plan)
         call = StepCall(Op.LOGITS, variant=self._choose(plan, batch), borrowed=batch.borrowed)
         out = host_array(self.launcher.run(self._launch_logits, call, batch.inputs))
@@ -342,14 +348,15 @@ class Executor:
         self.launcher.submit(self._launch_copy, BlockCopies(src, dst))
         self.copied_blocks += len(copies)
 
-    def _copy_host(self, copies: HostCopies) -> None:
-        """Queue a plan's host-tier copies before its step."""
+    def _copy_host(self, copies: HostCopies, *, out: bool) -> None:
+        """Queue a plan's host-tier copies out (before its recall copies) or in (after them)."""
         if self.host_store is None:
             raise ValueError("the plan has host copies; this executor was built without a host tier")
-        self.launcher.submit(self._launch_host_copies, copies)
+        self.launcher.submit(self._launch_host_copies, copies, out)
 
-    def _launch_host_copies(self, copies: HostCopies) -> None:
-        self._pool = self.host_store.apply(self._pool, copies)
+    def _launch_host_copies(self, copies: HostCopies, out: bool) -> None:
+        store = self.host_store
+        self._pool = (store.copy_out if out else store.copy_in)(self._pool, copies)
 
     def _launch_copy(self, copies: BlockCopies) -> None:
         self._announce(StepCall(Op.COPY), copies)

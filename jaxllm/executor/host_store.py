@@ -95,10 +95,11 @@ class HostStore:
     """The host runs of one engine's host tier (see the module docstring). programs: the StepPrograms whose
     gather_blocks / scatter_blocks move runs; transfer: how runs cross the host link; max_run: the longest run
     (a power of two; it is lowered until a run fits max_copy_bytes); block_bytes: one rBlock's bytes (all layers);
-    max_copy_bytes: device bytes the runs in flight may take together."""
+    max_copy_bytes: device bytes the runs in flight may take together; slots_per_instance: each instance's host
+    tier's slots (slot // slots_per_instance: the instance whose host keeps it; None: one instance)."""
 
     def __init__(self, programs, transfer: HostTransfer, *, max_run: int, block_bytes: int,
-                 max_copy_bytes: int = 1 << 30):
+                 max_copy_bytes: int = 1 << 30, slots_per_instance: int | None = None):
         if max_run <= 0 or max_run & (max_run - 1):
             raise ValueError(f"max_run must be a power of two, got {max_run}")
         while max_run > 1 and max_run * block_bytes > max_copy_bytes:
@@ -108,6 +109,7 @@ class HostStore:
         self.max_run = max_run
         self.block_bytes = block_bytes
         self.max_copy_bytes = max(max_copy_bytes, block_bytes)
+        self.slots_per_instance = slots_per_instance
         # (bytes, wait until it landed, whether it landed (never waits)), oldest first
         self._in_flight: collections.deque = collections.deque()
         self._in_flight_bytes = 0
@@ -128,20 +130,34 @@ class HostStore:
 
     def apply(self, pool, copies: HostCopies):
         """Run a plan's host copies (HostCopies says in which order); returns the pool for the step."""
+        return self.copy_in(self.copy_out(pool, copies), copies)
+
+    def copy_out(self, pool, copies: HostCopies):
+        """A plan's dropped slots and copies out (before its recall copies); returns the pool, unchanged."""
         for slot in copies.dropped.tolist():
             self._forget(slot)
-        start = 0
-        for length in run_lengths(copies.num_out, self.max_run):
-            blocks = copies.out_blocks[start:start + length]
-            self._make_room(length)
-            run = _Run(self._to_host(self.programs.gather_blocks(pool, blocks)), length)
-            self.bytes_used += length * self.block_bytes
-            for row, slot in enumerate(copies.out_slots[start:start + length].tolist()):
-                self._forget(slot)
-                self._slots[slot] = (run, row)
-                run.live += 1
-            start += length
+        out_blocks, out_slots = copies.out_blocks, copies.out_slots
+        owners = np.zeros(len(out_slots), np.int64) if self.slots_per_instance is None else \
+            out_slots // self.slots_per_instance
+        for instance in np.unique(owners).tolist():  # a run lands in one instance's host tier
+            mine = owners == instance
+            blocks, slots = out_blocks[mine], out_slots[mine].tolist()
+            start = 0
+            for length in run_lengths(len(slots), self.max_run):
+                self._make_room(length)
+                run = _Run(self._to_host(self.programs.gather_blocks(pool, blocks[start:start + length]), instance),
+                           length)
+                self.bytes_used += length * self.block_bytes
+                for row, slot in enumerate(slots[start:start + length]):
+                    self._forget(slot)
+                    self._slots[slot] = (run, row)
+                    run.live += 1
+                start += length
         self.blocks_out += copies.num_out
+        return pool
+
+    def copy_in(self, pool, copies: HostCopies):
+        """A plan's copies in (after its recall copies); returns the pool for the step."""
         # Rows needed of each run read, in the order the runs are first named.
         wanted: dict[_Run, np.ndarray] = {}
         for slot, block in zip(copies.in_slots.tolist(), copies.in_blocks.tolist()):
@@ -168,7 +184,7 @@ class HostStore:
         """Compile the gather and scatter of every run length (and make one copy each way of each); returns the
         pool, unchanged."""
         for length in self.run_lengths():
-            host = self._to_host(self.programs.gather_blocks(pool, np.zeros(length, np.int32)))
+            host = self._to_host(self.programs.gather_blocks(pool, np.zeros(length, np.int32)), 0)
             host.wait()
             pool = self.programs.scatter_blocks(pool, self.transfer.to_device(host), np.full(length, -1, np.int32))
         self.runs_out = 0
@@ -189,8 +205,8 @@ class HostStore:
         self._in_flight.append((length * self.block_bytes, landed, ready))
         self._in_flight_bytes += length * self.block_bytes
 
-    def _to_host(self, run) -> HostRun:
-        host = self.transfer.to_host(run)
+    def _to_host(self, run, instance: int) -> HostRun:
+        host = self.transfer.to_host(run, instance)
         self._hold(len(jax.tree.leaves(run)[0]), host.arrays(),
                    lambda: (host.wait(), jax.block_until_ready(host.arrays())))
         self.runs_out += 1

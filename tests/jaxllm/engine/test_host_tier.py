@@ -12,6 +12,7 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.tuner.compile_cache import compile_events
+from tests.devices import needs_host_devices
 
 POOL = 24  # rBlocks of 4 tokens: four sequences of up to 62 tokens cannot all fit, so the youngest are preempted
 PROMPTS = ["first prompt here", "second one", "third prompt, longer than the rest", "fourth"]
@@ -102,7 +103,7 @@ class _LateTransfer:
     def __init__(self, real, delay: float):
         self.real, self.delay, self.log = real, delay, []
 
-    def to_host(self, run):
+    def to_host(self, run, instance=0):
         return _LateRun(run, self.delay, self.log)
 
     def to_device(self, run):
@@ -173,11 +174,6 @@ def test_bad_host_kv_bytes_is_refused_naming_it(value):
         EngineOptions(host_kv_bytes=value)
 
 
-def test_host_tier_with_several_instances_is_refused_naming_them():
-    with pytest.raises(ValueError, match="host_kv_bytes 1048576: a host tier serves one instance .* 2 instances"):
-        LLM("tiny", max_context=64, options=EngineOptions(instances=2, host_kv_bytes=1 << 20), progress=False)
-
-
 def test_host_tier_smaller_than_one_rblock_is_refused():
     with pytest.raises(ValueError, match=r"host_kv_bytes 100 is less than one rBlock \(\d+ bytes\)"):
         LLM("tiny", max_context=64, options=EngineOptions(block_size=4, host_kv_bytes=100), progress=False)
@@ -211,3 +207,33 @@ def test_engine_stats_report_the_tiers():
     assert metrics['jaxllm_kv_tier_blocks{tier="host"}'] == stats.host_blocks
     assert metrics['jaxllm_kv_swap_outs_total'] == stats.swap_outs_total
     assert metrics['jaxllm_kv_host_copied_blocks_total{direction="in"}'] == stats.host_blocks_in_total
+
+
+@needs_host_devices
+@pytest.mark.parametrize("lending", [True, False])
+def test_instances_swap_to_their_own_host_tiers(roomy, lending):
+    """Two instances on CPU host devices, each with its own host tier, pools too small for their sequences (lending
+    on: loans and recalls too): the tokens of a pool big enough, every swap back in, nothing compiled after
+    warm-up."""
+    from jaxllm.contract import SamplingParams
+    from jaxllm.engine.core import Request
+
+    rng = np.random.default_rng(3535)
+    requests = [Request(rng.integers(3, 259, size=int(n)).tolist(), SamplingParams(max_new_tokens=24, temperature=0.7,
+                                                                                    seed=int(seed)))
+                for n, seed in zip(rng.integers(10, 40, size=6), rng.integers(0, 1000, size=6))]
+    llm = LLM("tiny", max_context=128, options=EngineOptions(
+        block_size=4, num_blocks=16, max_tokens_per_step=32, max_seqs=4, instances=2, lending=lending,
+        host_kv_bytes=1 << 20), progress=False)
+    llm.warm_up(progress=False)
+    warm = llm.compile_count
+    outputs = llm.run(requests)
+    got = [[t for out in outputs[i] for t in out.token_ids] for i in sorted(outputs)]
+    want = roomy.run(requests)
+    assert got == [[t for out in want[i] for t in out.token_ids] for i in sorted(want)]
+    stats = llm.core.stats()
+    assert stats.swap_outs_total > 0 and stats.swap_ins_total == stats.swap_outs_total, stats
+    assert stats.host_blocks == 2 * llm.host_blocks and stats.host_blocks_used == stats.host_cached_blocks
+    assert not lending or stats.loans_total > 0, stats
+    if not lending:  # with lending a recall of more than 8 rBlocks compiles its copy bucket (warm-up has only 8's)
+        assert llm.compile_count == warm

@@ -50,7 +50,7 @@ class _Transfer:
     def __init__(self, log, landed=False):
         self.log, self.landed = log, landed
 
-    def to_host(self, run):
+    def to_host(self, run, instance=0):
         arrays = np.array(run).view(_Landing)
         arrays.landed = self.landed
         return _Run(arrays, self.log)

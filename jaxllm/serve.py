@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
             if llm.host_blocks:
                 print(f"host tier: {llm.host_blocks} rBlocks ({llm.host_blocks * llm.executor.block_bytes / 2**30:.1f} "
-                      f"GiB of pinned host memory): preempted sequences swap, the prefix cache spills",
+                      f"GiB of pinned host memory) an instance: preempted sequences swap, the prefix cache spills",
                       file=sys.stderr, flush=True)
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).

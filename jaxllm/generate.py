@@ -18,7 +18,8 @@ import sys
 import time
 
 from jaxllm import console
-from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
+from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, host_kv_bytes, is_leader,
+                               start_processes)
 
 _STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a writer whose reader left
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV rBlocks per layer of each instance's pool (default: from memory)")
     add_compile_flags(p)
+    add_host_tier_flag(p)
     add_mesh_flags(p)
     return p
 
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances,
                                 lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks,
-                                tuner=args.tuner, compile_cache_dir=args.compile_cache)
+                                tuner=args.tuner, compile_cache_dir=args.compile_cache,
+                                host_kv_bytes=host_kv_bytes(args))
         llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
                   allow_long_context=args.allow_long_context, options=options, progress=is_leader())
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         stats = llm.core.stats()
         lending = (f", {stats.loans_total} rBlocks lent between instances, {stats.preemptions_total} preemptions"
                    if args.instances > 1 else "")
+        if stats.host_blocks:
+            lending += (f", host tier: {stats.swap_outs_total} swaps out / {stats.swap_ins_total} in, "
+                        f"{stats.host_cache_hit_blocks_total} host-cache rBlocks hit")
         print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles, "
               f"{llm.executor.xla_compiles} by XLA{lending}]",
               file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
@@ -13,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.engine.allocator import BlockAllocator
+from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.core import EngineCore, EngineInfo, Request, RequestOutput
 from jaxllm.engine.instances import InstanceSchedulers
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
@@ -32,6 +34,7 @@ from sharding.rules import kv_pool_shardings, load_sharding, prepare_tensor_para
 
 TUNERS = ("auto", "fixed")
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
+HOST_KV_SHARE = 0.25  # of the host's available memory, the host tier's default size on a GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,11 @@ class EngineOptions:
     # are refused. max_logit_bias: logit_bias entries one request may give (a fixed width of every step's inputs).
     penalties: bool = True
     max_logit_bias: int = 64
+    # The host tier (docs/ARCHITECTURE.md, decision 12): bytes of pinned host memory for each instance's rBlocks, so
+    # a preempted sequence swaps out and back in instead of recomputing, and the prefix cache spills there instead
+    # of forgetting. None: HOST_KV_SHARE of the host's available memory (split among the instances) on a GPU, none
+    # on the CPU (whose pool is host memory already); 0: off. One process (a multi-process run: refused).
+    host_kv_bytes: int | None = None
     # Which kernels each step runs: "auto" (the learned tuner if a cost model was trained for this
     # device kind, else "fixed", said once) or "fixed" (the backend's defaults for every bucket).
     tuner: str = "auto"
@@ -102,6 +110,10 @@ class EngineOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.host_kv_bytes is not None and (isinstance(self.host_kv_bytes, bool)
+                                               or not isinstance(self.host_kv_bytes, int) or self.host_kv_bytes < 0):
+            raise ValueError(f"host_kv_bytes must be an integer >= 0 (0 turns the host tier off) or None (the "
+                             f"default), got {self.host_kv_bytes!r}")
         for name in ("max_logprobs", "max_logit_bias"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -192,19 +204,27 @@ class LLM:
         base = default_kernels(self.options.attention_backend, head_dim=step_model.config.head_dim)
         pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
         lending = self.options.lending and instances > 1
+        per_block = kv_bytes_per_block(step_model.config, block_size, pool_dtype)
+        self.host_blocks = self._host_blocks(per_block, on_gpu)
         self.executor = Executor(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
                                  table_width=-(-longest // block_size), kernels=base, mesh=self.mesh,
                                  instances=instances, borrowing=lending, max_logprobs=self.options.max_logprobs,
                                  tuner=self._tuner(base, step_model.config, pool_dtype, block_size, progress),
-                                 penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias)
+                                 penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias,
+                                 host_tier=self.host_blocks)
         if instances > 1:
             self.scheduler = InstanceSchedulers(instances, num_blocks, block_size, max_tokens_per_step=max_step,
                                                 max_seqs=self.options.max_seqs, lending=self.options.lending,
                                                 prefix_caching=self.options.prefix_caching,
-                                                hosts=instance_hosts(self.mesh))
+                                                hosts=instance_hosts(self.mesh), host_blocks=self.host_blocks)
         else:
-            self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_tokens_per_step=max_step,
-                                       max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching)
+            host = HostTier(self.host_blocks) if self.host_blocks else None
+            # The device prefix cache spills what it evicts to the host tier (kept there, least recently spilled
+            # evicted first); a sequence swapped out keeps its slots until it resumes.
+            allocator = BlockAllocator(num_blocks, on_evict=None if host is None else host.spill)
+            self.scheduler = Scheduler(allocator, block_size, max_tokens_per_step=max_step,
+                                       max_seqs=self.options.max_seqs, prefix_caching=self.options.prefix_caching,
+                                       host_tier=host)
         self.model_name = model
         self.pool_dtype = pool_dtype
         self.num_blocks = num_blocks * instances  # every instance's pool
@@ -269,6 +289,24 @@ class LLM:
             raise MemoryError(f"no room for a KV pool: one rBlock needs {per_block} bytes, {budget} are free")
         return num_blocks
 
+
+    def _host_blocks(self, per_block: int, on_gpu: bool) -> int:
+        """rBlocks each instance's host tier holds (0: no tier): EngineOptions.host_kv_bytes over one rBlock's
+        bytes."""
+        wanted = self.options.host_kv_bytes
+        processes = jax.process_count()
+        if wanted is None:
+            if not on_gpu or processes > 1:
+                return 0
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            wanted = int(HOST_KV_SHARE * available) // self.options.instances
+        elif wanted and processes > 1:
+            raise ValueError(f"host_kv_bytes {wanted}: a host tier serves the instances of one process; this run has "
+                             f"{processes} processes (set host_kv_bytes=0 / --host-kv-gib 0)")
+        if wanted and wanted < per_block:
+            raise ValueError(f"host_kv_bytes {wanted} is less than one rBlock ({per_block} bytes): use 0 to turn "
+                             f"the host tier off, or at least {per_block}")
+        return wanted // per_block
 
     def close(self) -> None:
         """End a multi-process run: the other processes' runners stop following and their programs exit.

@@ -7,7 +7,9 @@
     --coordinator-timeout S                           how long joining may take (or
                                                       JAXLLM_COORDINATOR_TIMEOUT; default 300 s)
 
-`start_processes` must run before anything touches a device (jax.distributed.initialize's rule).
+`start_processes` must run before anything touches a device (jax.distributed.initialize's rule). Beside them
+the other engine flags both entry points share: --compile-cache and --tuner (add_compile_flags), --host-kv-gib
+(add_host_tier_flag; `host_kv_bytes` reads it).
 """
 
 from __future__ import annotations
@@ -65,3 +67,22 @@ def add_compile_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tuner", choices=("auto", "fixed"), default="auto",
                         help="each step's kernels: auto (the learned cost model where one was trained for this GPU, "
                              "else fixed) or fixed (the backend's own kernels) (default: auto)")
+
+
+def add_host_tier_flag(parser: argparse.ArgumentParser) -> None:
+    """--host-kv-gib: the host tier's size (EngineOptions.host_kv_bytes; generate and serve)."""
+    parser.add_argument("--host-kv-gib", type=float, default=None, metavar="GIB",
+                        help="pinned host memory for each instance's KV rBlocks, in GiB: preempted sequences swap "
+                             "there instead of recomputing, and the prefix cache spills there (0: off; default: a "
+                             "quarter of the host's available memory on a GPU, split among the instances; off on the "
+                             "CPU and in a multi-process run)")
+
+
+def host_kv_bytes(args: argparse.Namespace) -> int | None:
+    """EngineOptions.host_kv_bytes from --host-kv-gib (None: the default); ValueError naming a bad value."""
+    gib = args.host_kv_gib
+    if gib is None:
+        return None
+    if not gib >= 0 or gib == float("inf"):  # also refuses NaN
+        raise ValueError(f"--host-kv-gib must be a finite number >= 0 (0 turns the host tier off), got {gib}")
+    return int(gib * (1 << 30))

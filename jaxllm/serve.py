@@ -33,7 +33,8 @@ from jaxllm import console
 from jaxllm.engine.threaded import Engine
 from jaxllm.model.kv_cache import KV_DTYPES
 from jaxllm.llm import LLM, EngineOptions
-from jaxllm.mesh_flags import add_compile_flags, add_mesh_flags, is_leader, start_processes
+from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, host_kv_bytes, is_leader,
+                               start_processes)
 from jaxllm.model.checkpoints import MODEL_DTYPES
 from jaxllm.model.config import PRESETS
 from sharding import multihost
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "'authorization: Bearer KEY'); health, metrics and reflection stay open (default: $JAXLLM_API_KEY; "
                    "unset: no key)")
     add_compile_flags(p)
+    add_host_tier_flag(p)
     add_mesh_flags(p)
     return p
 
@@ -107,7 +109,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
                          lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,
                          tuner=args.tuner, compile_cache_dir=args.compile_cache, penalties=not args.no_penalties,
-                         max_logit_bias=args.max_logit_bias,
+                         max_logit_bias=args.max_logit_bias, host_kv_bytes=host_kv_bytes(args),
                          default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
                          max_stop_length=args.max_stop_length)
 
@@ -202,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loaded {llm.config.name} ({llm.config.num_layers} layers, max_context {llm.max_context}, "
                   f"{llm.num_blocks} rBlocks of {llm.executor.block_size} tokens) in "
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+            if llm.host_blocks:
+                print(f"host tier: {llm.host_blocks} rBlocks ({llm.host_blocks * llm.executor.block_bytes / 2**30:.1f} "
+                      f"GiB of pinned host memory) an instance: preempted sequences swap, the prefix cache spills",
+                      file=sys.stderr, flush=True)
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
             llm.warm_up(progress=not args.quiet)

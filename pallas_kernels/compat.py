@@ -134,3 +134,17 @@ def mgpu_load(ref, *, layout, optimized: bool = True):
     if _mgpu_load_takes_index():
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+def host_memory_kind(device) -> str | None:
+    """The memory kind of `device`'s host memory that arrays can be placed in and copied to and from
+    asynchronously ("pinned_host", else "unpinned_host"), or None where its backend lists neither (then host
+    copies are plain NumPy arrays)."""
+    try:
+        kinds = {memory.kind for memory in device.addressable_memories()}
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            return kind
+    return None

@@ -255,12 +255,47 @@ def register_engine_metrics(registry: Registry, engine) -> None:
              "swapped_pairs_total"),
             (r.counter, "jaxllm_dist_attention_steps_total",
              "steps that ran DistAttention (some sequence had borrowed rBlocks)", "dist_steps_total"),
-            (r.counter, "jaxllm_preemptions_total", "sequences preempted (rBlocks freed, recomputed later)",
+            (r.counter, "jaxllm_preemptions_total",
+             "sequences preempted (rBlocks freed: swapped to the host tier, or recomputed later)",
              "preemptions_total")):
         register(name, what, fn=read(lambda e, field=field: getattr(e.stats(), field)))
+    _register_tier_metrics(r, read)
     for field, what in (("tensor_parallel", "devices one model is split over"),
                         ("instances", "serving instances on the mesh's instance axis"),
                         ("processes", "JAX processes (hosts) running the program"),
                         ("devices", "devices the mesh spans")):
         r.gauge(f"jaxllm_mesh_{field}", f"the mesh: {what}", fn=read(lambda e, field=field: getattr(e.info(), field)))
     r.gauge("jaxllm_ready", "1 once the model is loaded and warm", fn=lambda: float(engine() is not None))
+
+
+def _register_tier_metrics(r: Registry, read) -> None:
+    """Where rBlocks live (device pool, host tier) and what moved between the tiers (all 0 without a host tier)."""
+    def tiers(device, host):
+        return read(lambda e: {("device",): device(e.stats()), ("host",): host(e.stats())})
+
+    r.gauge("jaxllm_kv_tier_blocks", "KV rBlocks each tier has (tier: device = the pool, host = the host tier)",
+            ("tier",), fn=tiers(lambda s: s.pool_blocks, lambda s: s.host_blocks))
+    r.gauge("jaxllm_kv_tier_used_blocks", "KV rBlocks in use per tier (the host's: swapped sequences and its prefix "
+            "cache)", ("tier",), fn=tiers(lambda s: s.pool_blocks - s.pool_blocks_free, lambda s: s.host_blocks_used))
+    r.gauge("jaxllm_kv_tier_used_bytes", "bytes of KV in use per tier (the host's: what its copied runs hold)",
+            ("tier",), fn=tiers(lambda s: (s.pool_blocks - s.pool_blocks_free) * s.kv_block_bytes,
+                                lambda s: s.host_bytes))
+    r.gauge("jaxllm_host_cache_blocks", "KV rBlocks the host tier's prefix cache holds",
+            fn=read(lambda e: e.stats().host_cached_blocks))
+    for name, what, field in (
+            ("jaxllm_kv_swap_outs_total", "preempted sequences swapped to the host tier instead of recomputed",
+             "swap_outs_total"),
+            ("jaxllm_kv_swap_ins_total", "swapped sequences copied back from the host tier", "swap_ins_total"),
+            ("jaxllm_kv_swap_fallbacks_total", "preempted sequences recomputed because the host tier was full",
+             "swap_fallbacks_total"),
+            ("jaxllm_host_cache_spilled_blocks_total", "prefix-cache rBlocks the device evicted and the host kept",
+             "host_spilled_blocks_total"),
+            ("jaxllm_host_cache_hit_blocks_total", "host prefix-cache rBlocks copied back instead of prefilled",
+             "host_cache_hit_blocks_total")):
+        r.counter(name, what, fn=read(lambda e, field=field: getattr(e.stats(), field)))
+    r.counter("jaxllm_kv_host_copied_blocks_total", "KV rBlocks copied between the tiers (direction: out = to the "
+              "host, in = back)", ("direction",), fn=read(lambda e: {("out",): e.stats().host_blocks_out_total,
+                                                                     ("in",): e.stats().host_blocks_in_total}))
+    r.counter("jaxllm_kv_host_copy_seconds_total", "seconds from start to landing of the copies between the tiers",
+              ("direction",), fn=read(lambda e: {("out",): e.stats().host_copy_out_seconds,
+                                                 ("in",): e.stats().host_copy_in_seconds}))

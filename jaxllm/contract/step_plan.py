@@ -11,6 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxllm.contract.host_copies import HostCopies
+
 # token_ids of a continuation step (the scheduler's plan_continuation): the real ids are still on the device.
 PENDING_TOKEN = -1
 
@@ -41,6 +43,17 @@ class RowPenalties:
     frequency: np.ndarray
     presence: np.ndarray
     repetition: np.ndarray
+
+    @staticmethod
+    def copies_only(*, block_copies: np.ndarray | None = None, host_copies: HostCopies | None = None,
+                    instances: bool = False) -> StepPlan:
+        """A step of copies alone: no rows (instances: an empty `instances` array, as a joined plan has)."""
+        empty = np.zeros(0, np.int32)
+        return StepPlan(seq_ids=np.zeros(0, np.int64), token_ids=empty, positions=empty, slot_mapping=empty,
+                        cu_q_lens=np.zeros(1, np.int32), kv_lens=empty, block_tables=np.zeros((0, 1), np.int32),
+                        sample=np.zeros(0, bool), temperature=np.zeros(0, np.float32), top_k=empty,
+                        top_p=np.zeros(0, np.float32), seed=empty, instances=empty if instances else None,
+                        block_copies=block_copies, host_copies=host_copies)
 
     def rows(self, first: int, last: int) -> RowPenalties:
         return RowPenalties(**{f.name: getattr(self, f.name)[first:last] for f in dataclasses.fields(self)})
@@ -105,6 +118,8 @@ class StepPlan:
     (whose log-probability its logits give); -1 elsewhere. None: no token of the step wants one.
     block_copies [M, 2] int32: rBlocks (global source id, global destination id) the device copies before
     this step, all reads before any write (DistKV recalls: borrowed rBlocks going home); None: none.
+    host_copies: HostCopies, rBlocks the device copies to and from the host tier before this step (its out copies
+    before block_copies, its in copies after); None: none.
     penalties: RowPenalties, when some row has penalties (None: none has); logit_bias: LogitBias, when some row has
     a logit bias (None: none has).
     kv_extent: (total, longest) of kv_lens as Python ints; computed here unless given (the scheduler gives a
@@ -131,6 +146,7 @@ class StepPlan:
     penalties: RowPenalties | None = None
     logit_bias: LogitBias | None = None
     kv_extent: tuple[int, int] | None = None
+    host_copies: HostCopies | None = None
 
     def __post_init__(self):
         s, t = len(self.seq_ids), len(self.token_ids)
@@ -193,9 +209,20 @@ class StepPlan:
             raise ValueError("a joined plan's rows must be grouped by instance, in instance order")
         return np.searchsorted(homes, np.arange(instances + 1), side="left").astype(np.int64)
 
+    @staticmethod
+    def copies_only(*, block_copies: np.ndarray | None = None, host_copies: HostCopies | None = None,
+                    instances: bool = False) -> StepPlan:
+        """A step of copies alone: no rows (instances: an empty `instances` array, as a joined plan has)."""
+        empty = np.zeros(0, np.int32)
+        return StepPlan(seq_ids=np.zeros(0, np.int64), token_ids=empty, positions=empty, slot_mapping=empty,
+                        cu_q_lens=np.zeros(1, np.int32), kv_lens=empty, block_tables=np.zeros((0, 1), np.int32),
+                        sample=np.zeros(0, bool), temperature=np.zeros(0, np.float32), top_k=empty,
+                        top_p=np.zeros(0, np.float32), seed=empty, instances=empty if instances else None,
+                        block_copies=block_copies, host_copies=host_copies)
+
     def rows(self, first: int, last: int, *, kv_extent: tuple[int, int] | None = None) -> StepPlan:
         """The plan of rows [first, last) alone (their tokens packed from 0; views, no copy of the tables);
-        no block copies (they belong to the step, not to its rows)."""
+        no block or host copies (they belong to the step, not to its rows)."""
         t0, t1 = int(self.cu_q_lens[first]), int(self.cu_q_lens[last])
         pick = lambda x: None if x is None else x[first:last]  # noqa: E731
         return StepPlan(

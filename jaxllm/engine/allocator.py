@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class OutOfBlocks(RuntimeError):
@@ -78,10 +78,12 @@ class BlockPool(Protocol):
 class BlockAllocator:
     """The BlockPool of one instance's rBlocks (see the module docstring)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, *, on_evict: Callable[[bytes, int], object] | None = None):
+        """on_evict(key, block): told of every cached rBlock evicted, while it still holds its KV."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.on_evict = on_evict
         self._free = list(range(num_blocks))  # sorted ascending; neither owned nor cached
         self._owned: dict[int, list[int]] = {}
         self._holders: dict[int, int] = {}  # rBlock -> how many sequences hold it (> 1: a shared prefix)
@@ -217,7 +219,10 @@ class BlockAllocator:
         """Turn the `count` least recently released cached rBlocks into free ones."""
         for _ in range(count):
             block, _ = self._evictable.popitem(last=False)
-            del self._cached[self._key_of.pop(block)]
+            key = self._key_of.pop(block)
+            del self._cached[key]
+            if self.on_evict is not None:
+                self.on_evict(key, block)
             bisect.insort(self._free, block)
 
     # ----- layout -----

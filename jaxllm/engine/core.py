@@ -154,6 +154,25 @@ class EngineStats:
     ttft_sum_s: float = 0.0
     tpot_count: int = 0
     tpot_sum_s: float = 0.0
+    # The host tier (all 0 without one): its rBlocks (slots), those in use and those of its prefix cache, the host
+    # bytes its runs hold; sequences swapped out instead of recomputed, back in, and recomputed because it was
+    # full; rBlocks copied to the host (swaps and prefix-cache spills) and back (swaps and host-cache hits), spilled
+    # and hit; seconds from start to landing of the copies each way. kv_block_bytes: one rBlock's bytes (a tier's
+    # bytes are its rBlocks times this).
+    kv_block_bytes: int = 0
+    host_blocks: int = 0
+    host_blocks_used: int = 0
+    host_cached_blocks: int = 0
+    host_bytes: int = 0
+    swap_outs_total: int = 0
+    swap_ins_total: int = 0
+    swap_fallbacks_total: int = 0
+    host_blocks_out_total: int = 0
+    host_blocks_in_total: int = 0
+    host_spilled_blocks_total: int = 0
+    host_cache_hit_blocks_total: int = 0
+    host_copy_out_seconds: float = 0.0
+    host_copy_in_seconds: float = 0.0
 
     @property
     def pool_usage(self) -> float:
@@ -373,8 +392,19 @@ class EngineCore:
                            lending_instances=ledger.lending_instances, loans_total=ledger.loans_total,
                            recalled_blocks_total=ledger.recalled_blocks_total,
                            swapped_pairs_total=ledger.swapped_pairs_total, dist_steps_total=executor.borrowed_steps)
-        return EngineStats(**self._counts, queue_depth=queue.waiting, running=queue.running,
-                           pool_blocks=queue.pool_blocks, pool_blocks_free=queue.pool_blocks_free,
+        host = {}
+        if queue.host is not None:
+            tier, store = queue.host, executor.host_tier_stats()
+            host = dict(host_blocks=tier.blocks, host_blocks_used=tier.blocks_used,
+                        host_cached_blocks=tier.cached_blocks, host_bytes=int(store.get("bytes_used", 0)),
+                        swap_outs_total=tier.swap_outs_total, swap_ins_total=tier.swap_ins_total,
+                        swap_fallbacks_total=tier.swap_fallbacks_total, host_blocks_out_total=tier.blocks_out_total,
+                        host_blocks_in_total=tier.blocks_in_total, host_spilled_blocks_total=tier.spilled_blocks_total,
+                        host_cache_hit_blocks_total=tier.hit_blocks_total,
+                        host_copy_out_seconds=float(store.get("copy_out_seconds", 0.0)),
+                        host_copy_in_seconds=float(store.get("copy_in_seconds", 0.0)))
+        return EngineStats(**self._counts, **host, kv_block_bytes=executor.block_bytes, queue_depth=queue.waiting,
+                           running=queue.running, pool_blocks=queue.pool_blocks, pool_blocks_free=queue.pool_blocks_free,
                            prefix_cache_hit_tokens=queue.cached_tokens, prefix_cache_blocks=queue.cached_blocks,
                            preemptions_total=queue.preemptions, compile_count=executor.compile_count,
                            xla_compiles=executor.xla_compiles, persistent_cache_hits=executor.persistent_cache_hits,

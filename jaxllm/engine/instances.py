@@ -14,17 +14,25 @@ GManager plans recalls (and swaps for circular debts): `plan()` puts them on the
 once (device work runs in dispatch order, so every later step reads the rBlocks where they landed).
 Decode continuations run as on one instance when every instance can continue. Nothing is refused or
 preempted while the mesh has free rBlocks (lending on); with lending off each instance lives within its pool.
+
+With a host tier each instance's scheduler has its own (jaxllm.engine.host_tier: slots i * host_blocks + local),
+its pool's prefix cache spilling there. A step's host copies are every instance's, joined; the host copies out run
+before the recall copies (a spill reads an evicted rBlock that a recall may be about to fill) and read a recalled
+rBlock at its source (`HostTier.moved`), the copies in after them. A spill caused by another instance's loan
+(the creditor's pool evicts) rides on the same step: every tier's copies are taken after every instance planned.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Collection
 
 import numpy as np
 
-from jaxllm.contract import LogitBias, RowPenalties, SamplingParams, StepPlan
+from jaxllm.contract import HostCopies, LogitBias, RowPenalties, SamplingParams, StepPlan
 from jaxllm.engine.distkv import GManager, InstanceSpec, RManager
+from jaxllm.engine.host_tier import HostTier, HostTierStats
 from jaxllm.engine.lending import LendingAllocator
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.scheduling import LendingStats, SchedulerStats
@@ -38,11 +46,11 @@ class InstanceSchedulers:
 
     def __init__(self, instances: int, blocks_per_instance: int, block_size: int, *, max_tokens_per_step: int,
                  max_seqs: int, lending: bool = True, prefix_caching: bool = True, hosts: list[int] | None = None,
-                 reserve: int = 0):
+                 reserve: int = 0, host_blocks: int = 0):
         """instances: the mesh's instance axis; blocks_per_instance: each instance's pool; max_tokens_per_step
         and max_seqs: each instance's step budget (a step runs every instance's rows side by side);
         hosts: each instance's host (lending prefers the same host); reserve: rBlocks an instance keeps from
-        lending."""
+        lending; host_blocks: the slots of each instance's host tier (0: none)."""
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances}")
         hosts = hosts or [0] * instances
@@ -59,9 +67,16 @@ class InstanceSchedulers:
             LendingAllocator(RManager(InstanceSpec(i, hosts[i], blocks_per_instance, reserve), self.gmanager),
                              self.gmanager, lending=lending)
             for i in range(instances)]
+        self.host_tiers = [HostTier(host_blocks, first_slot=i * host_blocks) for i in range(instances)] \
+            if host_blocks else []
+        for i, allocator in enumerate(self.allocators if self.host_tiers else []):
+            allocator.rmanager.pool.on_evict = functools.partial(self._spill, i)
+        self._pending_copies: list[HostCopies] = []  # of continuations that were dropped: ride on the next plan
         # Sequence ids i, i + n, i + 2n, ...: an id names its instance (id % n) engine-wide.
         self.schedulers = [Scheduler(a, block_size, max_tokens_per_step=max_tokens_per_step, max_seqs=max_seqs,
-                                     prefix_caching=prefix_caching, seq_ids=itertools.count(i, instances))
+                                     prefix_caching=prefix_caching, seq_ids=itertools.count(i, instances),
+                                     host_tier=self.host_tiers[i] if self.host_tiers else None,
+                                     takes_host_copies=False)
                            for i, a in enumerate(self.allocators)]
         self._last: tuple[StepPlan, list[tuple[int, StepPlan]]] | None = None  # the last joined plan, its parts
 
@@ -106,16 +121,36 @@ class InstanceSchedulers:
         """Every instance's next step, joined (rows grouped by instance), with the recall copies to do first;
         None when nothing can run."""
         copies = self._recall()
-        plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan()) is not None]
-        if not plans and not copies:
+        moved = {} if copies is None else {int(dst): int(src) for src, dst in copies}
+        for tier in self.host_tiers:
+            tier.moved = moved
+        try:
+            plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan()) is not None]
+        finally:
+            for tier in self.host_tiers:
+                tier.moved = {}
+        host = self._host_copies()
+        if not plans and copies is None and host is None:
             return None
-        return self._joined(plans, copies)
+        return self._joined(plans, copies, host)
 
-    def _joined(self, plans: list[tuple[int, StepPlan]], copies: np.ndarray | None = None) -> StepPlan:
+    def _joined(self, plans: list[tuple[int, StepPlan]], copies: np.ndarray | None = None,
+                host: HostCopies | None = None) -> StepPlan:
         """join_plans, remembering the parts: a continuation of the joined plan starts from them."""
-        joined = join_plans(plans, block_copies=copies)
+        joined = join_plans(plans, block_copies=copies, host_copies=host)
         self._last = (joined, plans)
         return joined
+
+    def _spill(self, instance: int, key: bytes, local: int) -> bool:
+        """Instance `instance`'s pool evicts cached rBlock `local`: its host tier keeps it."""
+        return self.host_tiers[instance].spill(key, instance * self.blocks_per_instance + local)
+
+    def _host_copies(self) -> HostCopies | None:
+        """The host copies a step needs, taken once every instance has planned (a loan makes its creditor evict
+        and spill, and a slot read by a copy in is free only once the step's copies are taken): those of dropped
+        continuations first (older copies out land first), then every tier's."""
+        parts, self._pending_copies = self._pending_copies + [tier.take_copies() for tier in self.host_tiers], []
+        return HostCopies.join(parts)
 
     def plan_continuation(self, prev: StepPlan) -> StepPlan | None:
         """The decode step after `prev` (see Scheduler.plan_continuation) when every instance that ran in prev
@@ -134,9 +169,13 @@ class InstanceSchedulers:
         for i, part in parts:
             following = self.schedulers[i].plan_continuation(part)
             if following is None:
-                return None  # rBlocks grown for the others stay theirs: harmless, the next plan uses them
+                # rBlocks grown for the others stay theirs: harmless, the next plan uses them; the copies out of
+                # what their grows evicted must run before that plan's step writes them.
+                copies = self._host_copies()
+                self._pending_copies = [] if copies is None else [copies]
+                return None
             plans.append((i, following))
-        return self._joined(plans)
+        return self._joined(plans, host=self._host_copies())
 
     def _recall(self) -> np.ndarray | None:
         """The GManager's recall plan as rBlock copies [M, 2] (global source, global destination), tables and
@@ -185,18 +224,16 @@ class InstanceSchedulers:
             preemptions=sum(p.preemptions for p in parts), cached_tokens=sum(p.cached_tokens for p in parts),
             pool_blocks=sum(p.pool_blocks for p in parts),
             pool_blocks_free=sum(a.rmanager.num_free for a in self.allocators),
-            cached_blocks=sum(p.cached_blocks for p in parts), lending=lending)
+            cached_blocks=sum(p.cached_blocks for p in parts), lending=lending,
+            host=sum((t.stats() for t in self.host_tiers), HostTierStats()) if self.host_tiers else None)
 
 
-def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | None = None) -> StepPlan:
+def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | None = None,
+               host_copies: HostCopies | None = None) -> StepPlan:
     """Instances' plans as one StepPlan: rows in instance order, tokens packed likewise, `instances` naming
     each row's home. Block tables are padded to the widest. No plans: a step of copies alone."""
     if not plans:
-        empty = np.zeros(0, np.int32)
-        return StepPlan(seq_ids=np.zeros(0, np.int64), token_ids=empty, positions=empty, slot_mapping=empty,
-                        cu_q_lens=np.zeros(1, np.int32), kv_lens=empty, block_tables=np.zeros((0, 1), np.int32),
-                        sample=np.zeros(0, bool), temperature=np.zeros(0, np.float32), top_k=empty,
-                        top_p=np.zeros(0, np.float32), seed=empty, instances=empty, block_copies=block_copies)
+        return StepPlan.copies_only(block_copies=block_copies, host_copies=host_copies, instances=True)
     width = max(p.block_tables.shape[1] for _, p in plans)
     tables = np.zeros((sum(p.num_seqs for _, p in plans), width), np.int32)
     row = 0
@@ -216,6 +253,7 @@ def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | Non
             [np.full(p.num_tokens, -1, np.int32) if p.targets is None else p.targets for _, p in plans]),
         instances=np.concatenate([np.full(p.num_seqs, i, np.int32) for i, p in plans]),
         block_copies=block_copies,
+        host_copies=host_copies,
         penalties=RowPenalties.join([p.penalties for _, p in plans], [p.num_seqs for _, p in plans]),
         logit_bias=LogitBias.join([p.logit_bias for _, p in plans], [p.num_seqs for _, p in plans]),
         kv_extent=(sum(p.kv_extent[0] for _, p in plans), max(p.kv_extent[1] for _, p in plans)))

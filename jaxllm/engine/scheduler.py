@@ -3,13 +3,19 @@
 Every step has one token budget shared by decodes (one token per running sequence) and prefill
 chunks of sequences still reading their prompt. When the pool runs out, the youngest running
 sequence is preempted: its rBlocks are freed and it is re-queued at the front to recompute its
-prompt and the tokens it had produced, so no accepted request is ever lost.
+prompt and the tokens it had produced, so no accepted request is ever lost. With a host tier
+(jaxllm.engine.host_tier) a preempted sequence's computed rBlocks are copied to the host instead, when it has
+room, and copied back when the sequence is admitted again (the rBlocks at the start of its table that the
+device's prefix cache still holds are shared, not copied); without room it recomputes as before.
 
 Prefix caching (on by default): each full rBlock a sequence computes is registered under a hash
 chained over the tokens up to its end; a sequence admitted later whose tokens start with the same
 full rBlocks shares them and prefills only the rest (at least its last token, whose logits it
 samples from). A preempted sequence finds its own rBlocks still cached when it resumes, unless
-the pool needed them meanwhile.
+the pool needed them meanwhile. With a host tier the device cache's evicted rBlocks are spilled to the host
+(BlockAllocator's on_evict), and an admission continues its device-cache hit with the host cache's: those
+rBlocks are copied back instead of prefilled. Every copy rides on the plan (StepPlan.host_copies) that the
+change belongs to, so it runs on the device before any step can write the rBlocks it read.
 
 Penalties (SamplingParams.penalized): such a sequence holds one of max_seqs rows ("slots") of the instance's
 penalty state on the device while it runs, from admission to its finish, cancel or preemption; its plan rows
@@ -30,6 +36,7 @@ import numpy as np
 
 from jaxllm.contract import PENDING_TOKEN, LogitBias, RowPenalties, SamplingParams, StepPlan
 from jaxllm.engine.allocator import BlockPool, OutOfBlocks
+from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.scheduling import SchedulerStats
 from jaxllm.engine.sequence import Sequence, Status
 
@@ -46,9 +53,13 @@ class Scheduler:
     """The StepScheduler (jaxllm.engine.scheduling) of one instance over one BlockPool (see the module docstring)."""
 
     def __init__(self, allocator: BlockPool, block_size: int, *, max_tokens_per_step: int, max_seqs: int,
-                 prefix_caching: bool = True, seq_ids: Iterator[int] | None = None):
+                 prefix_caching: bool = True, seq_ids: Iterator[int] | None = None, host_tier: HostTier | None = None,
+                 takes_host_copies: bool = True):
         """seq_ids: where sequence ids come from (default 0, 1, 2, ...); several schedulers of one engine
-        (one per instance) draw from disjoint ranges, so a plan's ids name one sequence engine-wide."""
+        (one per instance) draw from disjoint ranges, so a plan's ids name one sequence engine-wide.
+        host_tier: where preempted sequences swap to (and, if the allocator spills to it, the host prefix
+        cache); None: preemption recomputes. takes_host_copies: its plans carry the tier's copies (False: the
+        caller takes them once every scheduler of its step has planned: InstanceSchedulers)."""
         if max_tokens_per_step <= 0 or max_seqs <= 0:
             raise ValueError("max_tokens_per_step and max_seqs must be positive")
         self.allocator = allocator
@@ -56,6 +67,8 @@ class Scheduler:
         self.max_tokens_per_step = max_tokens_per_step
         self.max_seqs = max_seqs
         self.prefix_caching = prefix_caching
+        self.host = host_tier
+        self.takes_host_copies = takes_host_copies and host_tier is not None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # oldest first
         self.cached_tokens = 0  # tokens whose KV came from the prefix cache, all admissions together
@@ -92,7 +105,8 @@ class Scheduler:
         pool = self.allocator
         return SchedulerStats(waiting=len(self.waiting), running=len(self.running), preemptions=self.preemptions,
                               cached_tokens=self.cached_tokens, pool_blocks=pool.num_blocks,
-                              pool_blocks_free=pool.num_free, cached_blocks=pool.num_cached)
+                              pool_blocks_free=pool.num_free, cached_blocks=pool.num_cached,
+                              host=None if self.host is None else self.host.stats())
 
     # ----- planning -----
 
@@ -113,14 +127,18 @@ class Scheduler:
         # Then admit waiting sequences while budget, slots and rBlocks allow (no preemption for them).
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            self._share_cached_prefix(seq)
+            slots = self._share_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             try:
                 self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + n))
             except OutOfBlocks:
                 self.allocator.free(seq.seq_id)  # the shared prefix goes back to the cache
+                if slots and not seq.num_swapped:
+                    self.host.unclaim(slots)  # and so do the host cache's rBlocks
                 seq.num_computed = seq.num_cached_prompt = seq.num_registered = 0
                 break
+            if slots:
+                self._copy_in(seq, slots)
             self.cached_tokens += seq.num_cached_prompt
             self.waiting.pop(0)
             seq.status = Status.RUNNING
@@ -130,9 +148,10 @@ class Scheduler:
             self.running.append(seq)
             chunks.append((seq, n))
             budget -= n
+        copies = self.host.take_copies() if self.takes_host_copies else None
         if not chunks:
-            return None
-        return self._build(chunks)
+            return None if copies is None else StepPlan.copies_only(host_copies=copies)
+        return self._build(chunks, copies)
 
     def plan_continuation(self, prev: StepPlan) -> StepPlan | None:
         """The decode step that follows `prev` while prev's sampled tokens are still on the device.
@@ -148,7 +167,8 @@ class Scheduler:
         tokens and counters change in `update` alone, so dropping the returned step unrecorded
         leaves the scheduler consistent (plan() would then recompute the token).
         """
-        if self.waiting or not prev.is_decode or not bool(np.all(prev.sample)) or len(prev) != len(self.running):
+        if self.waiting or not len(prev) or not prev.is_decode or not bool(np.all(prev.sample)) \
+                or len(prev) != len(self.running):
             return None
         seqs = [self.sequence(i) for i in prev.seq_ids]
         for i, seq in enumerate(seqs):
@@ -164,23 +184,59 @@ class Scheduler:
             if more > 0:  # most decode steps stay inside their last rBlock
                 self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
         total, longest = prev.kv_extent  # every sequence one token longer than in prev
+        # A grow may have evicted cached rBlocks that the host tier keeps: copied out before this step writes them.
+        copies = self.host.take_copies() if self.takes_host_copies else None
         return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs],
-                              kv_extent=(total + len(seqs), longest + 1))
+                              kv_extent=(total + len(seqs), longest + 1), host_copies=copies)
 
-    def _share_cached_prefix(self, seq: Sequence) -> None:
+    def _share_cached_prefix(self, seq: Sequence) -> list[int]:
         """Admission: take the longest run of cached full rBlocks that starts seq's tokens, leaving at
-        least its last token to compute (its logits give the next token)."""
+        least its last token to compute (its logits give the next token): the device cache's first, then the
+        host cache's. A swapped sequence takes its own KV back instead (_resume_swapped). Returns the host
+        slots to copy into the table once it has grown (from rBlock seq.num_registered on)."""
+        if seq.num_swapped:
+            return self._resume_swapped(seq)
         if not (self.prefix_caching and seq.reuse_prefix) or seq.params.repetition_penalty != 1:
-            return  # a repetition penalty reads the whole prompt into the penalty state (see the module docstring)
+            return []  # a repetition penalty reads the whole prompt into the penalty state (see the module docstring)
         usable = (seq.num_tokens - 1) // self.block_size
         if seq.params.penalized:  # generated tokens are counted as they are read: only the prompt's rBlocks
             usable = min(usable, len(seq.prompt_ids) // self.block_size)
-        blocks = self.allocator.lookup(self._block_keys(seq, usable)[:usable])
+        keys = self._block_keys(seq, usable)[:usable]
+        blocks = self.allocator.lookup(keys)
+        slots = [] if self.host is None else self.host.lookup(keys[len(blocks):])
+        if slots:
+            self.host.claim(slots)  # the grow that follows may spill: it must not evict these
         if blocks:
             self.allocator.share(seq.seq_id, blocks)
-            seq.num_computed = len(blocks) * self.block_size
+        seq.num_computed = (len(blocks) + len(slots)) * self.block_size
         seq.num_cached_prompt = seq.num_computed
+        seq.num_registered = len(blocks)  # the host's rBlocks are registered again once copied in
+        return slots
+
+    def _resume_swapped(self, seq: Sequence) -> list[int]:
+        """A swapped sequence's admission: its KV comes back from the host, except the rBlocks at its start that
+        the device's prefix cache still holds (shared instead of copied). Returns its host slots."""
+        slots = self.host.swapped(seq.seq_id)
+        blocks = []
+        if self.prefix_caching and seq.reuse_prefix:
+            full = min(seq.num_swapped // self.block_size, len(slots))
+            blocks = self.allocator.lookup(self._block_keys(seq, full)[:full])
+            if blocks:
+                self.allocator.share(seq.seq_id, blocks)
+        seq.num_computed = seq.num_swapped
+        seq.num_cached_prompt = 0  # its own KV, not a prompt-cache hit
         seq.num_registered = len(blocks)
+        return slots
+
+    def _copy_in(self, seq: Sequence, slots: list[int]) -> None:
+        """seq was admitted: plan its host slots' copies into its table (from rBlock seq.num_registered on)."""
+        table = self.allocator.blocks(seq.seq_id)
+        first = seq.num_registered
+        if seq.num_swapped:
+            self.host.swap_in(seq.seq_id, table[first:len(slots)], skip=first)
+            seq.num_swapped = 0
+        else:
+            self.host.restore(slots, table[first:first + len(slots)])
 
     def _block_keys(self, seq: Sequence, count: int) -> list[bytes]:
         """seq.block_keys, extended to at least its first `count` full rBlocks (their tokens must be
@@ -228,26 +284,32 @@ class Scheduler:
             seq.penalty_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
+        # Swapped rather than recomputed where the host tier has room. Not a penalized sequence: its penalty state
+        # learns its generated tokens by reading them again (the module docstring), so it must recompute them.
+        swapped = self.host is not None and not seq.params.penalized and self.host.swap_out(
+            seq.seq_id, self.allocator.blocks(seq.seq_id)[:self._blocks_for(seq.num_computed)])
         self.allocator.free(seq.seq_id)
         self._release_slot(seq)
         self.running.remove(seq)
+        seq.num_swapped = seq.num_computed if swapped else 0
         seq.num_computed = seq.num_registered = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.preemptions += 1
         self.waiting.insert(0, seq)
 
-    def _build(self, chunks: list[tuple[Sequence, int]]) -> StepPlan:
+    def _build(self, chunks: list[tuple[Sequence, int]], host_copies=None) -> StepPlan:
         rows = []
         for seq, n in chunks:
             start = seq.num_computed
             rows.append((seq, start, seq.token_slice(start, start + n), start + n == seq.num_tokens))
-        return self._assemble(rows)
+        return self._assemble(rows, host_copies=host_copies)
 
     def _assemble(self, rows: list[tuple[Sequence, int, list[int], bool]],
-                  kv_extent: tuple[int, int] | None = None) -> StepPlan:
+                  kv_extent: tuple[int, int] | None = None, host_copies=None) -> StepPlan:
         """rows: (sequence, first position, token ids from there, samples a new token); kv_extent: the plan's
-        (total, longest) KV where the caller knows it (else the plan computes it)."""
+        (total, longest) KV where the caller knows it (else the plan computes it); host_copies: the host tier's
+        copies to run first."""
         bs = self.block_size
         tables = [self.allocator.blocks(seq.seq_id) for seq, _, _, _ in rows]
         block_tables = np.zeros((len(rows), max(len(t) for t in tables)), np.int32)
@@ -279,6 +341,7 @@ class Scheduler:
             penalties=self._penalties(rows) if any(r[0].penalty_slot >= 0 for r in rows) else None,
             logit_bias=self._logit_bias(params) if any(p.logit_bias for p in params) else None,
             kv_extent=kv_extent,
+            host_copies=host_copies,
         )
 
     @staticmethod
@@ -400,6 +463,9 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free(seq.seq_id)
+        if seq.num_swapped:
+            self.host.discard(seq.seq_id)
+            seq.num_swapped = 0
         self._release_slot(seq)
         self._live.pop(seq.seq_id, None)
         seq.status = Status.FINISHED

@@ -15,9 +15,10 @@ from typing import Protocol
 import numpy as np
 
 from jaxllm.contract import SamplingParams, StepPlan
+from jaxllm.engine.host_tier import HostTierStats
 from jaxllm.engine.sequence import Sequence
 
-__all__ = ["LendingStats", "SchedulerStats", "StepScheduler"]
+__all__ = ["HostTierStats", "LendingStats", "SchedulerStats", "StepScheduler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ class LendingStats:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
-    """A snapshot of a scheduler's queue and pool. lending: None on one instance."""
+    """A snapshot of a scheduler's queue and pool. lending: None on one instance; host: None without a host
+    tier."""
 
     waiting: int
     running: int
@@ -48,6 +50,7 @@ class SchedulerStats:
     pool_blocks_free: int
     cached_blocks: int
     lending: LendingStats | None = None
+    host: HostTierStats | None = None
 
 
 class StepScheduler(Protocol):

@@ -38,6 +38,7 @@ class Sequence:
     num_cached_prompt: int = 0  # tokens whose KV came from the prefix cache at its last admission
     block_keys: list[bytes] = dataclasses.field(default_factory=list)  # of its first full rBlocks
     num_registered: int = 0  # of its current rBlocks, the first this many are in the prefix cache
+    num_swapped: int = 0  # while preempted: tokens whose KV waits in the host tier (0: it recomputes them)
     # With penalties (params.penalized), while it runs: its row of the instance's penalty state, the position its
     # first step after admission starts at, and its token count at admission (StepPlan's RowPenalties).
     penalty_slot: int = -1

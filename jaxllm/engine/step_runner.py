@@ -43,6 +43,12 @@ class StepRunner(Protocol):
     bucket_steps: dict[tuple[bool, int], int]  # (decode, padded size) -> served steps
     padding_tokens: int  # padded minus real tokens over those steps
     borrowed_steps: int  # steps that ran DistAttention (some sequence had rBlocks on another instance)
+    block_bytes: int  # one rBlock's bytes, all layers (the pool's rBlocks are all alike)
+
+    def host_tier_stats(self) -> dict[str, float]:
+        """The host tier's store: bytes_used (host bytes its runs hold), copy_out_seconds / copy_in_seconds (from
+        the start to the landing of every copy so far); {} without a host tier."""
+        ...
 
     def dispatch(self, plan: StepPlan, *, token_source: DispatchedStep | None = None) -> DispatchedStep:
         """Queue one step (its block copies first) and return without waiting; token_source: the decode step

@@ -18,6 +18,10 @@ variants its StepTuner lists (jaxllm.tuner.protocol): every instance of a step r
 the tuner picks for the busiest instance's rows. A step in which some sequence has rBlocks on another
 instance runs the borrowed variant (DistAttention, with the bucket's first tuner variant), compiled at
 warm-up beside the plain ones when instances lend; a step with nothing borrowed runs no collective.
+With a host tier (one process) a plan's host copies (StepPlan.host_copies) run before its step, through the
+HostStore (jaxllm.executor.host_store): runs of rBlocks gathered out of the pool and copied to host memory (before
+the plan's recall copies), and runs copied back and scattered into the pool (after them), none of it waited for
+by the host.
 
 `dispatch` queues a step and returns without waiting; `InFlight.tokens()` waits. A decode continuation
 takes its input tokens straight from the previous step's device output, so the host queues step N+1 while
@@ -36,7 +40,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.contract import StepPlan
+from jaxllm.contract import HostCopies
 from jaxllm.executor.calls import BlockCopies, CallChannel, Op, StepCall, TokenSource
+from jaxllm.executor.host_store import HostStore
+from jaxllm.executor.host_transfer import AsyncHostTransfer, HostTransfer
 from jaxllm.executor.in_flight import InFlight, Launched, host_array
 from jaxllm.executor.inputs import InputLayout, token_rows
 from jaxllm.executor.launcher import Launcher
@@ -74,6 +81,9 @@ class Executor:
     penalties: keep the penalty state (max_seqs rows of the vocabulary per instance: jaxllm.executor.penalties) and
     apply each row's penalties and logit bias (at most max_logit_bias entries a row); False: steps as without
     them, and plans must carry none.
+    host_tier: the slots of each instance's host tier (0: none): plans may carry host copies (one process), so
+    the HostStore is built and its copy programs compiled at warm-up; host_transfer: how its runs cross the host
+    link (default AsyncHostTransfer: JAX's host memory kinds).
 
     On a multi-process mesh every process holds an Executor over the same mesh and runs the same programs:
     process 0 sends each call through a CallChannel before running it, and every other process runs
@@ -83,7 +93,8 @@ class Executor:
     def __init__(self, model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens_per_step: int, table_width: int,
                  backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None, mesh=None,
                  instances: int = 1, borrowing: bool = False, max_logprobs: int = 0, tuner: StepTuner | None = None,
-                 penalties: bool = True, max_logit_bias: int = 64):
+                 penalties: bool = True, max_logit_bias: int = 64, host_tier: int = 0,
+                 host_transfer: HostTransfer | None = None):
         if not 0 <= max_logprobs <= model.config.vocab_size:
             raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
         if max_logit_bias < 0:
@@ -130,6 +141,17 @@ class Executor:
         self.padding_tokens = 0
         self.borrowed_steps = 0
         self.copied_blocks = 0
+        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
+        self.host_store = None
+        if host_tier:
+            if multi_process:
+                raise ValueError(f"a host tier serves the instances of one process; this run has "
+                                 f"{jax.process_count()} processes")
+            longest_table = 1 << max(table_width - 1, 0).bit_length()  # a sequence's whole table in one run
+            transfer = host_transfer or AsyncHostTransfer(self.programs.run_shardings, instances=instances)
+            self.host_store = HostStore(
+                self.programs, transfer, max_run=min(longest_table, 1 << (kv_cache.num_blocks.bit_length() - 1)),
+                block_bytes=self.block_bytes, slots_per_instance=host_tier if instances > 1 else None)
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
 
@@ -164,6 +186,14 @@ class Executor:
 
     def tuner_stats(self) -> dict[str, int]:
         return dict(self.tuner.stats())
+
+    def host_tier_stats(self) -> dict[str, float]:
+        """The HostStore's bytes held and copy seconds each way ({} without a host tier)."""
+        store = self.host_store
+        if store is None:
+            return {}
+        seconds = store.copy_seconds
+        return dict(bytes_used=store.bytes_used, copy_out_seconds=seconds["out"], copy_in_seconds=seconds["in"])
 
     def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
         """The tuner's variants of this bucket, wrapped for the mesh (memoised: asked once per bucket)."""
@@ -203,8 +233,13 @@ class Executor:
         devices, becomes this step's input tokens, so step N+1 is queued before step N's tokens reach the
         host. Both are decode steps of the same sequence counts, hence the same padded shapes.
         """
+        host = plan.host_copies if plan.host_copies is not None and len(plan.host_copies) else None
+        if host is not None:
+            self._copy_host(host, out=True)
         if plan.block_copies is not None and len(plan.block_copies):
             self._copy_blocks(plan.block_copies)
+        if host is not None:
+            self._copy_host(host, out=False)
         if plan.num_seqs == 0:  # a step of copies alone
             return InFlight(plan, Launched(None, None, None), np.zeros(0, np.int64))
         if self._penalty_state is None and (plan.penalties is not None or plan.logit_bias is not None):
@@ -248,6 +283,9 @@ class Executor:
 
     def logits(self, plan: StepPlan) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) of every token in a prefill plan."""
+        if plan.host_copies is not None and len(plan.host_copies):
+            self._copy_host(plan.host_copies, out=True)
+            self._copy_host(plan.host_copies, out=False)
         batch = self.layout.build(plan)
         call = StepCall(Op.LOGITS, variant=self._choose(plan, batch), borrowed=batch.borrowed)
         out = host_array(self.launcher.run(self._launch_logits, call, batch.inputs))
@@ -324,9 +362,22 @@ class Executor:
         self.launcher.submit(self._launch_copy, BlockCopies(src, dst))
         self.copied_blocks += len(copies)
 
+    def _copy_host(self, copies: HostCopies, *, out: bool) -> None:
+        """Queue a plan's host-tier copies out (before its recall copies) or in (after them)."""
+        if self.host_store is None:
+            raise ValueError("the plan has host copies; this executor was built without a host tier")
+        self.launcher.submit(self._launch_host_copies, copies, out)
+
+    def _launch_host_copies(self, copies: HostCopies, out: bool) -> None:
+        store = self.host_store
+        self._pool = (store.copy_out if out else store.copy_in)(self._pool, copies)
+
     def _launch_copy(self, copies: BlockCopies) -> None:
         self._announce(StepCall(Op.COPY), copies)
         self._pool = self.programs.copy_blocks(self._pool, copies.src, copies.dst)
+
+    def _warm_host_copies(self) -> None:
+        self._pool = self.host_store.warm_up(self._pool)
 
     # ----- warm-up -----
 
@@ -359,12 +410,15 @@ class Executor:
 
         plan = self.warm_up_plan()
         copies = 1 if self.borrowing else 0
+        runs = [] if self.host_store is None else self.host_store.run_lengths()
         if progress:
             buckets = len(self.buckets.decode_sizes), len(self.buckets.prefill_sizes)
             borrowed = ", each also with borrowed rBlocks, and the recall copy" if copies else ""
-            print(f"[jaxllm] warm-up: {len(plan) + copies} compiles ({buckets[0]} decode + {buckets[1]} prefill "
-                  f"buckets x tuner variants x greedy/logprob variants{borrowed})", file=sys.stderr, flush=True)
-        with Progress(len(plan) + copies, "warm-up compiles", enabled=progress) as bar:
+            host = f", and the host tier's gather and scatter of {len(runs)} run lengths" if runs else ""
+            print(f"[jaxllm] warm-up: {len(plan) + copies + 2 * len(runs)} compiles ({buckets[0]} decode + "
+                  f"{buckets[1]} prefill buckets x tuner variants x greedy/logprob variants{borrowed}{host})",
+                  file=sys.stderr, flush=True)
+        with Progress(len(plan) + copies + 2 * len(runs), "warm-up compiles", enabled=progress) as bar:
             for call, size in plan:
                 inputs = self.layout.inert(call.op == Op.DECODE, size, call.borrowed)
                 jax.block_until_ready(self.launcher.run(self._launch, call, inputs, None).tokens)
@@ -377,6 +431,9 @@ class Executor:
                 self.copied_blocks -= 1
                 self.launcher.drain()
                 bar.update(1, detail="recall copy")
+            if runs:
+                self.launcher.run(self._warm_host_copies)
+                bar.update(2 * len(runs), detail=f"host copies of {runs[0]}..{runs[-1]} rBlocks")
 
     # ----- multi-process runs -----
 

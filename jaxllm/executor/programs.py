@@ -11,7 +11,11 @@ stacked on a leading instance axis [I, ...]:
     in which nothing
     is borrowed moves nothing between devices: no collective. (A multi-process run keeps them replicated:
     process 0 reads every instance's tokens, and the other processes get their inputs by broadcast.)
-The recall copy (`copy_blocks`) moves rBlocks between instances' pools. Every trace of a program is counted
+The recall copy (`copy_blocks`) moves rBlocks between instances' pools; `gather_blocks` and `scatter_blocks`
+take a run of rBlocks out of the pool into a compact array and put one back (the host tier's copies:
+jaxllm.executor.host_store), a run's length a power of two; on several instances the run (global ids, any
+instance's rBlocks) is whole on every instance, each instance putting in the rows it holds (a psum) and writing
+back the rows it holds. Every trace of a program is counted
 (`compile_count`), and the XLA compiles and persistent-cache reads behind them (`xla_compiles`,
 `persistent_cache_hits`).
 """
@@ -89,6 +93,18 @@ class StepPrograms:
             self._counted(self._copy_local), static_argnames=(),
             in_shardings=(self.pool_shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
             out_shardings=self.pool_shardings, donate=(0,))
+        ids = NamedSharding(mesh, P())
+        # A run of rBlocks: the pool's layout without the instance split (whole on every instance).
+        self.run_shardings = self.pool_shardings if instances == 1 else jax.tree.map(
+            lambda s: NamedSharding(mesh, P(None, *s.spec[1:])), self.pool_shardings)
+        gather, scatter = (_gather_rows, _scatter_rows) if instances == 1 else (self._gather_across,
+                                                                                self._scatter_across)
+        self._gather = _jit_on_mesh(self._counted(gather), static_argnames=(),
+                                    in_shardings=(self.pool_shardings, ids), out_shardings=self.run_shardings,
+                                    donate=())
+        self._scatter = _jit_on_mesh(self._counted(scatter), static_argnames=(),
+                                     in_shardings=(self.pool_shardings, self.run_shardings, ids),
+                                     out_shardings=self.pool_shardings, donate=(0,))
 
     # ----- the steps -----
 
@@ -157,6 +173,52 @@ class StepPrograms:
         self._count(before)
         return pool
 
+    # ----- the host tier's runs -----
+
+    def gather_blocks(self, pool, blocks: np.ndarray):
+        """rBlocks `blocks` [R] int32 (global ids) of the pool as a compact run (the pool's pytree, [R, ...] leaves,
+        whole on every instance); the pool is read, not donated (device work runs in dispatch order: a later
+        step's writes land after this read)."""
+        before = compile_events()
+        run = self._gather(pool, blocks)
+        self._count(before)
+        return run
+
+    def scatter_blocks(self, pool, run, blocks: np.ndarray):
+        """The pool (donated) with run's rows written into rBlocks `blocks` [R] int32 (-1: the row is skipped)."""
+        before = compile_events()
+        pool = self._scatter(pool, run, blocks)
+        self._count(before)
+        return pool
+
+    def _gather_across(self, pool, blocks):
+        nb = jax.tree.leaves(pool)[0].shape[0] // self.instances
+
+        def local(pool, blocks):
+            me = jax.lax.axis_index(INSTANCE)
+            mine = (blocks >= 0) & (blocks // nb == me)
+
+            def take(x):
+                taken = jnp.where(mine.reshape((-1,) + (1,) * (x.ndim - 1)), x[jnp.where(mine, blocks % nb, 0)], 0)
+                # float32 whatever the pool's dtype, as in _copy_local (exact: one instance puts in each row).
+                return jax.lax.psum(taken.astype(jnp.float32), INSTANCE).astype(x.dtype)
+
+            return jax.tree.map(take, pool)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(INSTANCE), P()), out_specs=P(),
+                             axis_names={INSTANCE}, check_vma=False)(pool, blocks)
+
+    def _scatter_across(self, pool, run, blocks):
+        nb = jax.tree.leaves(pool)[0].shape[0] // self.instances
+
+        def local(pool, run, blocks):
+            me = jax.lax.axis_index(INSTANCE)
+            target = jnp.where((blocks >= 0) & (blocks // nb == me), blocks % nb, nb)  # out of range: dropped
+            return jax.tree.map(lambda x, r: x.at[target].set(r, mode="drop"), pool, run)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(INSTANCE), P(), P()), out_specs=P(INSTANCE),
+                             axis_names={INSTANCE}, check_vma=False)(pool, run, blocks)
+
     def _copy_local(self, pool, src, dst):
         nb = jax.tree.leaves(pool)[0].shape[0] // self.instances
 
@@ -176,3 +238,13 @@ class StepPrograms:
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(INSTANCE), P(), P()), out_specs=P(INSTANCE),
                              axis_names={INSTANCE}, check_vma=False)(pool, src, dst)
+
+
+def _gather_rows(pool, blocks):
+    return jax.tree.map(lambda x: x[blocks], pool)
+
+
+def _scatter_rows(pool, run, blocks):
+    n = jax.tree.leaves(pool)[0].shape[0]
+    target = jnp.where(blocks >= 0, blocks, n)  # out of range: dropped (a negative index would wrap around)
+    return jax.tree.map(lambda x, r: x.at[target].set(r, mode="drop"), pool, run)

@@ -1,0 +1,223 @@
+"""The host tier's data: which host run holds each host slot's rBlock, and the copies a StepPlan asks for.
+
+The ledger (jaxllm.engine.host_tier) names slots; this store keeps, per slot, the run of rBlocks it was copied
+out in and its row there. Host copies move whole runs: a plan's out copies are gathered from the pool into
+compact runs of power-of-two lengths (a binary decomposition of their count, each run at most `max_run`
+rBlocks: the gather and scatter programs are compiled for those lengths at warm-up, and no rBlock is padded), each
+run handed to the HostTransfer (jaxllm.executor.host_transfer) as one copy; a plan's in copies bring back every
+run they read from (whole, as it was copied out) and scatter the rows they need into the pool, donated, before
+the step. Runs are immutable: a slot written again points at a new run, so a copy still in flight is never
+overwritten, and a run's host memory is released once no slot points into it (`bytes_used` counts what is
+held, which may exceed the ledger's slots while part of a run is still needed).
+
+Device memory: a run gathered out, or copied back before its scatter, is a device array beside the pool. The runs
+in flight together are held to `max_copy_bytes` (the oldest is waited for before another starts past it, which
+happens only when copies of more than that are still landing), and a run is at most that long, so a big swap
+never needs more device memory than that beyond the pool. Landed runs are let go at the next copy.
+
+Called on the launcher thread (jaxllm.executor.launcher), between the steps: the order of device work is the
+order of the calls, so the step after a copy reads the pool the copy left.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+
+import jax
+import numpy as np
+
+from jaxllm.contract import HostCopies
+from jaxllm.executor.host_transfer import HostRun, HostTransfer
+
+__all__ = ["HostStore", "run_lengths"]
+
+
+def run_lengths(count: int, max_run: int) -> list[int]:
+    """`count` rBlocks as runs of power-of-two lengths, longest first, none over max_run (a power of two)."""
+    lengths = [max_run] * (count // max_run)
+    rest = count % max_run
+    bit = max_run
+    while rest:
+        bit //= 2
+        if rest & bit:
+            lengths.append(bit)
+            rest -= bit
+    return lengths
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+    host: HostRun
+    length: int
+    live: int = 0  # slots pointing into it
+
+
+class _CopyClock:
+    """Times copies from their start to their landing, on its own thread (the launcher never waits for one)."""
+
+    def __init__(self):
+        self.seconds = {"out": 0.0, "in": 0.0}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._started = self._landed = 0
+        threading.Thread(target=self._watch, name="jaxllm-host-copies", daemon=True).start()
+
+    def started(self, direction: str, landed) -> None:
+        """landed(): blocks until the copy started now has landed."""
+        with self._done:
+            self._started += 1
+        self._queue.put((direction, time.perf_counter(), landed))
+
+    def sync(self) -> None:
+        """Wait until every copy started so far has landed (or failed)."""
+        with self._done:
+            target = self._started
+            self._done.wait_for(lambda: self._landed >= target)
+
+    def _watch(self) -> None:
+        while True:
+            direction, start, landed = self._queue.get()
+            try:
+                landed()
+                self.seconds[direction] += time.perf_counter() - start
+            except Exception:  # noqa: BLE001  (a failed copy fails its step; the clock only stops timing it)
+                pass
+            with self._done:
+                self._landed += 1
+                self._done.notify_all()
+
+
+class HostStore:
+    """The host runs of one engine's host tier (see the module docstring). programs: the StepPrograms whose
+    gather_blocks / scatter_blocks move runs; transfer: how runs cross the host link; max_run: the longest run
+    (a power of two; it is lowered until a run fits max_copy_bytes); block_bytes: one rBlock's bytes (all layers);
+    max_copy_bytes: device bytes the runs in flight may take together; slots_per_instance: each instance's host
+    tier's slots (slot // slots_per_instance: the instance whose host keeps it; None: one instance)."""
+
+    def __init__(self, programs, transfer: HostTransfer, *, max_run: int, block_bytes: int,
+                 max_copy_bytes: int = 1 << 30, slots_per_instance: int | None = None):
+        if max_run <= 0 or max_run & (max_run - 1):
+            raise ValueError(f"max_run must be a power of two, got {max_run}")
+        while max_run > 1 and max_run * block_bytes > max_copy_bytes:
+            max_run //= 2
+        self.programs = programs
+        self.transfer = transfer
+        self.max_run = max_run
+        self.block_bytes = block_bytes
+        self.max_copy_bytes = max(max_copy_bytes, block_bytes)
+        self.slots_per_instance = slots_per_instance
+        # (bytes, wait until it landed, whether it landed (never waits)), oldest first
+        self._in_flight: collections.deque = collections.deque()
+        self._in_flight_bytes = 0
+        self.bytes_used = 0  # host bytes held by runs some slot still points into
+        self.blocks_out = self.blocks_in = 0  # rBlocks copied, each way
+        self.runs_out = self.runs_in = 0  # copies (runs) issued, each way
+        self._slots: dict[int, tuple[_Run, int]] = {}
+        self._clock = _CopyClock()
+
+    @property
+    def copy_seconds(self) -> dict[str, float]:
+        """Seconds from start to landing of every copy so far, "out" (to the host) and "in"."""
+        return dict(self._clock.seconds)
+
+    def run_lengths(self) -> list[int]:
+        """Every run length a copy can have (each one gather and one scatter program)."""
+        return [1 << i for i in range(self.max_run.bit_length())]
+
+    def apply(self, pool, copies: HostCopies):
+        """Run a plan's host copies (HostCopies says in which order); returns the pool for the step."""
+        return self.copy_in(self.copy_out(pool, copies), copies)
+
+    def copy_out(self, pool, copies: HostCopies):
+        """A plan's dropped slots and copies out (before its recall copies); returns the pool, unchanged."""
+        for slot in copies.dropped.tolist():
+            self._forget(slot)
+        out_blocks, out_slots = copies.out_blocks, copies.out_slots
+        owners = np.zeros(len(out_slots), np.int64) if self.slots_per_instance is None else \
+            out_slots // self.slots_per_instance
+        for instance in np.unique(owners).tolist():  # a run lands in one instance's host tier
+            mine = owners == instance
+            blocks, slots = out_blocks[mine], out_slots[mine].tolist()
+            start = 0
+            for length in run_lengths(len(slots), self.max_run):
+                self._make_room(length)
+                run = _Run(self._to_host(self.programs.gather_blocks(pool, blocks[start:start + length]), instance),
+                           length)
+                self.bytes_used += length * self.block_bytes
+                for row, slot in enumerate(slots[start:start + length]):
+                    self._forget(slot)
+                    self._slots[slot] = (run, row)
+                    run.live += 1
+                start += length
+        self.blocks_out += copies.num_out
+        return pool
+
+    def copy_in(self, pool, copies: HostCopies):
+        """A plan's copies in (after its recall copies); returns the pool for the step."""
+        # Rows needed of each run read, in the order the runs are first named.
+        wanted: dict[_Run, np.ndarray] = {}
+        for slot, block in zip(copies.in_slots.tolist(), copies.in_blocks.tolist()):
+            run, row = self._slots[slot]
+            targets = wanted.setdefault(run, np.full(run.length, -1, np.int32))
+            targets[row] = block
+            self._forget(slot)
+        for run, targets in wanted.items():
+            run.host.wait()  # never read a run before it has landed on the host
+            self._make_room(run.length)
+            device = self.transfer.to_device(run.host)
+            self._hold(run.length, device, lambda arrays=device: jax.block_until_ready(arrays))
+            self._clock.started("in", lambda arrays=device: jax.block_until_ready(arrays))
+            pool = self.programs.scatter_blocks(pool, device, targets)
+        self.blocks_in += copies.num_in
+        self.runs_in += len(wanted)
+        return pool
+
+    def sync(self) -> None:
+        """Wait until every copy issued so far has landed (benchmarks time copies with it; serving never waits)."""
+        self._clock.sync()
+
+    def warm_up(self, pool):
+        """Compile the gather and scatter of every run length (and make one copy each way of each); returns the
+        pool, unchanged."""
+        for length in self.run_lengths():
+            host = self._to_host(self.programs.gather_blocks(pool, np.zeros(length, np.int32)), 0)
+            host.wait()
+            pool = self.programs.scatter_blocks(pool, self.transfer.to_device(host), np.full(length, -1, np.int32))
+        self.runs_out = 0
+        jax.block_until_ready(pool)
+        return pool
+
+    def _make_room(self, length: int) -> None:
+        """Wait for the oldest runs in flight until one of `length` rBlocks fits max_copy_bytes beside the rest."""
+        need = length * self.block_bytes
+        while self._in_flight and (self._in_flight_bytes + need > self.max_copy_bytes or self._in_flight[0][2]()):
+            nbytes, landed, _ = self._in_flight.popleft()
+            landed()  # at once where it already landed
+            self._in_flight_bytes -= nbytes
+
+    def _hold(self, length: int, arrays, landed) -> None:
+        """Count a copy of `length` rBlocks in flight until `arrays` (its destination) are ready."""
+        ready = lambda: all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(arrays))  # noqa: E731
+        self._in_flight.append((length * self.block_bytes, landed, ready))
+        self._in_flight_bytes += length * self.block_bytes
+
+    def _to_host(self, run, instance: int) -> HostRun:
+        host = self.transfer.to_host(run, instance)
+        self._hold(len(jax.tree.leaves(run)[0]), host.arrays(),
+                   lambda: (host.wait(), jax.block_until_ready(host.arrays())))
+        self.runs_out += 1
+        self._clock.started("out", lambda: (host.wait(), jax.block_until_ready(host.arrays())))
+        return host
+
+    def _forget(self, slot: int) -> None:
+        entry = self._slots.pop(slot, None)
+        if entry is None:
+            return
+        run = entry[0]
+        run.live -= 1
+        if run.live == 0:
+            self.bytes_used -= run.length * self.block_bytes

@@ -1,0 +1,103 @@
+"""The host tier's store with stand-in programs and transfer: runs of power-of-two lengths, slots pointing into
+them, host bytes released when no slot needs a run, and device memory in flight held to max_copy_bytes."""
+
+import numpy as np
+
+from jaxllm.contract import HostCopies
+from jaxllm.executor.host_store import HostStore, run_lengths
+
+
+class _Programs:
+    """Gather and scatter over a NumPy pool [blocks] (one int per rBlock: its content)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def gather_blocks(self, pool, blocks):
+        self.log.append(("gather", len(blocks)))
+        return pool[np.asarray(blocks)]
+
+    def scatter_blocks(self, pool, run, blocks):
+        self.log.append(("scatter", len(blocks)))
+        pool = pool.copy()
+        for row, block in enumerate(blocks):
+            if block >= 0:
+                pool[block] = run[row]
+        return pool
+
+
+class _Run:
+    def __init__(self, arrays, log):
+        self._arrays, self.log = arrays, log
+
+    def wait(self):
+        self.log.append(("wait", len(self._arrays)))
+
+    def arrays(self):
+        return self._arrays
+
+
+class _Landing(np.ndarray):
+    """A host array still landing (is_ready False) or landed."""
+
+    landed = False
+
+    def is_ready(self):
+        return self.landed
+
+
+class _Transfer:
+    def __init__(self, log, landed=False):
+        self.log, self.landed = log, landed
+
+    def to_host(self, run, instance=0):
+        arrays = np.array(run).view(_Landing)
+        arrays.landed = self.landed
+        return _Run(arrays, self.log)
+
+    def to_device(self, run):
+        return run.arrays()
+
+
+def _copies(out=(), slots=(), ins=(), into=(), dropped=()):
+    a = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    return HostCopies(a(out), a(slots), a(ins), a(into), a(dropped))
+
+
+def test_run_lengths_split_a_count_into_powers_of_two():
+    assert run_lengths(0, 8) == [] and run_lengths(5, 8) == [4, 1] and run_lengths(19, 8) == [8, 8, 2, 1]
+
+
+def test_copies_round_trip_through_runs_and_release_host_bytes():
+    log = []
+    store = HostStore(_Programs(log), _Transfer(log), max_run=8, block_bytes=10)
+    pool = np.arange(100, 116)
+    pool = store.apply(pool, _copies(out=[3, 4, 5, 9, 10], slots=[0, 1, 2, 3, 4]))
+    assert [e for e in log if e[0] == "gather"] == [("gather", 4), ("gather", 1)]
+    assert store.bytes_used == 50 and store.blocks_out == 5
+    pool = store.apply(pool, _copies(ins=[4, 1], into=[0, 1]))  # rows of both runs: each run copied back whole
+    assert pool[0] == 110 and pool[1] == 104 and store.blocks_in == 2 and store.runs_in == 2
+    assert store.bytes_used == 40  # the one-rBlock run's only slot was read back; the other run has three left
+    pool = store.apply(pool, _copies(dropped=[0, 2, 3]))
+    assert store.bytes_used == 0  # no slot needs either run any more
+    store.sync()
+
+
+def test_runs_in_flight_are_held_to_max_copy_bytes():
+    log = []
+    store = HostStore(_Programs(log), _Transfer(log), max_run=8, block_bytes=10, max_copy_bytes=20)
+    assert store.max_run == 2  # a run never takes more than max_copy_bytes
+    store.apply(np.arange(16), _copies(out=[0, 1, 2, 3, 4], slots=[0, 1, 2, 3, 4]))
+    kinds = [e[0] for e in log]
+    # Each run after the first waits until the one before it landed (two rBlocks fill the 20 bytes).
+    assert kinds == ["gather", "wait", "gather", "wait", "gather"], log
+    store.sync()
+
+
+def test_landed_runs_are_let_go_at_the_next_copy():
+    log = []
+    store = HostStore(_Programs(log), _Transfer(log, landed=True), max_run=8, block_bytes=10, max_copy_bytes=1000)
+    store.apply(np.arange(16), _copies(out=[0], slots=[0]))
+    store.apply(np.arange(16), _copies(out=[1], slots=[1]))
+    assert [e[0] for e in log] == ["gather", "wait", "gather"], log  # far under max_copy_bytes, but landed
+    store.sync()

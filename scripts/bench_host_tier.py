@@ -260,6 +260,8 @@ def main(argv=None) -> int:
     result = dict(device=device, smoke=args.smoke, model=args.model, block_size=args.block_size,
                   host_gib=args.host_gib, devices=jax.device_count())
     compiles = 0
+    stem = harness.result_stem(device, "host-tier" + ("-smoke" if args.smoke else ""))
+    partial = os.path.join(args.out, stem + ".json")  # rewritten after each part: a run cut short keeps its parts
     for tier in ("on", "off"):  # one engine each (the same pool), its parts one after the other
         _log(f"host tier {tier}: {args.model}, {args.num_blocks} rBlocks of {args.block_size} tokens on {device}")
         llm = _engine(args, host_gib=args.host_gib if tier == "on" else 0.0, num_blocks=args.num_blocks)
@@ -274,6 +276,7 @@ def main(argv=None) -> int:
                 result[part] = measured
             else:
                 result.setdefault(part, {})[tier] = measured
+            harness.write_json(partial, result)
         if tier == "on":
             traced, xla = (a - b for a, b in zip(_compiles(llm), warm))
             compiles = traced + xla
@@ -291,7 +294,6 @@ def main(argv=None) -> int:
                 result[part]["ttft_p50_off_over_on"] = off["ttft_p50_s"] / on["ttft_p50_s"]
     table = _table(result)
     print(table)
-    stem = harness.result_stem(device, "host-tier" + ("-smoke" if args.smoke else ""))
     path = harness.write_result_and_table(args.out, stem, result, table)
     print(f"wrote {path}.json")
     return 0

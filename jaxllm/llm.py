@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
@@ -34,7 +33,6 @@ from sharding.rules import kv_pool_shardings, load_sharding, prepare_tensor_para
 
 TUNERS = ("auto", "fixed")
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
-HOST_KV_SHARE = 0.25  # of the host's available memory, the host tier's default size on a GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +87,9 @@ class EngineOptions:
     max_logit_bias: int = 64
     # The host tier (docs/ARCHITECTURE.md, decision 12): bytes of pinned host memory for each instance's rBlocks, so
     # a preempted sequence swaps out and back in instead of recomputing, and the prefix cache spills there instead
-    # of forgetting. None: HOST_KV_SHARE of the host's available memory (split among the instances) on a GPU, none
-    # on the CPU (whose pool is host memory already); 0: off. One process (a multi-process run: refused).
+    # of forgetting. None or 0: off (the default, for now: on an H200 the multi-turn workload of
+    # scripts/bench_host_tier.py took 8.6x longer to its first tokens with the tier on, README "Host memory as a KV
+    # tier"). One process (a multi-process run: refused).
     host_kv_bytes: int | None = None
     # Which kernels each step runs: "auto" (the learned tuner if a cost model was trained for this
     # device kind, else "fixed", said once) or "fixed" (the backend's defaults for every bucket).
@@ -205,7 +204,7 @@ class LLM:
         pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
         lending = self.options.lending and instances > 1
         per_block = kv_bytes_per_block(step_model.config, block_size, pool_dtype)
-        self.host_blocks = self._host_blocks(per_block, on_gpu)
+        self.host_blocks = self._host_blocks(per_block)
         self.executor = Executor(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
                                  table_width=-(-longest // block_size), kernels=base, mesh=self.mesh,
                                  instances=instances, borrowing=lending, max_logprobs=self.options.max_logprobs,
@@ -290,17 +289,12 @@ class LLM:
         return num_blocks
 
 
-    def _host_blocks(self, per_block: int, on_gpu: bool) -> int:
+    def _host_blocks(self, per_block: int) -> int:
         """rBlocks each instance's host tier holds (0: no tier): EngineOptions.host_kv_bytes over one rBlock's
         bytes."""
-        wanted = self.options.host_kv_bytes
+        wanted = self.options.host_kv_bytes or 0
         processes = jax.process_count()
-        if wanted is None:
-            if not on_gpu or processes > 1:
-                return 0
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            wanted = int(HOST_KV_SHARE * available) // self.options.instances
-        elif wanted and processes > 1:
+        if wanted and processes > 1:
             raise ValueError(f"host_kv_bytes {wanted}: a host tier serves the instances of one process; this run has "
                              f"{processes} processes (set host_kv_bytes=0 / --host-kv-gib 0)")
         if wanted and wanted < per_block:

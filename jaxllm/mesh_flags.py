@@ -73,9 +73,8 @@ def add_host_tier_flag(parser: argparse.ArgumentParser) -> None:
     """--host-kv-gib: the host tier's size (EngineOptions.host_kv_bytes; generate and serve)."""
     parser.add_argument("--host-kv-gib", type=float, default=None, metavar="GIB",
                         help="pinned host memory for each instance's KV rBlocks, in GiB: preempted sequences swap "
-                             "there instead of recomputing, and the prefix cache spills there (0: off; default: a "
-                             "quarter of the host's available memory on a GPU, split among the instances; off on the "
-                             "CPU and in a multi-process run)")
+                             "there instead of recomputing, and the prefix cache spills there (default 0: off; "
+                             "one process only)")
 
 
 def host_kv_bytes(args: argparse.Namespace) -> int | None:

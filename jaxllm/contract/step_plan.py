@@ -44,17 +44,6 @@ class RowPenalties:
     presence: np.ndarray
     repetition: np.ndarray
 
-    @staticmethod
-    def copies_only(*, block_copies: np.ndarray | None = None, host_copies: HostCopies | None = None,
-                    instances: bool = False) -> StepPlan:
-        """A step of copies alone: no rows (instances: an empty `instances` array, as a joined plan has)."""
-        empty = np.zeros(0, np.int32)
-        return StepPlan(seq_ids=np.zeros(0, np.int64), token_ids=empty, positions=empty, slot_mapping=empty,
-                        cu_q_lens=np.zeros(1, np.int32), kv_lens=empty, block_tables=np.zeros((0, 1), np.int32),
-                        sample=np.zeros(0, bool), temperature=np.zeros(0, np.float32), top_k=empty,
-                        top_p=np.zeros(0, np.float32), seed=empty, instances=empty if instances else None,
-                        block_copies=block_copies, host_copies=host_copies)
-
     def rows(self, first: int, last: int) -> RowPenalties:
         return RowPenalties(**{f.name: getattr(self, f.name)[first:last] for f in dataclasses.fields(self)})
 

@@ -16,11 +16,9 @@ import grpc
 import pytest
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.engine.threaded import Engine
 from serve import jaxllm_pb2 as pb
-from serve import jaxllm_pb2_grpc as pb_grpc
-from serve.http import HttpConfig, HttpServer
-from serve.server import Server, ServerConfig
+from serve.http import HttpServer
+from tests.serve.servers import grpc_and_http
 
 MAX_STOP = 20  # over the default 16: a front end reading its own limits would refuse what the engine takes
 DEFAULT_MAX_TOKENS = 3
@@ -36,17 +34,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def servers(llm):
-    engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=MAX_WAITING)
-    grpc_server = Server(ServerConfig(port=0))
-    http = HttpServer(HttpConfig(port=0), grpc_server.registry)
-    grpc_server.attach(engine, "tiny")
-    http.attach(engine, "tiny")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}")
-    yield engine, pb_grpc.LLMServiceStub(channel), http
-    channel.close()
-    http.stop_accepting()
-    grpc_server.shutdown(1.0)  # drains the engine
-    http.shutdown(5.0)
+    with grpc_and_http(llm, max_waiting=MAX_WAITING) as servers:
+        yield servers
 
 
 def _post(http: HttpServer, path: str, body: dict) -> tuple[int, dict]:

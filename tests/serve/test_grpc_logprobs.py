@@ -7,19 +7,15 @@ A small engine (tiny model, max_context 64, max_logprobs 3) with both servers at
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import grpc
 import pytest
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.engine.threaded import Engine
 from serve import jaxllm_pb2 as pb
-from serve import jaxllm_pb2_grpc as pb_grpc
 from serve.client import format_logprobs
-from serve.http import HttpConfig, HttpServer
-from serve.server import Server, ServerConfig
+from tests.serve.servers import grpc_and_http, wait_idle
 
 MAX_LOGPROBS = 3
 PROMPT = [1, 17, 230, 9, 41, 230, 9]  # a repeated pair: the second time its logprobs differ from the first
@@ -33,25 +29,10 @@ def llm():
 
 @pytest.fixture(scope="module")
 def servers(llm):
-    engine = Engine(llm.core, llm.tokenizer, llm.info())
-    grpc_server = Server(ServerConfig(port=0))
-    http = HttpServer(HttpConfig(port=0), grpc_server.registry)
-    grpc_server.attach(engine, "tiny")
-    http.attach(engine, "tiny")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}")
-    yield engine, pb_grpc.LLMServiceStub(channel), http
-    channel.close()
-    http.stop_accepting()
-    grpc_server.shutdown(1.0)
-    http.shutdown(5.0)
+    with grpc_and_http(llm) as servers:
+        yield servers
 
 
-def _quiet(engine) -> None:
-    """Wait until the engine thread has nothing to do: LLM calls drive the same core from this thread."""
-    deadline = time.monotonic() + 60
-    while not engine.idle():
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.01)
 
 
 def _messages(stub, **fields) -> list:
@@ -77,7 +58,7 @@ def _close(got, want) -> None:
 
 def test_prompt_logprobs_match_the_python_api_and_http_echo(llm, servers):
     engine, stub, http = servers
-    _quiet(engine)
+    wait_idle(engine)
     want = llm.generate(PROMPT, max_new_tokens=0, prompt_logprobs=2)[0].prompt_logprobs
     messages = _messages(stub, prompt_token_ids=PROMPT, max_tokens=0, prompt_logprobs=2)
     scored = [entry for m in messages for entry in m.prompt_logprobs]
@@ -96,7 +77,7 @@ def test_prompt_logprobs_match_the_python_api_and_http_echo(llm, servers):
 
 def test_generated_logprobs_one_per_token_as_the_python_api(llm, servers):
     engine, stub, _ = servers
-    _quiet(engine)
+    wait_idle(engine)
     want = llm.generate(PROMPT, max_new_tokens=5, logprobs=MAX_LOGPROBS, ignore_eos=True)[0]
     messages = _messages(stub, prompt_token_ids=PROMPT, max_tokens=5, logprobs=MAX_LOGPROBS, ignore_eos=True)
     for m in messages:

@@ -8,7 +8,6 @@ them (no warm-up: the few shapes compile on first use)."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -18,11 +17,9 @@ import pytest
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.contract import SamplingParams
-from jaxllm.engine.threaded import Engine
 from serve import jaxllm_pb2 as pb
-from serve import jaxllm_pb2_grpc as pb_grpc
-from serve.http import HttpConfig, HttpServer
-from serve.server import Server, ServerConfig
+from serve.http import HttpServer
+from tests.serve.servers import grpc_and_http, wait_idle
 from tests.seeds import seed
 
 MAX_LOGIT_BIAS = 3
@@ -37,17 +34,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def servers(llm):
-    engine = Engine(llm.core, llm.tokenizer, llm.info())
-    grpc_server = Server(ServerConfig(port=0))
-    http = HttpServer(HttpConfig(port=0), grpc_server.registry)
-    grpc_server.attach(engine, "tiny")
-    http.attach(engine, "tiny")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}")
-    yield engine, pb_grpc.LLMServiceStub(channel), http
-    channel.close()
-    http.stop_accepting()
-    grpc_server.shutdown(1.0)
-    http.shutdown(5.0)
+    with grpc_and_http(llm) as servers:
+        yield servers
 
 
 def _post(http: HttpServer, path: str, body: dict) -> tuple[int, dict]:
@@ -59,12 +47,6 @@ def _post(http: HttpServer, path: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def _quiet(engine) -> None:
-    """Wait until the engine thread has nothing to do: LLM calls drive the same core from this thread."""
-    deadline = time.monotonic() + 60
-    while not engine.idle():
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.01)
 
 
 def _grpc_tokens(stub, **fields) -> list[int]:
@@ -77,7 +59,7 @@ def test_the_same_tokens_through_every_front_end(llm, servers, temperature):
     prompt = [int(t) for t in np.random.default_rng(seed(4401)).integers(3, 259, 9)]
     sampling = dict(temperature=temperature, seed=21, ignore_eos=True)
     messages = [{"role": "user", "content": "Say something."}]
-    _quiet(engine)
+    wait_idle(engine)
     python = llm.generate([prompt], max_new_tokens=8, **sampling, **PENALTIES)[0]
     plain = llm.generate([prompt], max_new_tokens=8, **sampling)[0]
     chat = llm.chat(messages, max_new_tokens=8, **sampling, **PENALTIES)
@@ -101,7 +83,7 @@ def test_the_same_tokens_through_every_front_end(llm, servers, temperature):
 
 def test_null_penalties_are_the_neutral_values(llm, servers):
     engine, stub, http = servers
-    _quiet(engine)
+    wait_idle(engine)
     want = llm.generate([[5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0].token_ids
     body = dict(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
     nulls = dict(frequency_penalty=None, presence_penalty=None, repetition_penalty=None, logit_bias=None)

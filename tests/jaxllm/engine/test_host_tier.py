@@ -213,10 +213,11 @@ def test_engine_stats_report_the_tiers():
 
 @needs_host_devices
 @pytest.mark.slow
-@pytest.mark.parametrize("lending", [True, False])
-def test_instances_swap_to_their_own_host_tiers(roomy, lending):
-    """Two instances on CPU host devices, each with its own host tier, pools too small for their sequences (lending
-    on: loans and recalls too): the tokens of a pool big enough, every swap back in."""
+def test_instances_swap_to_their_own_host_tiers(roomy):
+    """Two lending instances on CPU host devices, each with its own host tier, pools too small for their sequences
+    (swaps, loans and recalls): the tokens of a pool big enough, every swap back in. (Lending off is the simpler
+    case; test_host_tier_ledger's mirror of three instances covers both.)"""
+    lending = True
     from jaxllm.contract import SamplingParams
     from jaxllm.engine.core import Request
 

@@ -32,18 +32,10 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                                  stop=args.stop or [], ignore_eos=args.ignore_eos,
                                  frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                                  logit_bias=dict(args.logit_bias or []))
-    if args.seed is not None:
-        request.seed = args.seed
-    if args.max_tokens is not None:
-        request.max_tokens = args.max_tokens
-    if args.top_p is not None:
-        request.top_p = args.top_p
-    if args.repetition_penalty is not None:
-        request.repetition_penalty = args.repetition_penalty
-    if args.logprobs is not None:
-        request.logprobs = args.logprobs
-    if args.prompt_logprobs is not None:
-        request.prompt_logprobs = args.prompt_logprobs
+    # The proto's optional fields: unset (not zero) where the flag is absent, so the server applies its default.
+    for name in ("seed", "max_tokens", "top_p", "repetition_penalty", "logprobs", "prompt_logprobs"):
+        if getattr(args, name) is not None:
+            setattr(request, name, getattr(args, name))
     return request
 
 

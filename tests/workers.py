@@ -7,6 +7,7 @@ sets its own) and asserts on what it reports.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_json_worker(script: str, *args: str, timeout: int = 900) -> dict:
-    """`script` (relative to the repository root) run with args; the dict its last stdout line holds."""
+def repository_env(**extra: str) -> dict:
+    """The environment for a subprocess of the repository's code: this one with the repository on PYTHONPATH and
+    no inherited XLA_FLAGS or JAXLLM_COORDINATOR_TIMEOUT (the subprocess or the test sets its own), then `extra`."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, str(ROOT / script), *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    env.pop("JAXLLM_COORDINATOR_TIMEOUT", None)
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_json_worker(script: str, *args: str, timeout: int = 900) -> dict:
+    """`script` (relative to the repository root) run with args; the dict its last stdout line holds."""
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args], env=repository_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,7 +11,6 @@ Each case asserts its own bound (the processes' start-up on a loaded 2-core mach
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,26 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.workers import free_port, repository_env
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU2 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 # A small engine that starts fast: no warm-up (the request compiles its steps), few buckets.
 SMALL_SERVER = ["--no-metrics", "--quiet", "--no-warm-up", "--max-running", "4", "--max-tokens-per-step", "64",
                 "--max-logprobs", "0"]
-
-
-def _env(**extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra}
-    if "XLA_FLAGS" not in extra:
-        env.pop("XLA_FLAGS", None)
-    if "JAXLLM_COORDINATOR_TIMEOUT" not in extra:
-        env.pop("JAXLLM_COORDINATOR_TIMEOUT", None)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _no_trace(text: str) -> None:
@@ -75,11 +61,11 @@ def _live_processes_with(text: str) -> list[int]:
     ("serve", 0, "env", "not all 2 processes joined the coordinator at {address} after 2 s (process 0 of 2)"),
 ])
 def test_no_coordinator_gives_up_in_time_naming_the_address(entry, process_id, how, expected):
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     args = [sys.executable, "-m", f"jaxllm.{entry}", "--coordinator", address, "--num-processes", "2",
             "--process-id", str(process_id)]
-    args += ["--coordinator-timeout", "2", "hi"] if how == "flag" else ["--port", str(_free_port())]
-    env = _env(JAXLLM_COORDINATOR_TIMEOUT="2") if how == "env" else _env()
+    args += ["--coordinator-timeout", "2", "hi"] if how == "flag" else ["--port", str(free_port())]
+    env = repository_env(JAXLLM_COORDINATOR_TIMEOUT="2") if how == "env" else repository_env()
     start = time.monotonic()
     proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - start
@@ -101,11 +87,12 @@ def test_a_follower_that_dies_fails_the_request_and_process_0_exits_naming_it():
     from serve import jaxllm_pb2 as pb
     from serve import jaxllm_pb2_grpc as pb_grpc
 
-    coordinator, port = f"127.0.0.1:{_free_port()}", _free_port()
+    coordinator, port = f"127.0.0.1:{free_port()}", free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--port", str(port), *SMALL_SERVER,
                                "--tensor-parallel", "4", "--coordinator", coordinator, "--num-processes", "2",
                                "--process-id", str(i)],
-                              env=_env(**CPU2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=repository_env(**CPU2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
              for i in range(2)]
     try:
         _wait_for_line(procs[0], "jaxllm serving", 240)
@@ -139,11 +126,12 @@ def test_a_follower_that_dies_fails_the_request_and_process_0_exits_naming_it():
 @pytest.mark.slow
 @pytest.mark.xdist_group("jaxllm_multiprocess")
 def test_sigterm_to_launch_stops_every_server_process():
-    port = _free_port()
+    port = free_port()
     launch = subprocess.Popen([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--cpu-devices",
                                "2", "--port", str(port), "--grace-period", "30", "--", sys.executable, "-m",
-                               "jaxllm.serve", "--port", str(_free_port()), *SMALL_SERVER, "--tensor-parallel", "4"],
-                              env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               "jaxllm.serve", "--port", str(free_port()), *SMALL_SERVER, "--tensor-parallel", "4"],
+                              env=repository_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
     coordinator = f"--coordinator 127.0.0.1:{port} "
     try:
         _wait_for_line(launch, "[0] jaxllm serving", 240)
@@ -168,7 +156,7 @@ def test_sigterm_to_launch_stops_every_server_process():
 def test_generate_into_a_closed_pipe_stops_with_status_141():
     start = time.monotonic()
     proc = subprocess.run(f"{sys.executable} -m jaxllm.generate --max-new-tokens 200 hi | head -c 1; "
-                          "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", env=_env(), cwd=ROOT,
+                          "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", env=repository_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 141, proc.stderr
     assert proc.stdout == "h"
@@ -184,11 +172,11 @@ def test_a_server_whose_stdout_reader_left_still_shuts_down_on_sigterm(tmp_path)
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    port = _free_port()
+    port = free_port()
     stderr = open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--port", str(port), "--no-metrics", "--no-warm-up",
                              "--max-running", "4", "--max-tokens-per-step", "64", "--max-logprobs", "0"],
-                            env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr)
+                            env=repository_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr)
     proc.stdout.close()  # the reader leaves before the server says anything
     try:
         deadline = time.monotonic() + 120

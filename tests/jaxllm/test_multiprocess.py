@@ -2,10 +2,8 @@
 `python -m jaxllm.generate` started by scripts/launch.py, and through `python -m jaxllm.serve` with a
 gRPC client talking to process 0, then SIGTERM: both processes exit cleanly."""
 
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.workers import free_port, repository_env
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jaxllm_multiprocess")]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["hello there", "abc"]
-
-
-def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
-    return env
 
 
 def _completions(stdout: str, prefix: str = "") -> list[str]:
@@ -33,11 +27,12 @@ def _completions(stdout: str, prefix: str = "") -> list[str]:
 
 def test_generate_two_processes_tensor_parallel_4_equals_one_process():
     args = ["-m", "jaxllm.generate", "--no-stream", "--max-new-tokens", "8", *PROMPTS]
-    single = subprocess.run([sys.executable, *args], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    single = subprocess.run([sys.executable, *args], env=repository_env(), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--cpu-devices",
                            "2", "--timeout", "300", "--", sys.executable, *args, "--tensor-parallel", "4"],
-                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=360)
+                          env=repository_env(), cwd=ROOT, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-4000:]
     want = _completions(single.stdout)
     assert len(want) == 2
@@ -51,25 +46,19 @@ def test_generate_two_processes_two_instances_lending_equals_one_process():
     one process's with a pool big enough."""
     prompt = "the quick brown fox jumps over the lazy dog; " * 5  # 225 tokens: more than one pool's 160
     args = ["-m", "jaxllm.generate", "--no-stream", "--max-new-tokens", "8", "--block-size", "16", prompt]
-    single = subprocess.run([sys.executable, *args, "--num-blocks", "40"], env=_env(), cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    single = subprocess.run([sys.executable, *args, "--num-blocks", "40"], env=repository_env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--cpu-devices",
                            "2", "--timeout", "300", "--", sys.executable, *args, "--num-blocks", "10", "--instances",
-                           "2", "--tensor-parallel", "2"], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=360)
+                           "2", "--tensor-parallel", "2"], env=repository_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-4000:]
     want = _completions(single.stdout)
     assert len(want) == 1
     assert _completions(proc.stdout, "[0] ") == want, proc.stdout[-3000:]
     lent = re.search(r"\[0\] \[.*, (\d+) rBlocks lent between instances, (\d+) preemptions\]", proc.stdout)
     assert lent and int(lent.group(1)) > 0 and int(lent.group(2)) == 0, proc.stdout[-3000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_two_processes_grpc_then_sigterm_stops_both():
@@ -79,10 +68,10 @@ def test_serve_two_processes_grpc_then_sigterm_stops_both():
     from serve import jaxllm_pb2 as pb
     from serve import jaxllm_pb2_grpc as pb_grpc
 
-    coordinator, port = f"127.0.0.1:{_free_port()}", _free_port()
+    coordinator, port = f"127.0.0.1:{free_port()}", free_port()
     procs = []
     for i in range(2):
-        env = dict(_env(), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        env = dict(repository_env(), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "jaxllm.serve", "--port", str(port), "--no-metrics", "--quiet",
              "--tensor-parallel", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),

@@ -2,8 +2,6 @@
 coordinator, and a process that dies mid-run ends the other within seconds instead of leaving it blocked
 in a collective. Each case starts one or two small processes (tests/sharding/fault_worker.py; no model)."""
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,22 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.workers import free_port, repository_env
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.xdist_group("sharding_multihost")
 
 
-def _env(**extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "JAX_PLATFORMS": "cpu",
-           **extra}
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAXLLM_COORDINATOR_TIMEOUT", None) if "JAXLLM_COORDINATOR_TIMEOUT" not in extra else None
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _cpu_env(**extra: str) -> dict:
+    return repository_env(JAX_PLATFORMS="cpu", **extra)
 
 
 def _no_crash_trace(text: str) -> None:
@@ -39,10 +29,10 @@ def _no_crash_trace(text: str) -> None:
 ])
 def test_joining_gives_up_after_the_timeout_naming_the_address(process_id, expected):
     """The timeout from $JAXLLM_COORDINATOR_TIMEOUT; a follower with no process 0, and process 0 with no follower."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     code = f"from sharding import multihost; multihost.initialize({address!r}, 2, {process_id}, prog='t')"
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(JAXLLM_COORDINATOR_TIMEOUT="1.5"), cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", code], env=_cpu_env(JAXLLM_COORDINATOR_TIMEOUT="1.5"), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
@@ -60,10 +50,10 @@ def test_joining_gives_up_after_the_timeout_naming_the_address(process_id, expec
         "process 1 exits"),
 ])
 def test_a_process_that_dies_ends_the_other_within_seconds(dead, message):
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/sharding/fault_worker.py"), "--coordinator", address,
                                "--num-processes", "2", "--process-id", str(i), "--die", str(dead)],
-                              env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=_cpu_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     try:
         survivor = procs[1 - dead]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import time
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import jax
@@ -19,6 +20,7 @@ from jaxllm.engine.instances import InstanceSchedulers
 from jaxllm.engine.requests import RequestLimits, prompt_token_ids, sampling_params
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.executor.executor import Executor
+from jaxllm.executor.host_store import MAX_COPY_BYTES as HOST_COPY_BYTES
 from jaxllm.model.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
 from jaxllm.model.tokenizer import load_tokenizer
 from jaxllm.model.chat import chat_prompt
@@ -33,6 +35,54 @@ from sharding.rules import kv_pool_shardings, load_sharding, prepare_tensor_para
 
 TUNERS = ("auto", "fixed")
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
+# Kept free beside the pool and the largest step's needs (a planned pool, GPU): the allocator's fragmentation, the
+# step inputs, recall copies, the compiled programs' code.
+_MEMORY_MARGIN_FRACTION = 0.03
+_MEMORY_MARGIN_MIN = 1 << 30
+
+
+def _device_free_bytes(devices) -> int | None:
+    """Bytes free on the fullest of `devices` (its allocator's limit less what is in use); None where the backend
+    keeps no such count (a CPU host)."""
+    stats = [d.memory_stats() for d in devices]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        return None
+    return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+
+
+def _blocks_in(budget: int, per_block: int) -> int:
+    """rBlocks of per_block bytes in budget bytes (MemoryError below one)."""
+    if budget < per_block:
+        raise MemoryError(f"no room for a KV pool: one rBlock needs {per_block} bytes a device, {max(budget, 0)} are "
+                          f"left for it")
+    return budget // per_block
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """How a planned pool was sized (one device's bytes): the free memory after the weights, what each of the
+    largest step programs needs while it runs (Executor.step_memory), the margin kept, and the pool's budget."""
+
+    free_bytes: int
+    step_bytes: dict[str, int]
+    margin_bytes: int
+    pool_bytes: int
+
+    def describe(self) -> str:
+        largest = max(self.step_bytes, key=self.step_bytes.get)
+        return (f"{self.free_bytes / 2**30:.2f} GiB free a device; the largest step ({largest}) needs "
+                f"{self.step_bytes[largest] / 2**30:.2f} GiB, margin {self.margin_bytes / 2**30:.2f} GiB: "
+                f"{self.pool_bytes / 2**30:.2f} GiB for the KV pool")
+
+
+def plan_memory(free: int, step_bytes: dict[str, int], *, host_tier: bool = False) -> MemoryPlan:
+    """The pool's share of `free` bytes (a device's, after the weights) beside the largest of the step programs'
+    needs (`step_bytes`, Executor.step_memory) and the margin: _MEMORY_MARGIN_FRACTION of free, at least
+    _MEMORY_MARGIN_MIN, plus the host tier's runs in flight where it is on."""
+    margin = max(_MEMORY_MARGIN_MIN, int(free * _MEMORY_MARGIN_FRACTION)) + (HOST_COPY_BYTES if host_tier else 0)
+    largest = max(step_bytes.values(), default=0)
+    return MemoryPlan(free_bytes=free, step_bytes=dict(step_bytes), margin_bytes=margin,
+                      pool_bytes=max(free - largest - margin, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +103,11 @@ class EngineOptions:
 
     kv_dtype: str | None = None  # default: the model's dtype
     block_size: int | None = None  # tokens per rBlock
-    num_blocks: int | None = None  # rBlocks per layer; default from kv_memory_fraction
-    kv_memory_fraction: float = 0.85  # of the device memory left after weights (GPU)
+    num_blocks: int | None = None  # rBlocks per layer; default: planned (GPU), see kv_memory_fraction
+    # GPU: the pool takes this fraction of the device memory left after the weights. None (the default): planned,
+    # the memory left after the weights less what the largest step programs need while they run (XLA's memory
+    # analysis of them) and a margin, so admitted steps never run out of memory (LLM.memory_plan says how).
+    kv_memory_fraction: float | None = None
     max_tokens_per_step: int | None = None
     max_seqs: int = 256
     attention_backend: str = "auto"
@@ -119,7 +172,7 @@ class EngineOptions:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.penalties, bool):
             raise ValueError(f"penalties must be True or False, got {self.penalties!r}")
-        if not (0.0 < self.kv_memory_fraction <= 1.0):
+        if self.kv_memory_fraction is not None and not (0.0 < self.kv_memory_fraction <= 1.0):
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         for name in ("block_size", "num_blocks", "max_tokens_per_step"):
             value = getattr(self, name)
@@ -153,6 +206,7 @@ class LLM:
     def __init__(self, model: str, *, dtype=None, max_context: int | None = None, allow_long_context: bool = False,
                  options: EngineOptions | None = None, progress: bool = True):
         self.options = options or EngineOptions()
+        self.memory_plan: MemoryPlan | None = None  # set where the pool was planned (GPU, the default)
         cache_dir = resolve_cache_dir(self.options.compile_cache_dir)
         if cache_dir is not None:  # before anything compiles, so loading's small programs are cached too
             self.compile_cache_dir = enable_persistent_cache(cache_dir)
@@ -191,26 +245,37 @@ class LLM:
         on_gpu = jax.default_backend() == "gpu"
         block_size = self.options.block_size or (256 if on_gpu else 16)
         pool_dtype = self.options.kv_dtype or jnp.dtype(self.model.embedding[...].dtype).name
-        # Each instance's pool (one device's memory, or one tensor-parallel group's).
-        num_blocks = self.options.num_blocks or self._default_num_blocks(step_model.config, block_size, pool_dtype,
-                                                                        on_gpu)
         max_step = self.options.max_tokens_per_step or (4096 if on_gpu else 512)
-        kv_cache = self._kv_pool(step_model.config, num_blocks * instances, block_size, kv_dtype(pool_dtype))
-        # One sequence may fill every pool it can reach: the whole mesh's when instances lend.
-        reach = num_blocks * (instances if self.options.lending else 1)
-        # The table is as wide as the longest sequence the pool and context limit allow.
-        longest = min(self.max_context + 1, reach * block_size)
         base = default_kernels(self.options.attention_backend, head_dim=step_model.config.head_dim)
         pool_dtype = jnp.dtype(kv_dtype(pool_dtype)).name
         lending = self.options.lending and instances > 1
         per_block = kv_bytes_per_block(step_model.config, block_size, pool_dtype)
         self.host_blocks = self._host_blocks(per_block)
-        self.executor = Executor(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
-                                 table_width=-(-longest // block_size), kernels=base, mesh=self.mesh,
-                                 instances=instances, borrowing=lending, max_logprobs=self.options.max_logprobs,
-                                 tuner=self._tuner(base, step_model.config, pool_dtype, block_size, progress),
-                                 penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias,
-                                 host_tier=self.host_blocks)
+
+        def reach_blocks(num_blocks: int) -> int:
+            """rBlocks one sequence may fill: every pool it can reach (the whole mesh's when instances lend)."""
+            return num_blocks * (instances if self.options.lending else 1)
+
+        def executor(kv_cache, num_blocks: int, tuner, host_tier: int) -> Executor:
+            # The table is as wide as the longest sequence the pool and context limit allow.
+            longest = min(self.max_context + 1, reach_blocks(num_blocks) * block_size)
+            return Executor(step_model, kv_cache, max_seqs=self.options.max_seqs, max_tokens_per_step=max_step,
+                            table_width=-(-longest // block_size), kernels=base, mesh=self.mesh, instances=instances,
+                            borrowing=lending, max_logprobs=self.options.max_logprobs, tuner=tuner,
+                            penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias,
+                            host_tier=host_tier)
+
+        # Each instance's pool (one device's memory, or one tensor-parallel group's).
+        num_blocks = self.options.num_blocks or self._default_num_blocks(
+            step_model.config, block_size, pool_dtype,
+            probe=lambda blocks: executor(self._kv_pool(step_model.config, blocks * instances, block_size,
+                                                        kv_dtype(pool_dtype), abstract=True), blocks, None, 0),
+            progress=progress)
+        kv_cache = self._kv_pool(step_model.config, num_blocks * instances, block_size, kv_dtype(pool_dtype))
+        self.executor = executor(kv_cache, num_blocks,
+                                 self._tuner(base, step_model.config, pool_dtype, block_size, progress),
+                                 self.host_blocks)
+        reach = reach_blocks(num_blocks)
         if instances > 1:
             self.scheduler = InstanceSchedulers(instances, num_blocks, block_size, max_tokens_per_step=max_step,
                                                 max_seqs=self.options.max_seqs, lending=self.options.lending,
@@ -262,32 +327,48 @@ class LLM:
             graphdef = nnx.graphdef(abstract_model(config, dtype=self.model.embedding[...].dtype))
         return nnx.merge(graphdef, shard_params(state, self.mesh))
 
-    def _kv_pool(self, config, num_blocks: int, block_size: int, dtype):
-        """The zeroed KV pool, created in its shards on a mesh (never whole on one device)."""
+    def _kv_pool(self, config, num_blocks: int, block_size: int, dtype, *, abstract: bool = False):
+        """The zeroed KV pool, created in its shards on a mesh (never whole on one device); abstract: its shapes,
+        dtypes and shardings only (jax.ShapeDtypeStruct leaves; nothing allocated)."""
+        make = functools.partial(init_kv_cache, config, num_blocks, block_size, dtype)
+        if abstract:
+            shardings = kv_pool_shardings(jax.eval_shape(make), self.mesh)
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                jax.eval_shape(make), shardings)
         if self.mesh.devices.size == 1 and jax.process_count() == 1:
             return init_kv_cache(config, num_blocks, block_size, dtype)
-        make = functools.partial(init_kv_cache, config, num_blocks, block_size, dtype)
         return jax.jit(make, out_shardings=kv_pool_shardings(jax.eval_shape(make), self.mesh))()
 
-    def _default_num_blocks(self, config, block_size: int, pool_dtype: str, on_gpu: bool) -> int:
+    def _default_num_blocks(self, config, block_size: int, pool_dtype: str, *, probe, progress: bool) -> int:
+        """rBlocks of each instance's pool when EngineOptions.num_blocks is not set. GPU: kv_memory_fraction of
+        the free memory if set; else (the default) planned: the free memory less what the largest step programs
+        need while they run, as XLA's memory analysis of them reports it (probe(num_blocks): an executor over an
+        abstract pool of that size, whose step_memory() compiles them), less a margin
+        (_MEMORY_MARGIN_FRACTION of the free memory, at least _MEMORY_MARGIN_MIN, plus the host tier's copies in
+        flight), so a step the engine admits never runs out of memory."""
         # Per device: a tensor-parallel device holds 1 / tensor_parallel of every rBlock (its KV heads).
         per_block = kv_bytes_per_block(config, block_size, pool_dtype) // self.options.tensor_parallel
-        if on_gpu:
-            stats = jax.local_devices()[0].memory_stats() or {}
-            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-            budget = int(free * self.options.kv_memory_fraction)
-            if jax.process_count() > 1:  # every process must build the same pool: process 0's figure
-                from jax.experimental import multihost_utils
-
-                budget = int(multihost_utils.broadcast_one_to_all(np.float32(budget)))
-        else:
+        free = _device_free_bytes([d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
+        if free is None:  # a CPU host: no allocator limit to plan against
             # Enough for a few full-length sequences, within a modest share of host memory.
             budget = min(_CPU_KV_BYTES, 4 * self.max_context * per_block // block_size)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise MemoryError(f"no room for a KV pool: one rBlock needs {per_block} bytes, {budget} are free")
-        return num_blocks
+            return _blocks_in(budget, per_block)
+        if self.options.kv_memory_fraction is not None:
+            budget = int(free * self.options.kv_memory_fraction)
+        else:
+            # The largest pool the free memory could hold sizes the probe: its tables are the widest the planned
+            # pool can have, so the programs' needs measured are an upper bound of the planned pool's.
+            started = time.perf_counter()
+            plan = plan_memory(free, probe(_blocks_in(free, per_block)).step_memory(), host_tier=bool(self.host_blocks))
+            self.memory_plan, budget = plan, plan.pool_bytes
+            if progress:
+                print(f"[jaxllm] memory: {plan.describe()} (planned in {time.perf_counter() - started:.1f} s)",
+                      file=sys.stderr, flush=True)
+        if jax.process_count() > 1:  # every process must build the same pool: process 0's figure
+            from jax.experimental import multihost_utils
 
+            budget = int(multihost_utils.broadcast_one_to_all(np.float32(budget)))
+        return _blocks_in(budget, per_block)
 
     def _host_blocks(self, per_block: int) -> int:
         """rBlocks each instance's host tier holds (0: no tier): EngineOptions.host_kv_bytes over one rBlock's

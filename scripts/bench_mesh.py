@@ -26,6 +26,7 @@ Writes JSON to --out (benchmarks/results/ by default) and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -107,7 +108,8 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
                   decode_ms_per_token=float(np.median(ms)) if ms else None, decode_spread=harness.spread(ms) if ms else None,
                   floor_ms=floor_ms, fraction_of_floor=(floor_ms / float(np.median(ms))) if floor_ms and ms else None,
                   generated=_generated(outputs), rblocks_lent=stats.loans_total, dist_steps=stats.dist_steps_total,
-                  steps=stats.steps_total, preemptions=stats.preemptions_total, compiles=llm.compile_count)
+                  steps=stats.steps_total, preemptions=stats.preemptions_total, compiles=llm.compile_count,
+                  memory_plan=None if llm.memory_plan is None else dataclasses.asdict(llm.memory_plan))
     llm.close()
     del llm
     gc.collect()
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
             _log(f"[{part}] on {devices} x {device}")
             result[part] = run()
             _log(f"[{part}] {result[part]}")
-    name = f"mesh-x{devices}" + ("-dry-run" if args.dry_run else "")
+    name = f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "") + ("-dry-run" if args.dry_run else "")
     path = os.path.join(args.out, harness.result_stem(device, name) + ".json")
     harness.write_json(path, result)
     print(f"wrote {path}")

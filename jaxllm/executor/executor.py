@@ -105,7 +105,10 @@ class Executor:
         # Committed where they lie (no copy): jit keys an uncommitted argument apart from a committed one, and
         # the donated pool comes back committed from the first step, which would trace every program twice.
         placed = lambda tree: jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree))  # noqa: E731
-        self.state, kv_cache = placed(state), placed(kv_cache)
+        self.state = placed(state)
+        # An abstract pool (jax.ShapeDtypeStruct leaves, for step_memory before a pool exists) is kept as it is.
+        self.abstract_pool = not all(isinstance(x, jax.Array) for x in jax.tree.leaves(kv_cache))
+        kv_cache = kv_cache if self.abstract_pool else placed(kv_cache)
         self.state_leaves = jax.tree.leaves(self.state)  # what the programs take (programs.py says why)
         self.config = model.config
         self._pool = kv_cache  # touched by the launcher thread's calls alone (and by follow() on followers)
@@ -141,9 +144,11 @@ class Executor:
         self.padding_tokens = 0
         self.borrowed_steps = 0
         self.copied_blocks = 0
-        self.block_bytes = sum(x.nbytes for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
+        self.block_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
         self.host_store = None
         if host_tier:
+            if self.abstract_pool:
+                raise ValueError("an executor over an abstract pool (memory planning) has no host tier")
             if multi_process:
                 raise ValueError(f"a host tier serves the instances of one process; this run has "
                                  f"{jax.process_count()} processes")
@@ -325,6 +330,27 @@ class Executor:
                                                                  self._penalty_state, **self._statics(call, inputs))
         return out
 
+    def step_memory(self, ops: tuple[str, ...] = ("decode", "prefill")) -> dict[str, int]:
+        """Device bytes each of the largest programs needs while it runs, beyond its arguments (per device: XLA's
+        memory analysis of the compiled program, its temporaries and the outputs not written in place), by name:
+        every variant (sampling, logprobs, borrowed) of the largest decode and the largest prefill bucket, the
+        buckets whose activations are largest (`ops`: of "decode" and "prefill"). Compiles them again, runs nothing;
+        the pool may be abstract, so an engine sizes its pool from what is left after them (jaxllm.llm)."""
+        needs = {}
+        for decode in [op == "decode" for op in ops]:
+            op = Op.DECODE if decode else Op.PREFILL
+            size = (self.buckets.decode_sizes if decode else self.buckets.prefill_sizes)[-1]
+            for logprobs in ((False, True) if self.max_logprobs else (False,)):
+                for borrowed in ((False, True) if self.borrowing else (False,)):
+                    call = StepCall(op, False, logprobs, 0, borrowed)
+                    inputs = self._placed(self.layout.inert(decode, size, borrowed))
+                    stats = self.programs.compiled(_OPS[op], self.state_leaves, self._pool, inputs,
+                                                   self._penalty_state, **self._statics(call, inputs)
+                                                   ).memory_analysis()
+                    name = f"{_OPS[op]} {size}{' logprobs' if logprobs else ''}{' borrowed' if borrowed else ''}"
+                    needs[name] = working_bytes(stats)
+        return needs
+
     def compiled_step_text(self, plan: StepPlan) -> str:
         """XLA's optimized HLO of the program a (non-continued) step of this plan runs, with the variant the tuner
         picks (for profiling scripts: the collectives and copies in it). Compiles it again; runs nothing."""
@@ -334,8 +360,8 @@ class Executor:
                         int(self.tuner.choose(batch.heaviest, decode, batch.size)) if not batch.borrowed else 0,
                         batch.borrowed)
         inputs = self._placed(batch.inputs)
-        return self.programs.compiled_text(_OPS[call.op], self.state_leaves, self._pool, inputs, self._penalty_state,
-                                           **self._statics(call, inputs))
+        return self.programs.compiled(_OPS[call.op], self.state_leaves, self._pool, inputs, self._penalty_state,
+                                      **self._statics(call, inputs)).as_text()
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
         """Tokens, sampling arrays and penalty inputs on the devices once, so the continuations that reuse them
@@ -476,6 +502,14 @@ class Executor:
         if self.channel is not None and multihost.is_leader():
             self.launcher.run(self.channel.stop)  # after every call already submitted
             self.channel = None
+
+
+def working_bytes(stats) -> int:
+    """What a compiled program allocates while it runs (per device), from its memory analysis: its temporaries
+    and its outputs less those written in place over donated arguments (the pool, the penalty state)."""
+    if stats is None:  # a backend without the analysis
+        return 0
+    return int(stats.temp_size_in_bytes + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0))
 
 
 def _greedy(plan: StepPlan) -> bool:

@@ -33,7 +33,9 @@ import numpy as np
 from jaxllm.contract import HostCopies
 from jaxllm.executor.host_transfer import HostRun, HostTransfer
 
-__all__ = ["HostStore", "run_lengths"]
+__all__ = ["MAX_COPY_BYTES", "HostStore", "run_lengths"]
+
+MAX_COPY_BYTES = 1 << 30  # device bytes of runs in flight at once, by default (the module docstring)
 
 
 def run_lengths(count: int, max_run: int) -> list[int]:
@@ -99,7 +101,7 @@ class HostStore:
     tier's slots (slot // slots_per_instance: the instance whose host keeps it; None: one instance)."""
 
     def __init__(self, programs, transfer: HostTransfer, *, max_run: int, block_bytes: int,
-                 max_copy_bytes: int = 1 << 30, slots_per_instance: int | None = None):
+                 max_copy_bytes: int = MAX_COPY_BYTES, slots_per_instance: int | None = None):
         if max_run <= 0 or max_run & (max_run - 1):
             raise ValueError(f"max_run must be a power of two, got {max_run}")
         while max_run > 1 and max_run * block_bytes > max_copy_bytes:

@@ -54,10 +54,12 @@ def _jit_on_mesh(fn, *, static_argnames: tuple[str, ...], in_shardings, out_shar
     def call(*args, **statics):
         return jitted(*args, *(statics.get(name, defaults.get(name)) for name in static_argnames))
 
-    def compiled_text(*args, **statics) -> str:
-        return jitted.lower(*args, *(statics.get(name, defaults.get(name)) for name in static_argnames)).compile().as_text()
+    def compiled(*args, **statics):
+        """The XLA executable a call with these arguments runs (jax.ShapeDtypeStruct leaves allowed), compiled
+        again: for its HLO text and memory analysis."""
+        return jitted.lower(*args, *(statics.get(name, defaults.get(name)) for name in static_argnames)).compile()
 
-    call.compiled_text = compiled_text
+    call.compiled = compiled
     return call
 
 
@@ -148,11 +150,18 @@ class StepPrograms:
         self._count(before)
         return out
 
-    def compiled_text(self, op: str, state_leaves: list, pool, inputs: StepInputs, penalty_state, **statics) -> str:
-        """XLA's optimized HLO of program `op` for these arguments, as `run` would call it (for profiling scripts:
-        which collectives and copies the partitioner put in). Lowers and compiles it again; runs nothing."""
+    def compiled(self, op: str, state_leaves: list, pool, inputs: StepInputs, penalty_state, **statics):
+        """The executable of program `op` for these arguments, as `run` would call it, lowered and compiled again
+        (runs nothing): its `as_text()` is XLA's optimized HLO (profiling scripts: which collectives and copies the
+        partitioner put in), its `memory_analysis()` the device memory it needs. The pool may be abstract
+        (jax.ShapeDtypeStruct leaves with their shardings): memory planning compiles before a pool exists."""
         program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
-        return program.compiled_text(state_leaves, pool, inputs, penalty_state, **statics)
+        return program.compiled(state_leaves, pool, inputs, penalty_state, **statics)
+
+    def compiled_copy(self, pool, rows: int):
+        """The executable of a recall copy of `rows` rBlocks (see compiled)."""
+        ids = np.full(rows, -1, np.int32)
+        return self._copy.compiled(pool, ids, ids)
 
     def _count(self, before) -> None:
         """Add the XLA compiles and persistent-cache reads since `before` (a compile happens inside the call

@@ -15,18 +15,18 @@ import io
 import os
 import sys
 
-_closed: set[str] = set()
-
-
 class _Guarded(io.TextIOBase):
-    """A text stream whose writes never raise once its reader is gone (see the module docstring)."""
+    """A text stream whose writes never raise once its reader is gone (see the module docstring). Closed is a
+    property of the stream it wraps (`lost`), not of the name: a stream wrapped later (a test's capture, a stream
+    reopened) starts open."""
 
-    def __init__(self, name: str, stream):
+    def __init__(self, name: str, stream, lost: bool = False):
         self._name = name
         self._stream = stream
+        self.lost = lost
 
     def _lost(self) -> None:
-        _closed.add(self._name)
+        self.lost = True
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
@@ -35,7 +35,7 @@ class _Guarded(io.TextIOBase):
             pass
 
     def write(self, text: str) -> int:
-        if self._name not in _closed:
+        if not self.lost:
             try:
                 self._stream.write(text)
             except (OSError, ValueError):
@@ -43,7 +43,7 @@ class _Guarded(io.TextIOBase):
         return len(text)
 
     def flush(self) -> None:
-        if self._name in _closed:
+        if self.lost:
             return
         try:
             self._stream.flush()
@@ -51,7 +51,7 @@ class _Guarded(io.TextIOBase):
             self._lost()
 
     def isatty(self) -> bool:
-        return self._name not in _closed and self._stream.isatty()
+        return not self.lost and self._stream.isatty()
 
     def fileno(self) -> int:
         return self._stream.fileno()
@@ -74,12 +74,13 @@ def guard() -> None:
         stream = getattr(sys, name)
         if isinstance(stream, _Guarded):
             continue
-        if stream is None:
-            _closed.add(name)
+        lost = stream is None
+        if lost:
             stream = open(os.devnull, "w")
-        setattr(sys, name, _Guarded(name, stream))
+        setattr(sys, name, _Guarded(name, stream, lost))
 
 
 def closed(name: str = "stdout") -> bool:
-    """Whether the reader of sys.stdout (or "stderr") went away."""
-    return name in _closed
+    """Whether the reader of sys.stdout (or "stderr") went away (False for a stream guard() has not wrapped)."""
+    stream = getattr(sys, name)
+    return isinstance(stream, _Guarded) and stream.lost

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers import free_port, repository_env
+from tests.workers import free_port, repository_env, xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-CPU2 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+CPU2 = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(2)}
 # A small engine that starts fast: no warm-up (the request compiles its steps), few buckets.
 SMALL_SERVER = ["--no-metrics", "--quiet", "--no-warm-up", "--max-running", "4", "--max-tokens-per-step", "64",
                 "--max-logprobs", "0"]

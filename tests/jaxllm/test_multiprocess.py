@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers import free_port, repository_env
+from tests.workers import free_port, repository_env, xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("jaxllm_multiprocess")]
 
@@ -71,7 +71,7 @@ def test_serve_two_processes_grpc_then_sigterm_stops_both():
     coordinator, port = f"127.0.0.1:{free_port()}", free_port()
     procs = []
     for i in range(2):
-        env = dict(repository_env(), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+        env = dict(repository_env(), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "jaxllm.serve", "--port", str(port), "--no-metrics", "--quiet",
              "--tensor-parallel", "4", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i),

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.workers import xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bench_mesh")]
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_mesh_dry_run_on_8_host_devices(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           "XLA_FLAGS": xla_flags(8)}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_mesh.py"), "--dry-run", "--out", str(tmp_path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.workers import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.xdist_group("sharding_multihost")
 def test_two_processes_broadcast_and_matmul():
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()  # launch.py adds the device count
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--cpu-devices", "2",
                            "--timeout", "240", "--", sys.executable, str(ROOT / "tests/sharding/multihost_worker.py")],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

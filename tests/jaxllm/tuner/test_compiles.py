@@ -22,6 +22,7 @@ from jaxllm.model.config import LlamaConfig
 from jaxllm.model.llama import Llama
 from jaxllm.tuner.protocol import StepTuner
 from pallas_kernels.dispatch import Kernels
+from tests.workers import xla_flags
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -119,7 +120,7 @@ def test_decode_up_to_512k_context_compiles_nothing_after_warm_up():
 
 def _worker(*args: str, env_extra: dict | None = None) -> dict:
     env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAXLLM_COMPILE_CACHE")}
-    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
+    env.update(XLA_FLAGS=xla_flags(), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cache_worker.py")), *args], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

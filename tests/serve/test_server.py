@@ -40,6 +40,7 @@ pytestmark = pytest.mark.xdist_group("serve")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_CONTEXT = 1024
 STEP_TOKENS = 128  # prompts over this are prefilled in chunks
+MAX_RUNNING = 16  # few batch buckets to warm up; the 64 concurrent streams then queue, as under real load
 SERVICE = "jaxllm.v1.LLMService"
 INVALID, EXHAUSTED, UNAVAILABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    grpc.StatusCode.UNAVAILABLE)
@@ -127,7 +128,7 @@ class ServerProcess:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     s = ServerProcess(tmp_path_factory.mktemp("server"), "--max-context", str(MAX_CONTEXT), "--max-tokens-per-step",
-                      str(STEP_TOKENS), "--max-running", "64", "--max-queue", "128",
+                      str(STEP_TOKENS), "--max-running", str(MAX_RUNNING), "--max-queue", "128",
                       "--grace-period", "5")
     with concurrent.futures.ThreadPoolExecutor(1) as poller:
         s.serving = poller.submit(s.wait_serving)  # from the first moment, to see NOT_SERVING

@@ -8,18 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.model.kv_cache import init_kv_cache
 from jaxllm.executor.calls import Op
-from jaxllm.executor.executor import Executor
-from jaxllm.contract import StepPlan
-from jaxllm.model.config import LlamaConfig
-from jaxllm.model.llama import Llama
 from jaxllm.tuner.protocol import StepTuner
 from pallas_kernels.dispatch import Kernels
 from tests.workers import xla_flags
@@ -81,47 +74,26 @@ def test_generation_over_context_lengths_compiles_only_what_warm_up_announced():
     assert stats.padding_tokens_total > 0
 
 
-def _decode_plan(lengths: list[int], block_size: int, num_blocks: int) -> StepPlan:
-    """A real decode step at these context lengths; its rBlock tables reuse a small pool's rBlocks over and
-    over (the values read do not matter here, the shapes do)."""
-    s = len(lengths)
-    width = max(-(-n // block_size) for n in lengths)
-    tables = np.stack([np.arange(width) % num_blocks for _ in lengths]).astype(np.int32)
-    positions = np.array([n - 1 for n in lengths], np.int32)
-    slots = np.array([tables[i, p // block_size] * block_size + p % block_size for i, p in enumerate(positions)],
-                     np.int32)
-    return StepPlan(seq_ids=np.arange(s), token_ids=np.full(s, 5, np.int32), positions=positions,
-                    slot_mapping=slots, cu_q_lens=np.arange(s + 1, dtype=np.int32),
-                    kv_lens=np.array(lengths, np.int32), block_tables=tables, sample=np.ones(s, bool),
-                    temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32), top_p=np.ones(s, np.float32),
-                    seed=np.zeros(s, np.int32))
-
-
 @pytest.mark.slow
 @pytest.mark.xdist_group("tuner_compiles")
 def test_decode_up_to_512k_context_compiles_nothing_after_warm_up():
-    # Driven at the runner: a 512K-token pool or prefill is out of reach on a CPU, a decode step at 512K
-    # is not. The Pallas kernels (interpreted) read only up to each kv_len, where the reference would
-    # gather the whole 512K-token table width for every token, padding included.
-    block_size, num_blocks, longest = 256, 8, 1 << 19
-    config = LlamaConfig.tiny(max_position_embeddings=2 * longest)
-    kernels = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
-    runner = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, num_blocks, block_size, jnp.float32),
-                    max_seqs=2, max_tokens_per_step=16, table_width=longest // block_size + 1, kernels=kernels)
-    runner.warm_up(progress=False)
-    warm = _compiles(runner)
-    assert warm == (len(runner.warm_up_plan()),) * 2
-    for lengths in ([1], [1000], [4097, 3], [longest, 1]):
-        tokens = runner.step(_decode_plan(lengths, block_size, num_blocks))
-        assert tokens.shape == (len(lengths),) and np.all((tokens >= 0) & (tokens < config.vocab_size))
-    assert _compiles(runner) == warm
-    assert runner.bucket_steps == {(True, 1): 2, (True, 2): 2}
+    r = _worker(script="long_decode_worker.py", flags=False)
+    assert r["warm"] == [r["plan"]] * 2  # traces and XLA compiles: one each per program warm-up announced
+    for step in r["steps"]:
+        assert len(step["tokens"]) == len(step["lengths"]) and all(0 <= t < r["vocab_size"] for t in step["tokens"])
+    assert r["steps"][-1]["lengths"][0] == 1 << 19
+    assert r["after"] == r["warm"]  # nothing compiled at any context length
+    assert r["bucket_steps"] == [[True, 1, 2], [True, 2, 2]]
 
 
-def _worker(*args: str, env_extra: dict | None = None) -> dict:
+def _worker(*args: str, env_extra: dict | None = None, script: str = "cache_worker.py", flags: bool = True) -> dict:
+    """Run a worker script of this folder in a fresh process (without the run's compile cache; flags: with the
+    suite's XLA flags, else XLA's defaults) and return the JSON line it printed last."""
     env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAXLLM_COMPILE_CACHE")}
-    env.update(XLA_FLAGS=xla_flags(), PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cache_worker.py")), *args], env=env,
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
+    if flags:
+        env["XLA_FLAGS"] = xla_flags()
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *args], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

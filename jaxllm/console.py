@@ -20,8 +20,7 @@ class _Guarded(io.TextIOBase):
     property of the stream it wraps (`lost`), not of the name: a stream wrapped later (a test's capture, a stream
     reopened) starts open."""
 
-    def __init__(self, name: str, stream, lost: bool = False):
-        self._name = name
+    def __init__(self, stream, lost: bool = False):
         self._stream = stream
         self.lost = lost
 
@@ -77,7 +76,7 @@ def guard() -> None:
         lost = stream is None
         if lost:
             stream = open(os.devnull, "w")
-        setattr(sys, name, _Guarded(name, stream, lost))
+        setattr(sys, name, _Guarded(stream, lost))
 
 
 def closed(name: str = "stdout") -> bool:

@@ -337,7 +337,7 @@ class Executor:
         buckets whose activations are largest (`ops`: of "decode" and "prefill"). Compiles them again, runs nothing;
         the pool may be abstract, so an engine sizes its pool from what is left after them (jaxllm.llm)."""
         needs = {}
-        for decode in [op == "decode" for op in ops]:
+        for decode in [name == "decode" for name in ops]:
             op = Op.DECODE if decode else Op.PREFILL
             size = (self.buckets.decode_sizes if decode else self.buckets.prefill_sizes)[-1]
             for logprobs in ((False, True) if self.max_logprobs else (False,)):

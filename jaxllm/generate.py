@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="print each completion when done instead of streaming")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock (default: 256 on a GPU, 16 on the CPU)")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV rBlocks per layer of each instance's pool (default: from memory)")
+                   help="KV rBlocks per layer of each instance's pool (default: planned from memory)")
+    p.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="GPU: the KV pool's share of the memory left after the weights (default: planned)")
     add_compile_flags(p)
     add_host_tier_flag(p)
     add_mesh_flags(p)
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances,
                                 lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks,
+                                kv_memory_fraction=args.kv_memory_fraction,
                                 tuner=args.tuner, compile_cache_dir=args.compile_cache,
                                 host_kv_bytes=host_kv_bytes(args))
         llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,

@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=256, help="sequences batched together (default: 256)")
     p.add_argument("--max-tokens-per-step", type=int, default=None, help="token budget of one step (default: 4096 on a GPU, 512 on the CPU)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV rBlock (default: 256 on a GPU, 16 on the CPU)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV rBlocks per layer (default: from memory)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV rBlocks per layer (default: planned from memory)")
+    p.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="GPU: the KV pool's share of the memory left after the weights (default: planned, README "
+                        "\"Performance\")")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None, help="KV pool dtype (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="recompute every prompt instead of reusing the KV of identical prompt prefixes")
@@ -105,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine these flags ask for (README's start-up example is checked against the defaults')."""
     return EngineOptions(kv_dtype=args.kv_dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                         kv_memory_fraction=args.kv_memory_fraction,
                          max_tokens_per_step=args.max_tokens_per_step, max_seqs=args.max_running,
                          prefix_caching=not args.no_prefix_caching, tensor_parallel=args.tensor_parallel,
                          lending=not args.no_lending, instances=args.instances, max_logprobs=args.max_logprobs,

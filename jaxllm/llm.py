@@ -31,7 +31,7 @@ from jaxllm.tuner.compile_cache import enable_persistent_cache, resolve_cache_di
 from jaxllm.tuner.fixed import FixedTuner
 from pallas_kernels.dispatch import BACKENDS, default_kernels
 from sharding.mesh import check_tensor_parallel, instance_hosts, make_mesh
-from sharding.rules import kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
+from sharding.rules import abstract_kv_pool, kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
 
 TUNERS = ("auto", "fixed")
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else
@@ -333,9 +333,7 @@ class LLM:
         dtypes and shardings only (jax.ShapeDtypeStruct leaves; nothing allocated)."""
         make = functools.partial(init_kv_cache, config, num_blocks, block_size, dtype)
         if abstract:
-            shardings = kv_pool_shardings(jax.eval_shape(make), self.mesh)
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                jax.eval_shape(make), shardings)
+            return abstract_kv_pool(jax.eval_shape(make), self.mesh)
         if self.mesh.devices.size == 1 and jax.process_count() == 1:
             return init_kv_cache(config, num_blocks, block_size, dtype)
         return jax.jit(make, out_shardings=kv_pool_shardings(jax.eval_shape(make), self.mesh))()

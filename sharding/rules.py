@@ -222,6 +222,13 @@ def kv_pool_shardings(kv_cache, mesh: Mesh):
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def abstract_kv_pool(kv_cache, mesh: Mesh):
+    """The pool as kv_pool_shardings would place it, as jax.ShapeDtypeStruct leaves (kv_cache: a pool, or
+    jax.eval_shape of one): its shapes, dtypes and shardings, nothing allocated (memory planning compiles over it)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), kv_cache,
+                        kv_pool_shardings(kv_cache, mesh))
+
+
 def shard_kv_pool(kv_cache, mesh: Mesh):
     """The KV pool placed on `mesh` by kv_pool_specs."""
     return jax.device_put(kv_cache, kv_pool_shardings(kv_cache, mesh))

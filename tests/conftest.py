@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 
-from tests.workers import xla_flags  # noqa: E402  (imports no jax)
+from tests.workers import xla_flags  # imports no jax: the flags are set before jax is
 
 HOST_DEVICES = 8
 _flags = [f for f in xla_flags(HOST_DEVICES).split() if f not in os.environ.get("XLA_FLAGS", "").split()]

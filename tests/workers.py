@@ -44,9 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_json_worker(script: str, *args: str, timeout: int = 900) -> dict:
-    """`script` (relative to the repository root) run with args; the dict its last stdout line holds."""
-    proc = subprocess.run([sys.executable, str(ROOT / script), *args], env=repository_env(), cwd=ROOT,
+def run_json_worker(script: str, *args: str, timeout: int = 900, env: dict | None = None) -> dict:
+    """`script` (relative to the repository root) run with args (in `env`, default repository_env()); the dict its
+    last stdout line holds."""
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args], env=env or repository_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -158,11 +158,6 @@ class StepPrograms:
         program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
         return program.compiled(state_leaves, pool, inputs, penalty_state, **statics)
 
-    def compiled_copy(self, pool, rows: int):
-        """The executable of a recall copy of `rows` rBlocks (see compiled)."""
-        ids = np.full(rows, -1, np.int32)
-        return self._copy.compiled(pool, ids, ids)
-
     def _count(self, before) -> None:
         """Add the XLA compiles and persistent-cache reads since `before` (a compile happens inside the call
         that needs it, on this thread)."""

@@ -3,13 +3,13 @@
 decode step of 8 instances against one) works end to end and reports what it measured."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.workers import xla_flags
+
+from tests.workers import repository_env, xla_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bench_mesh")]
 
@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_mesh_dry_run_on_8_host_devices(tmp_path):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "XLA_FLAGS": xla_flags(8)}
+    env = repository_env(XLA_FLAGS=xla_flags(8))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_mesh.py"), "--dry-run", "--out", str(tmp_path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.workers import xla_flags
+
+from tests.workers import repository_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,11 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.xdist_group("sharding_multihost")
 def test_two_processes_broadcast_and_matmul():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env["XLA_FLAGS"] = xla_flags()  # launch.py adds the device count
+    # launch.py sets each process's device count (repository_env: the suite's other XLA flags)
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--cpu-devices", "2",
                            "--timeout", "240", "--", sys.executable, str(ROOT / "tests/sharding/multihost_worker.py")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          env=repository_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "[0] worker 0 ok" in proc.stdout and "[1] worker 1 ok" in proc.stdout, proc.stdout[-4000:]
 

@@ -14,7 +14,7 @@ from jaxllm.llm import _MEMORY_MARGIN_MIN, HOST_COPY_BYTES, plan_memory
 from jaxllm.model.checkpoints import load_model
 from jaxllm.model.kv_cache import init_kv_cache, kv_bytes_per_block
 from sharding.mesh import make_mesh
-from sharding.rules import kv_pool_shardings, shard_params
+from sharding.rules import abstract_kv_pool, shard_params
 from tests.devices import needs_host_devices
 
 GiB = 1 << 30
@@ -31,9 +31,7 @@ def test_the_pool_gets_what_the_largest_step_and_the_margin_leave():
 
 
 def _abstract_pool(config, num_blocks: int, mesh):
-    make = functools.partial(init_kv_cache, config, num_blocks, 16, "float32")
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(make),
-                        kv_pool_shardings(jax.eval_shape(make), mesh))
+    return abstract_kv_pool(jax.eval_shape(functools.partial(init_kv_cache, config, num_blocks, 16, "float32")), mesh)
 
 
 @needs_host_devices

@@ -2,11 +2,6 @@
 with the persistent compilation cache a second process compiles nothing."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +10,7 @@ from jaxllm import LLM, EngineOptions
 from jaxllm.executor.calls import Op
 from jaxllm.tuner.protocol import StepTuner
 from pallas_kernels.dispatch import Kernels
-from tests.workers import xla_flags
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.workers import repository_env, run_json_worker
 
 
 class _TwoVariants:
@@ -89,14 +82,10 @@ def test_decode_up_to_512k_context_compiles_nothing_after_warm_up():
 def _worker(*args: str, env_extra: dict | None = None, script: str = "cache_worker.py", flags: bool = True) -> dict:
     """Run a worker script of this folder in a fresh process (without the run's compile cache; flags: with the
     suite's XLA flags, else XLA's defaults) and return the JSON line it printed last."""
-    env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAXLLM_COMPILE_CACHE")}
-    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {}))
-    if flags:
-        env["XLA_FLAGS"] = xla_flags()
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *args], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    env = repository_env(**({} if flags else {"XLA_FLAGS": ""}))
+    env.pop("JAXLLM_COMPILE_CACHE", None)
+    env.update(env_extra or {})
+    return run_json_worker(f"tests/jaxllm/tuner/{script}", *args, env=env, timeout=300)
 
 
 @pytest.mark.slow

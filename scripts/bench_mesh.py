@@ -47,9 +47,10 @@ def _weight_bytes(llm) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.executor.state))
 
 
-def _drive(llm, requests) -> tuple[dict, list[float], list[float]]:
+def _drive(llm, requests, on_decode=None) -> tuple[dict, list[float], list[float]]:
     """Run requests to their ends (LLM.run); (outputs by id, prefill step times, decode step times): a step's
-    time is the gap between its tokens and the previous step's reaching the host."""
+    time is the gap between its tokens and the previous step's reaching the host. on_decode(n), if given, is
+    called after the n-th decode step's tokens (from 1)."""
     prefill, decode = [], []
     last = time.perf_counter()
 
@@ -58,6 +59,8 @@ def _drive(llm, requests) -> tuple[dict, list[float], list[float]]:
         now = time.perf_counter()
         (decode if llm.core.last_plan.is_decode else prefill).append(now - last)
         last = now
+        if on_decode is not None and llm.core.last_plan.is_decode:
+            on_decode(len(decode))
 
     outputs = llm.run(requests, on_step=on_step)
     return outputs, prefill, decode
@@ -76,40 +79,81 @@ def _engine(model: str, *, dry_run: bool, max_context: int | None, **options):
                progress=not dry_run)
 
 
+# Decode steps before a --trace-decode window opens (the first ones compile).
+_TRACE_AFTER = 4
+
+
+def _attention_kernels(events: list[tuple[str, int, int]], steps: int) -> dict[str, float]:
+    """Attention kernels of a device's traced steps by name -> calls a step (which implementation ran)."""
+    from common.device_trace import kernel_kind
+
+    calls: dict[str, int] = {}
+    for name, _, _ in events:
+        if kernel_kind(name) == "attention":
+            calls[name[:80]] = calls.get(name[:80], 0) + 1
+    return {name: n / steps for name, n in sorted(calls.items())}
+
+
 def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     """(a): one sequence as long as the whole mesh's pools allow, prefilled and decoded."""
+    from common.device_trace import TraceWindow, device_summary
     from jaxllm.engine.core import Request
     from jaxllm.model.kv_cache import kv_bytes_per_block
     from jaxllm.contract import SamplingParams
 
-    llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=devices,
-                  max_seqs=1, max_tokens_per_step=args.chunk, num_blocks=args.num_blocks, block_size=args.block_size,
-                  kv_dtype=args.kv_dtype)
+    tp = args.longest_tp
+    if devices % tp:
+        return dict(skipped=f"tensor parallel {tp} does not divide {devices} devices")
+    instances = devices // tp
+    llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=instances,
+                  tensor_parallel=tp, max_seqs=1, max_tokens_per_step=args.chunk, num_blocks=args.num_blocks,
+                  block_size=args.block_size, kv_dtype=args.kv_dtype)
     info = llm.info()
-    per_instance_tokens = info.num_blocks // devices * info.block_size
+    per_instance_tokens = info.num_blocks // instances * info.block_size
     length = llm.context_limit - args.new_tokens
-    _log(f"[longest] {devices} instance(s) x {per_instance_tokens} tokens of KV each: a prompt of {length} tokens")
+    _log(f"[longest] {instances} instance(s) x TP {tp}, {per_instance_tokens} tokens of KV an instance: a prompt of "
+         f"{length} tokens")
     prompt = np.random.default_rng(0).integers(3, 259, size=length).tolist()
+    window, traced = TraceWindow(), {}
+
+    def on_decode(n: int) -> None:  # a window of --trace-decode steps after the first few
+        if n == _TRACE_AFTER:
+            window.start()
+        elif n == _TRACE_AFTER + args.trace_decode and window.running:
+            traced.update(window.stop())
+
     t0 = time.perf_counter()
     outputs, prefill, decode = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=args.new_tokens,
-                                                                             ignore_eos=True))])
+                                                                             ignore_eos=True))],
+                                      on_decode=on_decode if args.trace_decode else None)
     wall = time.perf_counter() - t0
+    if window.running:
+        traced.update(window.stop())
     stats = llm.core.stats()
     ms = [1e3 * t for t in decode[2:]] or [1e3 * t for t in decode]  # the first decode steps compile
     kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     context = length + args.new_tokens
-    # The device holding the most KV sets the step: its home pool is full, the rest is spread by lending.
+    # The device holding the most KV sets the step: its home pool is full, the rest is spread by lending; each
+    # device of an instance holds 1/tp of its weights and KV heads.
     most_kv = min(context, per_instance_tokens) * kv_token
     weights = _weight_bytes(llm)
-    floor_ms = 1e3 * (weights + most_kv) / (floor_tb_s * 1e12) if floor_tb_s else None
-    result = dict(instances=devices, kv_dtype=info.kv_dtype, block_size=info.block_size,
+    floor_ms = 1e3 * (weights + most_kv) / tp / (floor_tb_s * 1e12) if floor_tb_s else None
+    borrowed = llm.executor.kernels_for(True, llm.executor.padded_sizes(True, 1)[1], borrowed=True)
+    result = dict(instances=instances, tensor_parallel=tp, kv_dtype=info.kv_dtype, block_size=info.block_size,
                   per_instance_pool_tokens=per_instance_tokens, context_tokens=context, prompt_tokens=length,
                   ratio_to_one_pool=context / per_instance_tokens, prefill_s=sum(prefill), wall_s=wall,
                   decode_ms_per_token=float(np.median(ms)) if ms else None, decode_spread=harness.spread(ms) if ms else None,
                   floor_ms=floor_ms, fraction_of_floor=(floor_ms / float(np.median(ms))) if floor_ms and ms else None,
                   generated=_generated(outputs), rblocks_lent=stats.loans_total, dist_steps=stats.dist_steps_total,
                   steps=stats.steps_total, preemptions=stats.preemptions_total, compiles=llm.compile_count,
+                  borrowed_decode_kernels=dict(decode_attention=borrowed.decode_attention,
+                                               rope_kv_write=borrowed.rope_kv_write, decode_layer=borrowed.decode_layer,
+                                               per_shard=type(borrowed.per_shard).__name__ if borrowed.per_shard else None),
                   memory_plan=None if llm.memory_plan is None else dataclasses.asdict(llm.memory_plan))
+    if args.trace_decode:
+        result["decode_trace"] = {name: dict(device_summary(events, args.trace_decode),
+                                             attention_kernels=_attention_kernels(events, args.trace_decode))
+                                  for name, events in sorted(traced.items())}
     llm.close()
     del llm
     gc.collect()
@@ -260,6 +304,10 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens a step")
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--longest-tp", type=int, default=1, help="(a): tensor parallel of each instance (instances: "
+                   "devices / this)")
+    p.add_argument("--trace-decode", type=int, default=0, help=f"(a): trace this many decode steps (after the first "
+                   f"{_TRACE_AFTER}) and record each GPU's kernels, idle time and attention kernels")
     p.add_argument("--tp-contexts", type=int, nargs="+", default=[4096, 131072])
     p.add_argument("--tp-sweep-model", default=None, help="(b)'s sweep model (default: llama2-13b; tiny with --dry-run)")
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4], help="(b)'s sweep: tensor-parallel sizes")
@@ -278,6 +326,11 @@ def main(argv=None) -> int:
     p.add_argument("--step-blocks", type=int, default=64, help="(d): rBlocks an instance")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
+    if args.trace_decode < 0 or (args.trace_decode and args.new_tokens < _TRACE_AFTER + args.trace_decode + 1):
+        p.error(f"--trace-decode {args.trace_decode} needs --new-tokens >= {_TRACE_AFTER + args.trace_decode + 1} "
+                f"(the window opens after {_TRACE_AFTER} decode steps), got {args.new_tokens}")
+    if args.longest_tp < 1:
+        p.error(f"--longest-tp must be >= 1, got {args.longest_tp}")
     if args.dry_run:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
         args.model = args.model or "tiny"
@@ -285,7 +338,7 @@ def main(argv=None) -> int:
         args.num_blocks = args.num_blocks or 4
         args.block_size = args.block_size or 16
         args.chunk = min(args.chunk, 128)
-        args.new_tokens = min(args.new_tokens, 4)
+        args.new_tokens = min(args.new_tokens, _TRACE_AFTER + args.trace_decode + 1 if args.trace_decode else 4)
         args.max_context = min(args.max_context, 4096)
         args.tp_contexts = [min(c, 48) for c in args.tp_contexts][:1]
         args.tp_sweep_contexts = [min(c, 48) for c in args.tp_sweep_contexts][:1]
@@ -309,7 +362,9 @@ def main(argv=None) -> int:
             _log(f"[{part}] on {devices} x {device}")
             result[part] = run()
             _log(f"[{part}] {result[part]}")
-    name = f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "") + ("-dry-run" if args.dry_run else "")
+    name = (f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "")
+            + (f"-tp{args.longest_tp}" if args.longest_tp > 1 and "longest" in args.parts else "")
+            + ("-dry-run" if args.dry_run else ""))
     path = os.path.join(args.out, harness.result_stem(device, name) + ".json")
     harness.write_json(path, result)
     print(f"wrote {path}")

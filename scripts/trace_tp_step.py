@@ -25,14 +25,13 @@ import json
 import re
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 
 from common import harness
+from common.device_trace import device_summary
 
-_MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", "skinny_matmul")
-_COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|Broadcast|Reduce)", re.I)
 # One HLO instruction producing a collective: `%name = shape kind(` with kind maybe `-start` (async on GPU).
 # Async ones return a tuple shape, with spaces and maybe nested: `((s32[1]{0}), s32[4]{0})`.
 _HLO_COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
@@ -42,58 +41,6 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def kernel_kind(name: str) -> str:
-    lowered = name.lower()
-    if "nccl" in lowered:
-        return "collective"
-    if any(w in lowered for w in _MATMUL_WORDS):
-        return "matmul"
-    return "attention" if "ragged" in lowered or "attention" in lowered else "other"
-
-
-def device_summary(events: list[tuple[str, int, int]], reps: int, top: int = 12) -> dict:
-    """One GPU's kernels over `reps` steps (sorted by start) -> per-step figures (see the module docstring)."""
-    busy, end_so_far = 0, None
-    gaps = defaultdict(lambda: [0.0, 0])
-    by_kind = defaultdict(lambda: [0.0, 0])
-    collectives = defaultdict(lambda: [0.0, 0])
-    for name, start, duration in events:
-        kind = kernel_kind(name)
-        by_kind[kind][0] += duration
-        by_kind[kind][1] += 1
-        if kind == "collective":
-            match = _COLLECTIVE.search(name)
-            entry = collectives[match.group(1) if match else name[:40]]
-            entry[0] += duration
-            entry[1] += 1
-        end = start + duration
-        if end_so_far is None or start >= end_so_far:  # a new busy interval; the gap before it was idle
-            if end_so_far is not None:
-                gap = gaps[name[:100]]
-                gap[0] += start - end_so_far
-                gap[1] += 1
-            busy += duration
-            end_so_far = end
-        elif end > end_so_far:  # overlapping kernels: only the part past the interval's end is new busy time
-            busy += end - end_so_far
-            end_so_far = end
-    span = end_so_far - events[0][1]
-    per = lambda ns: ns / reps / 1e3  # noqa: E731  (us per step)
-    largest = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
-    kernels = defaultdict(lambda: [0.0, 0])
-    for name, _, duration in events:
-        kernels[name[:100]][0] += duration
-        kernels[name[:100]][1] += 1
-    heaviest = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:3 * top]
-    return {"kernels_per_step": len(events) / reps, "kernel_us_per_step": per(sum(d for _, _, d in events)),
-            "busy_us_per_step": per(busy), "span_us_per_step": per(span), "idle_us_per_step": per(span - busy),
-            "by_kind": {k: {"us_per_step": per(t), "kernels_per_step": n / reps} for k, (t, n) in by_kind.items()},
-            "collectives": {k: {"us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in collectives.items()},
-            "idle_gaps_before": [{"kernel": k, "us_per_step": per(t), "gaps_per_step": n / reps}
-                                 for k, (t, n) in largest],
-            "heaviest": [{"kernel": k, "us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in heaviest]}
 
 
 def hlo_collectives(text: str) -> dict:

@@ -8,10 +8,15 @@ from __future__ import annotations
 import bisect
 import glob
 import os
+import re
+import shutil
 import tempfile
 from collections import defaultdict
 
 import jax
+
+_MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", "skinny_matmul")
+_COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|Broadcast|Reduce)", re.I)
 
 
 def _traced(run):
@@ -53,7 +58,10 @@ def gpu_kernel_events(fn, reps: int) -> list[tuple[str, int, int]]:
 def gpu_kernel_events_by_device(run) -> dict[str, list[tuple[str, int, int]]]:
     """device plane name (e.g. `/device:GPU:0`) -> (kernel name, start ns, duration ns) of every GPU kernel that
     ran while run() ran under a trace (run must wait for its device work). Empty where no GPU plane was written."""
-    data = _traced(run)
+    return _events_by_device(_traced(run))
+
+
+def _events_by_device(data) -> dict[str, list[tuple[str, int, int]]]:
     if data is None:
         return {}
     out = {}
@@ -64,6 +72,36 @@ def gpu_kernel_events_by_device(run) -> dict[str, list[tuple[str, int, int]]]:
             if events:
                 out[plane.name] = sorted(events, key=lambda e: e[1])
     return out
+
+
+class TraceWindow:
+    """A trace started and stopped by hand, around work that is not one function call (some steps of an engine
+    running its own loop): start(), then stop() -> gpu_kernel_events_by_device's dict. The caller makes sure the
+    device work it wants has finished before stop() (or counts whole steps inside the window)."""
+
+    def __init__(self):
+        self._dir: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._dir is not None
+
+    def start(self) -> None:
+        if self._dir is not None:
+            raise RuntimeError("TraceWindow.start: a trace is already running")
+        self._dir = tempfile.mkdtemp(prefix="trace-window-")
+        jax.profiler.start_trace(self._dir)
+
+    def stop(self) -> dict[str, list[tuple[str, int, int]]]:
+        if self._dir is None:
+            raise RuntimeError("TraceWindow.stop: no trace is running")
+        tmp, self._dir = self._dir, None
+        try:
+            jax.profiler.stop_trace()
+            paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+            return _events_by_device(jax.profiler.ProfileData.from_file(paths[0]) if paths else None)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def per_kernel_us(events: list[tuple[str, int, int]], reps: int) -> dict[str, float]:
@@ -117,3 +155,55 @@ def assign_to_windows(kernels, windows, labels) -> dict[str, dict[str, tuple[int
             acc[0] += duration
             acc[1] += 1
     return {label: {m: (int(ns), count) for m, (ns, count) in mods.items()} for label, mods in out.items()}
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return "collective"
+    if any(w in lowered for w in _MATMUL_WORDS):
+        return "matmul"
+    return "attention" if "ragged" in lowered or "attention" in lowered else "other"
+
+
+def device_summary(events: list[tuple[str, int, int]], reps: int, top: int = 12) -> dict:
+    """One GPU's kernels over `reps` steps (sorted by start) -> per-step figures (see the module docstring)."""
+    busy, end_so_far = 0, None
+    gaps = defaultdict(lambda: [0.0, 0])
+    by_kind = defaultdict(lambda: [0.0, 0])
+    collectives = defaultdict(lambda: [0.0, 0])
+    for name, start, duration in events:
+        kind = kernel_kind(name)
+        by_kind[kind][0] += duration
+        by_kind[kind][1] += 1
+        if kind == "collective":
+            match = _COLLECTIVE.search(name)
+            entry = collectives[match.group(1) if match else name[:40]]
+            entry[0] += duration
+            entry[1] += 1
+        end = start + duration
+        if end_so_far is None or start >= end_so_far:  # a new busy interval; the gap before it was idle
+            if end_so_far is not None:
+                gap = gaps[name[:100]]
+                gap[0] += start - end_so_far
+                gap[1] += 1
+            busy += duration
+            end_so_far = end
+        elif end > end_so_far:  # overlapping kernels: only the part past the interval's end is new busy time
+            busy += end - end_so_far
+            end_so_far = end
+    span = end_so_far - events[0][1]
+    per = lambda ns: ns / reps / 1e3  # noqa: E731  (us per step)
+    largest = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    kernels = defaultdict(lambda: [0.0, 0])
+    for name, _, duration in events:
+        kernels[name[:100]][0] += duration
+        kernels[name[:100]][1] += 1
+    heaviest = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:3 * top]
+    return {"kernels_per_step": len(events) / reps, "kernel_us_per_step": per(sum(d for _, _, d in events)),
+            "busy_us_per_step": per(busy), "span_us_per_step": per(span), "idle_us_per_step": per(span - busy),
+            "by_kind": {k: {"us_per_step": per(t), "kernels_per_step": n / reps} for k, (t, n) in by_kind.items()},
+            "collectives": {k: {"us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in collectives.items()},
+            "idle_gaps_before": [{"kernel": k, "us_per_step": per(t), "gaps_per_step": n / reps}
+                                 for k, (t, n) in largest],
+            "heaviest": [{"kernel": k, "us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in heaviest]}

@@ -16,8 +16,9 @@ Usage (GPU machine, repo root):
    ragged batch of 8 sequences with cached prefixes (TFLOP/s of the real causal work), with the
    output and residual error against ragged_prefill_reference on the first sequence's first tokens.
 3. Parts (query_starts): a sequence's rBlock table cut into runs placed on "instances" of one pool,
-   each instance's part rows (sharding.prefill_parts) through the kernel with residuals, merged with
-   merge_partials, against the unsplit kernel: a fresh 16K prompt and a 4K chunk after 12K cached.
+   each instance's past row (sharding.prefill_parts) and the chunk's own keys through the kernel with
+   residuals, merged with merge_partials, against the unsplit kernel: a fresh 16K prompt and a 4K chunk
+   after 12K cached.
 4. --ab: our default kernel against --baseline's (an older ragged_prefill.py, its own defaults) on the
    same inputs, alternating, --ab-rounds rounds of best-of-3 each: median ms and ours / baseline.
 TFLOP/s counts causal FLOPs: 4 * H * D * sum over query tokens of (position + 1). Prints a table
@@ -127,8 +128,12 @@ def _dump_ttir(out_dir):
 
 def _parts_check(rng, q_len, cached, parts, block=256):
     """One sequence's table cut at random rBlock boundaries into `parts` runs on as many instances (one
-    pool: global ids), each instance's part rows through the kernel with residuals, merged per token,
-    against the unsplit kernel. Returns a dict of errors and times (ms)."""
+    pool: global ids); as DistAttention runs a prefill step: each instance's past row (sharding.prefill_parts:
+    the keys before the chunk it holds, unmasked) and the chunk's own keys (causal, from the rBlock where the
+    chunk starts: `cached` is a multiple of `block`) through the kernel with residuals, merged per token, against
+    the unsplit kernel. Returns a dict of errors and times (ms)."""
+    if cached % block:
+        raise ValueError(f"the parts check starts its chunk at an rBlock: cached {cached} is not a multiple of {block}")
     (q, k, v, tables, kv_lens, cu), flops = _problem(rng, [q_len], [cached], H, block)
     width = int(tables.shape[1])
     cuts = np.sort(rng.choice(np.arange(1, width), parts - 1, replace=False))
@@ -136,17 +141,22 @@ def _parts_check(rng, q_len, cached, parts, block=256):
     placements = [[(int(owner[e]), int(tables[0, e])) for e in range(width)]]
     pp = prefill_parts(placements, [q_len + cached], [q_len], block_size=block, instances=parts)
     fn = _ours(residuals=True)
+    chunk_table = np.zeros_like(np.asarray(tables))
+    chunk_blocks = np.asarray(tables)[0, cached // block:]
+    chunk_table[0, :len(chunk_blocks)] = chunk_blocks
     args = [(q[jnp.asarray(np.clip(pp.token_index[i], 0, q_len - 1))], k, v, jnp.asarray(pp.tables[i]),
              jnp.asarray(pp.kv_lens[i]), jnp.asarray(pp.cu_q_lens[i]), jnp.asarray(pp.query_starts[i]))
             for i in range(parts)]
+    args.append((q, k, v, jnp.asarray(chunk_table), jnp.asarray([q_len], jnp.int32), cu, jnp.zeros(1, jnp.int32)))
     part_fn = lambda qq, kk, vv, t, n, c, qs: fn(qq, kk, vv, t, n, c, query_starts=qs)
     merge = jax.jit(lambda outs, ms, ls, ids: merge_partials(outs, ms, ls, segment_ids=ids, num_segments=q_len))
+    ids = jnp.asarray(np.concatenate([pp.token_index.reshape(-1), np.arange(q_len)]))
 
     def split(*flat):
-        res = [part_fn(*flat[7 * i:7 * i + 7]) for i in range(parts)]
+        res = [part_fn(*flat[7 * i:7 * i + 7]) for i in range(len(args))]
         outs = jnp.concatenate([r[0] for r in res])
         ms, ls = jnp.concatenate([r[1][0] for r in res]), jnp.concatenate([r[1][1] for r in res])
-        return merge(outs, ms, ls, jnp.asarray(pp.token_index.reshape(-1)))
+        return merge(outs, ms, ls, ids)
 
     flat = [x for a in args for x in a]
     got, gm, gl = split(*flat)

@@ -12,13 +12,16 @@ sequence has borrowed rBlocks carries `DistParts`, its Kernels carry `DistAttent
    instance now has every instance's new tokens, and writes the K/V of those whose rBlocks it holds
    (`write_slots`: the local slot of each gathered token, -1 elsewhere). A token's K/V is written where
    its rBlock lives; the KV already in the pools never moves.
-2. Each instance attends, for every instance's sequences, over the rBlocks it holds of them (`rows`: one row
-   per part; a decode step has one row per gathered sequence, a prefill step one row per run of consecutive
-   rBlocks holding the query tokens that can see it (sharding.prefill_parts), the run's start placed by the
-   kernel's `query_starts`), with the kernels' residuals (row max, sum of exponentials). The per-part
-   attention is `dispatch.ragged_attention`, the same call as every other step's, so it runs the step's
-   Pallas kernels (per tensor shard under tensor parallelism). Several rows of one sequence on one instance
-   are merged there (`residuals.merge_partials` by segment).
+2. Each instance attends, for every instance's sequences, over the rBlocks it holds of them (`rows`). A decode
+   step has one row per gathered sequence and its one query token. A prefill step has one row per sequence with
+   PAST keys (before the step's first query of it) on the instance, holding all its query tokens, unmasked
+   (sharding.prefill_parts); the step's own new keys (the CHUNK) are attended causally on each sequence's home,
+   from a small pool of the step's own K/V (`chunk_*`), since every instance has them after the gather. So a
+   prefill step's rows never outnumber its sequences, nor its row queries its tokens, however the rBlocks lie:
+   its shapes are its bucket's. The per-part attention is `dispatch.ragged_attention`, the same call as every
+   other step's, so it runs the step's Pallas kernels (per tensor shard under tensor parallelism), with the
+   kernels' residuals (row max, sum of exponentials); several partials of one token on one instance are merged
+   there (`residuals.merge_partials` by segment).
 3. The parts are merged exactly, on their home instances, by the same `merge_partials` with its reductions
    done over the axis (`SpreadOverAxis`): a `pmax` of the row maxima, then each instance's rescaled
    numerators and denominators summed and scattered home (`psum_scatter`), one reduce-scatter instead of a
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 from pallas_kernels import dispatch
 from pallas_kernels.residuals import merge_partials
 from sharding.mesh import INSTANCE
+from sharding.prefill_parts import chunk_block_size
 
 __all__ = ["DistAttention", "DistParts", "SpreadOverAxis"]
 
@@ -49,10 +53,13 @@ class DistParts:
     row_tables [R, W] int32: this instance's local rBlocks of each row's part (table order).
     row_lens [R] int32: keys of the part (0: an empty row).
     Decode steps (R = I*S, row g is gathered sequence g and its one query token): the rest are None.
-    Prefill steps: row_query_starts [R] int32: the position of the row's first query token relative to the
-    part's first key; row_cu_q_lens [R+1] int32: the rows' query tokens, packed; row_tokens [Q] int32: the
-    gathered token of each packed row query (padding rows past row_cu_q_lens[-1] point at token 0 and are
-    dropped).
+    Prefill steps (R = I*S: a row per gathered sequence at most, sharding.prefill_parts): row_query_starts [R]
+    int32: the row's key count (every query sees every key); row_cu_q_lens [R+1] int32: the rows' query tokens,
+    packed; row_tokens [Q] int32, Q = I*T: the gathered token of each packed row query (padding past
+    row_cu_q_lens[-1] points at token 0 and is dropped). And this instance's chunk (its own T tokens' K/V in a
+    pool of ceil(T / c) + S rBlocks of c = chunk_block_size(block size) tokens, each sequence from an rBlock of
+    its own): chunk_slots [T] int32 (-1: padding), chunk_tables [S, ceil(T / c)], chunk_lens [S] (its q_len),
+    chunk_cu_q_lens [S+1] (its tokens, packed as the step's).
     """
 
     write_slots: jax.Array
@@ -61,6 +68,10 @@ class DistParts:
     row_query_starts: jax.Array | None = None
     row_cu_q_lens: jax.Array | None = None
     row_tokens: jax.Array | None = None
+    chunk_slots: jax.Array | None = None
+    chunk_tables: jax.Array | None = None
+    chunk_lens: jax.Array | None = None
+    chunk_cu_q_lens: jax.Array | None = None
 
 
 class SpreadOverAxis:
@@ -121,7 +132,30 @@ class DistAttention:
                 query_starts=parts.row_query_starts, **attend)
             real = jnp.arange(q_rows.shape[0]) < parts.row_cu_q_lens[-1]
             row_sum = jnp.where(real[:, None], row_sum, 0.0)  # padding rows: no keys, whatever they computed
-            out, row_max, row_sum = merge_partials(out, row_max, row_sum, segment_ids=parts.row_tokens,
-                                                   num_segments=q.shape[0])  # per gathered token
+            chunk = self._chunk(qkv, cos, sin, k_pool, k_scale, parts, dtype=dtype, attend=attend)
+            tokens = chunk[0].shape[0]
+            mine = jax.lax.axis_index(self.axis) * tokens + jnp.arange(tokens)  # this instance's gathered tokens
+            out, row_max, row_sum = merge_partials(  # per gathered token: its past rows here, and its chunk at home
+                jnp.concatenate([out.astype(jnp.float32), chunk[0].astype(jnp.float32)]),
+                jnp.concatenate([row_max, chunk[1]]), jnp.concatenate([row_sum, chunk[2]]),
+                segment_ids=jnp.concatenate([parts.row_tokens, mine]), num_segments=q.shape[0])
         out, _, _ = merge_partials(out, row_max, row_sum, parts=SpreadOverAxis(self.axis))  # home, exactly
         return out.astype(dtype), k_pool, v_pool, k_scale, v_scale
+
+    @staticmethod
+    def _chunk(qkv, cos, sin, k_pool, k_scale, parts: DistParts, *, dtype, attend: dict):
+        """This instance's own prefill tokens attending causally to each other (their sequences' chunk keys), from
+        a pool of their K/V alone: (out [T, Hq, hd], row max, row sum) per local token."""
+        block = chunk_block_size(k_pool.shape[2])
+        tokens = parts.chunk_slots.shape[0]
+        blocks = -(-tokens // block) + parts.chunk_lens.shape[0]
+        shape = (blocks, k_pool.shape[1], block, k_pool.shape[3])
+        scale = None if k_scale is None else jnp.zeros(shape[:3], k_scale.dtype)
+        q, k_chunk, v_chunk, k_scale, v_scale = dispatch.rope_write_kv(
+            jnp.zeros(shape, k_pool.dtype), jnp.zeros(shape, k_pool.dtype), qkv, cos, sin, parts.chunk_slots, scale,
+            scale, dtype=dtype, kernels=attend["kernels"])
+        attend = dict(attend, k_scale=k_scale, v_scale=v_scale)
+        out, (row_max, row_sum) = dispatch.ragged_attention(q, k_chunk, v_chunk, parts.chunk_tables, parts.chunk_lens,
+                                                            parts.chunk_cu_q_lens, decode=False, **attend)
+        real = jnp.arange(tokens) < parts.chunk_cu_q_lens[-1]
+        return out, row_max, jnp.where(real[:, None], row_sum, 0.0)  # padding tokens: no keys

@@ -1,17 +1,25 @@
-"""Host-side (NumPy) part rows of a DistAttention prefill step: where each piece of each sequence's KV lives.
+"""Host-side (NumPy) part rows of a DistAttention prefill step: where each sequence's earlier KV lives.
 
-A sequence's rBlock table, entry e holding positions [e * block_size, (e + 1) * block_size), is cut
-into maximal runs of consecutive entries on one instance. Each run becomes one PART ROW on its
-instance: the run's rBlocks as the row's local table, its keys (positions start .. end - 1, start =
-first entry x block_size) as the row's kv_len, and the sequence's query tokens that can see any of
-them (positions >= start) as the row's query tokens, packed per instance. A query at position p sits
-at p - start relative to key 0 of the row: `ragged_prefill`'s `query_starts`. Every (query, key) pair
-of the causal attention lies in exactly one row, so the rows' partial results, merged per query
-token with their residuals, are the whole attention (`dist_prefill_attention`).
+A prefill step's queries of a sequence are its positions c0 .. kv_len - 1 (c0 = kv_len - q_len). Their causal
+attention splits exactly into two kinds of keys:
 
-The runner builds a `PrefillParts` per step from the allocator's tables (`prefill_parts`, for tables
-of (instance, block) placements as `Allocation.table` holds them, or `prefill_parts_from_global` for a
-[S, W] table of global rBlock ids) and passes `parts.device_args()` to `dist_prefill_attention`.
+- the PAST, positions before c0: every query of the step sees every one of them, so on each instance the
+  sequence's past keys there form ONE row, in any order (keys are stored after RoPE, so attention over them
+  does not depend on where they sit), with no mask: the row's table lists the instance's full past rBlocks,
+  then the rBlock holding c0 if its first c0 % block_size keys are past and it lives there (the only
+  partial one, so it goes last); query_starts = the row's key count puts every query after every key.
+- the CHUNK, positions c0 .. kv_len - 1: the step's own new K/V, causal among themselves. Every instance
+  has them (DistAttention gathers the step's q/k/v), so the sequence's home attends over them from a small
+  pool of the step's own tokens (`chunk_block_size`), not from wherever their rBlocks live.
+
+Rows are one per (instance, sequence with past keys there) and each holds the sequence's q_len queries, so an
+instance has at most as many rows as the step has sequences and at most as many row queries as the step has
+tokens, however the rBlocks are scattered: the step's shapes are fixed by its bucket (one program, whose memory
+the engine plans for). Merged per query token with their residuals, the rows' partials and the chunk's are the
+whole attention.
+
+`prefill_parts` takes tables of (instance, block) placements (as `Allocation.table` holds them);
+`prefill_parts_from_global` a [S, W] table of global rBlock ids.
 """
 
 from __future__ import annotations
@@ -24,17 +32,16 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class PrefillParts:
-    """Part rows of one prefill step, per instance (int32 NumPy arrays; I instances, R rows per instance,
+    """Past rows of one prefill step, per instance (int32 NumPy arrays; I instances, R rows per instance,
     W rBlocks per row, T_l query tokens per instance, padded to those sizes).
 
     tables: [I, R, W] each row's local rBlock ids on its instance (0 past the row's rBlocks).
     kv_lens: [I, R] the row's keys (0: an unused row).
-    query_starts: [I, R] the row's first query position relative to its key 0 (>= 0 here).
+    query_starts: [I, R] = kv_lens: every query of the row sees every key.
     cu_q_lens: [I, R + 1] the rows' query tokens packed per instance.
     token_index: [I, T_l] per packed local query token, its index in the step's packed queries; -1 past
       cu_q_lens[i, -1] (padding).
     seq: [I, R] the sequence the row belongs to, -1 for unused rows (host bookkeeping, not sent).
-    starts: [I, R] the absolute position of the row's key 0 (host bookkeeping, not sent).
     """
 
     tables: np.ndarray
@@ -43,13 +50,12 @@ class PrefillParts:
     cu_q_lens: np.ndarray
     token_index: np.ndarray
     seq: np.ndarray
-    starts: np.ndarray
 
     def __post_init__(self):
         if self.tables.ndim != 3:
             raise ValueError(f"tables must be [instances, rows, max_blocks], got shape {self.tables.shape}")
         rows = self.tables.shape[:2]
-        for name in ("kv_lens", "query_starts", "seq", "starts"):
+        for name in ("kv_lens", "query_starts", "seq"):
             if getattr(self, name).shape != rows:
                 raise ValueError(f"{name} shape {getattr(self, name).shape} != [instances, rows] = {rows}")
         if self.cu_q_lens.shape != (rows[0], rows[1] + 1):
@@ -62,8 +68,7 @@ class PrefillParts:
                              f"holds {self.token_index.shape[1]} per instance")
 
     def device_args(self) -> tuple[np.ndarray, ...]:
-        """(tables, kv_lens, query_starts, cu_q_lens, token_index): dist_prefill_attention's arguments after
-        the pools."""
+        """(tables, kv_lens, query_starts, cu_q_lens, token_index): the rows as the kernels take them."""
         return self.tables, self.kv_lens, self.query_starts, self.cu_q_lens, self.token_index
 
 
@@ -84,6 +89,16 @@ def _fit(name: str, needed: int, limit: int | None) -> int:
     return limit
 
 
+def chunk_block_size(block_size: int) -> int:
+    """Tokens per rBlock of a step's chunk pool (DistAttention): each sequence's chunk starts at a block of its
+    own there, so small blocks waste little; at most the pool's rBlock size."""
+    return min(block_size, CHUNK_BLOCK)
+
+
+# Tokens per rBlock of the chunk pool where the pool's rBlocks are larger (a multiple of the kernels' key tile).
+CHUNK_BLOCK = 64
+
+
 def prefill_parts(
     tables: Sequence[Sequence[Any]],
     kv_lens: Sequence[int],
@@ -95,7 +110,7 @@ def prefill_parts(
     max_blocks: int | None = None,
     max_tokens: int | None = None,
 ) -> PrefillParts:
-    """Part rows of a prefill step from per-sequence tables of (instance, block) placements.
+    """Past rows of a prefill step (the module docstring) from per-sequence tables of (instance, block) placements.
 
     Args:
       tables: per sequence, its rBlock table: entry e (a `Placement` or an (instance, block) pair) holds
@@ -109,14 +124,14 @@ def prefill_parts(
         instance to these (a bucket; ValueError if the step needs more); default the step's own maxima.
 
     Returns:
-      PrefillParts with one row per run of consecutive table entries on one instance.
+      PrefillParts with one row per (instance, sequence with queries and past keys on that instance).
     """
     if len(tables) != len(kv_lens) or len(q_lens) != len(kv_lens):
         raise ValueError(f"tables ({len(tables)}), kv_lens ({len(kv_lens)}) and q_lens ({len(q_lens)}) must "
                          "have one entry per sequence")
     if block_size <= 0 or instances <= 0:
         raise ValueError(f"block_size {block_size} and instances {instances} must be positive")
-    rows: list[list[tuple[int, list[int], int, int, int, int]]] = [[] for _ in range(instances)]
+    rows: list[list[tuple[int, list[int], int, np.ndarray]]] = [[] for _ in range(instances)]
     first_token = 0
     for s, (table, kv_len, q_len) in enumerate(zip(tables, kv_lens, q_lens)):
         kv_len, q_len = int(kv_len), int(q_len)
@@ -126,39 +141,38 @@ def prefill_parts(
         if used > len(table):
             raise ValueError(f"sequence {s}: kv_len {kv_len} needs {used} rBlocks of {block_size}; its table has "
                              f"{len(table)}")
-        chunk = kv_len - q_len  # the first query position
-        runs: list[tuple[int, int, list[int]]] = []  # (instance, first entry, local blocks)
-        for e in range(used if q_len else 0):
-            instance, block = _placement(table[e])
+        placed = [_placement(table[e]) for e in range(used)]
+        for e, (instance, _) in enumerate(placed):
             if not 0 <= instance < instances:
                 raise ValueError(f"sequence {s}: table entry {e} is on instance {instance}, outside [0, {instances})")
-            if runs and runs[-1][0] == instance:
-                runs[-1][2].append(block)
-            else:
-                runs.append((instance, e, [block]))
-        for instance, e, blocks in runs:
-            start = e * block_size
-            end = min(start + len(blocks) * block_size, kv_len)
-            first = max(chunk, start)  # queries before the run see none of it
-            tokens = np.arange(first - chunk, q_len, dtype=np.int64) + first_token
-            rows[instance].append((s, blocks, end - start, first - start, start, tokens))
+        past = kv_len - q_len  # the first query position: keys before it are the past
+        full, partial = divmod(past, block_size)
+        if q_len:
+            tokens = np.arange(q_len, dtype=np.int64) + first_token
+            for instance in range(instances):
+                blocks = [block for where, block in placed[:full] if where == instance]
+                keys = len(blocks) * block_size
+                if partial and placed[full][0] == instance:  # the one partly past rBlock: its keys come last
+                    blocks.append(placed[full][1])
+                    keys += partial
+                if keys:
+                    rows[instance].append((s, blocks, keys, tokens))
         first_token += q_len
     num_rows = _fit("rows per instance", max(len(r) for r in rows), max_rows)
     width = _fit("rBlocks per row", max((len(row[1]) for r in rows for row in r), default=0), max_blocks)
-    num_tokens = _fit("query tokens per instance", max(sum(len(row[5]) for row in r) for r in rows), max_tokens)
+    num_tokens = _fit("query tokens per instance", max(sum(len(row[3]) for row in r) for r in rows), max_tokens)
     out = dict(tables=np.zeros((instances, num_rows, width), np.int32),
                kv_lens=np.zeros((instances, num_rows), np.int32),
                query_starts=np.zeros((instances, num_rows), np.int32),
                cu_q_lens=np.zeros((instances, num_rows + 1), np.int32),
                token_index=np.full((instances, num_tokens), -1, np.int32),
-               seq=np.full((instances, num_rows), -1, np.int32),
-               starts=np.zeros((instances, num_rows), np.int32))
+               seq=np.full((instances, num_rows), -1, np.int32))
     for i, instance_rows in enumerate(rows):
         count = 0
-        for r, (s, blocks, kv_len, query_start, start, tokens) in enumerate(instance_rows):
+        for r, (s, blocks, keys, tokens) in enumerate(instance_rows):
             out["tables"][i, r, :len(blocks)] = blocks
-            out["kv_lens"][i, r], out["query_starts"][i, r] = kv_len, query_start
-            out["seq"][i, r], out["starts"][i, r] = s, start
+            out["kv_lens"][i, r] = out["query_starts"][i, r] = keys
+            out["seq"][i, r] = s
             out["token_index"][i, count:count + len(tokens)] = tokens
             count += len(tokens)
             out["cu_q_lens"][i, r + 1] = count

@@ -19,9 +19,9 @@ import numpy as np
 
 from jaxllm.contract import StepPlan
 from jaxllm.executor import penalties
-from jaxllm.executor.step import StepInputs, bucket, inert_step_inputs, make_step_inputs, padded_sizes
+from jaxllm.executor.step import StepInputs, inert_step_inputs, make_step_inputs, padded_sizes
 from sharding.dist_attention import DistParts
-from sharding.prefill_parts import prefill_parts_from_global
+from sharding.prefill_parts import chunk_block_size, prefill_parts_from_global
 
 __all__ = ["InputLayout", "StepBatch", "inert_inputs", "is_borrowed", "token_rows"]
 
@@ -127,7 +127,8 @@ class InputLayout:
         """Warm-up inputs of one bucket (`size`: sequences for decode, tokens for prefill): real shapes,
         nothing written, nothing attended."""
         t_pad, s_pad = padded_sizes(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
-        return inert_inputs(decode, t_pad, s_pad, self.table_width, self.instances, borrowed, self.bias_width)
+        return inert_inputs(decode, t_pad, s_pad, self.table_width, self.instances, borrowed, self.bias_width,
+                            self.block_size)
 
 
 def token_rows(plan: StepPlan, instances: int, num_tokens: int) -> np.ndarray:
@@ -187,28 +188,48 @@ def _dist_parts(plan: StepPlan, used, instances: int, nb: int, bs: int, t_pad: i
             tables[h, row_gathered[rows], columns] = plan.block_tables[rows, entries] - h * nb
             lens[h, row_gathered] = (entry_tokens * mine).sum(axis=1)
         return DistParts(write_slots=write_slots, row_tables=tables, row_lens=lens)
-    # Prefill: one row per run of consecutive table entries on one instance, holding the sequence's query
-    # tokens that can see it (sharding.prefill_parts), padded to buckets shared by every instance.
+    # Prefill: per instance, one row per sequence with past keys there, holding its queries (sharding.prefill_parts),
+    # padded to the bucket's rows and tokens (never more: a row per sequence, its queries once), and each home's
+    # chunk: its own tokens' K/V in a pool of their own, attended causally there.
     rows = prefill_parts_from_global(plan.block_tables, plan.kv_lens, q_lens, block_size=bs, blocks_per_instance=nb,
-                                     instances=instances)
-    num_rows = max(instances * s_pad, bucket(rows.tables.shape[1], 1))
-    num_queries = max(instances * t_pad, bucket(rows.token_index.shape[1], 1))
-    grow = lambda x, n, fill=0: np.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=fill)  # noqa: E731
-    tables = np.zeros((instances, num_rows, width), np.int32)
-    tables[:, :rows.tables.shape[1], :rows.tables.shape[2]] = rows.tables
-    cu = grow(rows.cu_q_lens, num_rows + 1)
-    cu[:, rows.cu_q_lens.shape[1]:] = rows.cu_q_lens[:, -1:]  # unused rows hold no query token
-    token_index = grow(rows.token_index, num_queries, -1)
-    return DistParts(write_slots=write_slots, row_tables=tables, row_lens=grow(rows.kv_lens, num_rows),
-                     row_query_starts=grow(rows.query_starts, num_rows), row_cu_q_lens=cu.astype(np.int32),
-                     row_tokens=np.where(token_index >= 0, token_gathered[np.maximum(token_index, 0)], 0)
-                     .astype(np.int32))
+                                     instances=instances, max_rows=instances * s_pad, max_blocks=width,
+                                     max_tokens=instances * t_pad)
+    return DistParts(write_slots=write_slots, row_tables=rows.tables, row_lens=rows.kv_lens,
+                     row_query_starts=rows.query_starts, row_cu_q_lens=rows.cu_q_lens,
+                     row_tokens=np.where(rows.token_index >= 0, token_gathered[np.maximum(rows.token_index, 0)], 0)
+                     .astype(np.int32),
+                     **_chunk_fields(q_lens, homes, first_row, instances, chunk_block_size(bs), t_pad, s_pad))
+
+
+def _chunk_fields(q_lens, homes, first_row, instances: int, chunk_bs: int, t_pad: int, s_pad: int) -> dict:
+    """Each home's chunk pool layout (DistParts' chunk_* fields, stacked [I, ...]): sequence s's q_len tokens at
+    consecutive slots from a chunk rBlock of its own (its row's table), in its home's row order."""
+    blocks = -(-q_lens // chunk_bs)  # chunk rBlocks of each sequence
+    before = np.cumsum(blocks) - blocks  # chunk rBlocks of the plan's earlier sequences
+    first = before - before[first_row[homes]]  # ... of its home's earlier sequences (plan rows are home-major)
+    local_row = np.arange(len(q_lens)) - first_row[homes]
+    width = -(-t_pad // chunk_bs)
+    tables = np.zeros((instances, s_pad, width), np.int32)
+    entry = np.arange(width)
+    tables[homes, local_row] = np.where(entry[None, :] < blocks[:, None], first[:, None] + entry[None, :], 0)
+    lens = np.zeros((instances, s_pad), np.int32)
+    lens[homes, local_row] = q_lens
+    cu = np.zeros((instances, s_pad + 1), np.int32)
+    np.add.at(cu, (homes, local_row + 1), q_lens)
+    cu = np.cumsum(cu, axis=1).astype(np.int32)
+    slots = np.full((instances, t_pad), -1, np.int32)
+    token_row = np.repeat(np.arange(len(q_lens)), q_lens)
+    offset = np.arange(len(token_row)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)  # within its sequence
+    local_token = cu[homes[token_row], local_row[token_row]] + offset
+    slots[homes[token_row], local_token] = first[token_row] * chunk_bs + offset
+    return dict(chunk_slots=slots, chunk_tables=tables, chunk_lens=lens, chunk_cu_q_lens=cu)
 
 
 def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int, instances: int,
-                 borrowed: bool, bias_width: int | None = None) -> StepInputs:
+                 borrowed: bool, bias_width: int | None = None, block_size: int = 1) -> StepInputs:
     """Warm-up inputs of one bucket, stacked for `instances`: real shapes, nothing written, nothing attended, no
-    penalties (bias_width as InputLayout's)."""
+    penalties (bias_width as InputLayout's; block_size: the pool's, which sizes a borrowed prefill's chunk
+    tables)."""
     stacked = _stack([inert_step_inputs(decode, num_tokens, num_seqs, table_width, bias_width)] * instances)
     if not borrowed:
         return stacked
@@ -217,7 +238,12 @@ def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int,
                       row_tables=np.zeros((instances, rows, table_width), np.int32),
                       row_lens=np.zeros((instances, rows), np.int32))
     if not decode:
+        width = -(-num_tokens // chunk_block_size(block_size))
         parts = dataclasses.replace(parts, row_query_starts=np.zeros((instances, rows), np.int32),
                                     row_cu_q_lens=np.zeros((instances, rows + 1), np.int32),
-                                    row_tokens=np.zeros((instances, queries), np.int32))
+                                    row_tokens=np.zeros((instances, queries), np.int32),
+                                    chunk_slots=np.full((instances, num_tokens), -1, np.int32),
+                                    chunk_tables=np.zeros((instances, num_seqs, width), np.int32),
+                                    chunk_lens=np.zeros((instances, num_seqs), np.int32),
+                                    chunk_cu_q_lens=np.zeros((instances, num_seqs + 1), np.int32))
     return dataclasses.replace(stacked, parts=parts)

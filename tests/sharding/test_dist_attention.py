@@ -413,6 +413,33 @@ def test_inert_borrowed_step_reads_and_writes_nothing():
         assert np.all(np.isnan(np.asarray(k_out, np.float32))) and np.all(np.isnan(np.asarray(v_out, np.float32)))
 
 
+@pytest.mark.parametrize("instances", (2, 4))
+def test_a_scattered_borrowed_prefill_has_its_buckets_warm_up_shapes(instances):
+    """A prefill chunk of a long sequence whose rBlocks alternate between the instances (a run per rBlock: a row per
+    run, each with every query after it, gave several times the step's tokens in row queries) has exactly the
+    inputs' shapes warm-up compiles and memory planning measures (InputLayout.inert): one program a bucket,
+    whose working memory does not grow with the context or with how the rBlocks lie."""
+    n, q_len = ENTRIES * BLOCK - 3, MAX_CHUNK
+    entries = -(-n // BLOCK)
+    layout = dataclasses.replace(_layout(instances), table_width=entries)
+    table = np.array([[(e % instances) * BLOCKS_PER_INSTANCE + e // instances for e in range(entries)]], np.int32)
+    positions = np.arange(n - q_len, n, dtype=np.int32)
+    plan = StepPlan(
+        seq_ids=np.arange(1), token_ids=np.zeros(q_len, np.int32), positions=positions,
+        slot_mapping=(table[0, positions // BLOCK] * BLOCK + positions % BLOCK).astype(np.int32),
+        cu_q_lens=np.array([0, q_len], np.int32), kv_lens=np.array([n], np.int32), block_tables=table,
+        sample=np.ones(1, bool), temperature=np.zeros(1, np.float32), top_k=np.zeros(1, np.int32),
+        top_p=np.ones(1, np.float32), seed=np.zeros(1, np.int32), instances=np.zeros(1, np.int32))
+    batch = layout.build(plan)
+    assert batch.borrowed
+    inert = layout.inert(False, batch.size, borrowed=True)
+    assert jax.tree.map(np.shape, batch.inputs) == jax.tree.map(np.shape, inert)
+    parts = batch.inputs.parts
+    # Instance 0 (home) and each lender: one past row of the sequence, holding the chunk's q_len queries.
+    assert np.all((parts.row_lens > 0).sum(axis=1) == 1) and np.all(parts.row_cu_q_lens[:, -1] == q_len)
+    assert parts.row_lens.sum() == n - q_len
+
+
 def test_errors():
     """What the hook refuses, with the name of what is missing or wrong."""
     q = jnp.zeros((2, HKV, GROUP + 2, D), jnp.float32)

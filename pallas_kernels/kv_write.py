@@ -186,6 +186,14 @@ def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_s
     first G heads are the queries (the decode kernel reads them in place).
     """
     _check_qkv(k_pool, qkv, cos, sin, slot_mapping)
+    qk, v = rotate_qkv(qkv, cos, sin, dtype=dtype)
+    return (qk, *write_kv(k_pool, v_pool, qk[:, :, -1], v, slot_mapping, k_scale, v_scale))
+
+
+def rotate_qkv(qkv, cos, sin, *, dtype=None) -> tuple[jax.Array, jax.Array]:
+    """RoPE on a step's q and k, as rope_write_kv writes them: qkv [tokens, kv_heads, G + 2, head_dim] (or [S, ...]
+    float32 split-K partials, then `dtype` is required) -> (qk [tokens, kv_heads, G + 1, head_dim]: the rotated
+    queries, then the rotated k, of each group; v [tokens, kv_heads, head_dim]), in the projection's dtype."""
     dtype = _projection_dtype(qkv, dtype)
     if qkv.ndim == 5:
         qkv = jnp.sum(qkv, axis=0)  # float32, then rounded as the projection's output would be
@@ -194,8 +202,7 @@ def rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_s
     group = stride - 2
     # apply_rope takes [T, heads, D]: the group axes flattened and back (free reshapes).
     qk = apply_rope(qkv[:, :, :group + 1].reshape(tokens, -1, head_dim), cos, sin)
-    qk = qk.reshape(tokens, num_kv_heads, group + 1, head_dim)
-    return (qk, *write_kv(k_pool, v_pool, qk[:, :, group], qkv[:, :, group + 1], slot_mapping, k_scale, v_scale))
+    return qk.reshape(tokens, num_kv_heads, group + 1, head_dim), qkv[:, :, group + 1]
 
 
 def _projection_dtype(qkv, dtype):

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
+from pallas_kernels.kv_write import quantize_int8, rotate_qkv
 from pallas_kernels.residuals import merge_partials
 from sharding.mesh import INSTANCE
 from sharding.prefill_parts import chunk_block_size
@@ -56,10 +57,12 @@ class DistParts:
     Prefill steps (R = I*S: a row per gathered sequence at most, sharding.prefill_parts): row_query_starts [R]
     int32: the row's key count (every query sees every key); row_cu_q_lens [R+1] int32: the rows' query tokens,
     packed; row_tokens [Q] int32, Q = I*T: the gathered token of each packed row query (padding past
-    row_cu_q_lens[-1] points at token 0 and is dropped). And this instance's chunk (its own T tokens' K/V in a
-    pool of ceil(T / c) + S rBlocks of c = chunk_block_size(block size) tokens, each sequence from an rBlock of
-    its own): chunk_slots [T] int32 (-1: padding), chunk_tables [S, ceil(T / c)], chunk_lens [S] (its q_len),
-    chunk_cu_q_lens [S+1] (its tokens, packed as the step's).
+    row_cu_q_lens[-1] points at token 0 and is dropped); token_rows [I*T] int32: the other way, each gathered
+    token's packed row query here, -1 if none (a token has at most one: a row per sequence an instance). And this
+    instance's chunk (its own T tokens' K/V as a pool of N = ceil(T / c) + S rBlocks of c =
+    chunk_block_size(block size) tokens, each sequence from an rBlock of its own): chunk_tokens [N * c] int32:
+    the local token each slot holds (0 where none: never attended); chunk_tables [S, ceil(T / c)], chunk_lens [S]
+    (its q_len), chunk_cu_q_lens [S+1] (its tokens, packed as the step's).
     """
 
     write_slots: jax.Array
@@ -68,7 +71,8 @@ class DistParts:
     row_query_starts: jax.Array | None = None
     row_cu_q_lens: jax.Array | None = None
     row_tokens: jax.Array | None = None
-    chunk_slots: jax.Array | None = None
+    token_rows: jax.Array | None = None
+    chunk_tokens: jax.Array | None = None
     chunk_tables: jax.Array | None = None
     chunk_lens: jax.Array | None = None
     chunk_cu_q_lens: jax.Array | None = None
@@ -130,32 +134,42 @@ class DistAttention:
             out, (row_max, row_sum) = dispatch.ragged_attention(
                 q_rows, k_pool, v_pool, parts.row_tables, parts.row_lens, parts.row_cu_q_lens, decode=False,
                 query_starts=parts.row_query_starts, **attend)
-            real = jnp.arange(q_rows.shape[0]) < parts.row_cu_q_lens[-1]
-            row_sum = jnp.where(real[:, None], row_sum, 0.0)  # padding rows: no keys, whatever they computed
-            chunk = self._chunk(qkv, cos, sin, k_pool, k_scale, parts, dtype=dtype, attend=attend)
+            # Per gathered token its one past partial here, by a gather: a scatter-add would start from zeros of
+            # [I*T, Hq, hd] float32 a layer, which XLA fuses across layers into one broadcast, all live at once.
+            here, at = parts.token_rows >= 0, jnp.maximum(parts.token_rows, 0)
+            out = jnp.where(here[:, None, None], out[at].astype(jnp.float32), 0.0)
+            row_max = jnp.where(here[:, None], row_max[at], -jnp.inf)
+            row_sum = jnp.where(here[:, None], row_sum[at], 0.0)
+            chunk = self._chunk(qkv, cos, sin, k_pool, parts, dtype=dtype, attend=attend)
             tokens = chunk[0].shape[0]
-            mine = jax.lax.axis_index(self.axis) * tokens + jnp.arange(tokens)  # this instance's gathered tokens
-            out, row_max, row_sum = merge_partials(  # per gathered token: its past rows here, and its chunk at home
-                jnp.concatenate([out.astype(jnp.float32), chunk[0].astype(jnp.float32)]),
-                jnp.concatenate([row_max, chunk[1]]), jnp.concatenate([row_sum, chunk[2]]),
-                segment_ids=jnp.concatenate([parts.row_tokens, mine]), num_segments=q.shape[0])
+            start = jax.lax.axis_index(self.axis) * tokens  # this instance's own tokens: their chunk is here
+            own = [jax.lax.dynamic_slice_in_dim(x, start, tokens) for x in (out, row_max, row_sum)]
+            merged = merge_partials(*(jnp.stack([a, b.astype(a.dtype)]) for a, b in zip(own, chunk)))
+            out, row_max, row_sum = (jax.lax.dynamic_update_slice_in_dim(x, m, start, 0)
+                                     for x, m in zip((out, row_max, row_sum), merged))
         out, _, _ = merge_partials(out, row_max, row_sum, parts=SpreadOverAxis(self.axis))  # home, exactly
         return out.astype(dtype), k_pool, v_pool, k_scale, v_scale
 
     @staticmethod
-    def _chunk(qkv, cos, sin, k_pool, k_scale, parts: DistParts, *, dtype, attend: dict):
+    def _chunk(qkv, cos, sin, k_pool, parts: DistParts, *, dtype, attend: dict):
         """This instance's own prefill tokens attending causally to each other (their sequences' chunk keys), from
-        a pool of their K/V alone: (out [T, Hq, hd], row max, row sum) per local token."""
+        a pool of their K/V alone, gathered from the tokens (no pool to clear): (out [T, Hq, hd], row max, row
+        sum) per local token. int8 pools: the K/V quantized as the pool holds them."""
         block = chunk_block_size(k_pool.shape[2])
-        tokens = parts.chunk_slots.shape[0]
-        blocks = -(-tokens // block) + parts.chunk_lens.shape[0]
-        shape = (blocks, k_pool.shape[1], block, k_pool.shape[3])
-        scale = None if k_scale is None else jnp.zeros(shape[:3], k_scale.dtype)
-        q, k_chunk, v_chunk, k_scale, v_scale = dispatch.rope_write_kv(
-            jnp.zeros(shape, k_pool.dtype), jnp.zeros(shape, k_pool.dtype), qkv, cos, sin, parts.chunk_slots, scale,
-            scale, dtype=dtype, kernels=attend["kernels"])
-        attend = dict(attend, k_scale=k_scale, v_scale=v_scale)
-        out, (row_max, row_sum) = dispatch.ragged_attention(q, k_chunk, v_chunk, parts.chunk_tables, parts.chunk_lens,
-                                                            parts.chunk_cu_q_lens, decode=False, **attend)
-        real = jnp.arange(tokens) < parts.chunk_cu_q_lens[-1]
+        qk, v = rotate_qkv(qkv, cos, sin, dtype=dtype)
+        q, k = qk[:, :, :-1], qk[:, :, -1]
+
+        def as_pool(x):  # [T, Hkv, ...] -> [N, Hkv, block, ...] by the chunk's slots
+            x = x[parts.chunk_tokens]
+            return jnp.moveaxis(x.reshape((-1, block) + x.shape[1:]), 1, 2)
+
+        if k_pool.dtype == jnp.int8:
+            (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+            attend = dict(attend, k_scale=as_pool(k_scale), v_scale=as_pool(v_scale))
+        else:
+            k, v = k.astype(k_pool.dtype), v.astype(k_pool.dtype)
+        out, (row_max, row_sum) = dispatch.ragged_attention(q, as_pool(k), as_pool(v), parts.chunk_tables,
+                                                            parts.chunk_lens, parts.chunk_cu_q_lens, decode=False,
+                                                            **attend)
+        real = jnp.arange(q.shape[0]) < parts.chunk_cu_q_lens[-1]
         return out, row_max, jnp.where(real[:, None], row_sum, 0.0)  # padding tokens: no keys

@@ -194,10 +194,13 @@ def _dist_parts(plan: StepPlan, used, instances: int, nb: int, bs: int, t_pad: i
     rows = prefill_parts_from_global(plan.block_tables, plan.kv_lens, q_lens, block_size=bs, blocks_per_instance=nb,
                                      instances=instances, max_rows=instances * s_pad, max_blocks=width,
                                      max_tokens=instances * t_pad)
+    row_tokens = np.where(rows.token_index >= 0, token_gathered[np.maximum(rows.token_index, 0)], 0).astype(np.int32)
+    token_rows = np.full((instances, instances * t_pad), -1, np.int32)  # each gathered token's row query here
+    holder, packed = np.nonzero(rows.token_index >= 0)
+    token_rows[holder, row_tokens[holder, packed]] = packed
     return DistParts(write_slots=write_slots, row_tables=rows.tables, row_lens=rows.kv_lens,
-                     row_query_starts=rows.query_starts, row_cu_q_lens=rows.cu_q_lens,
-                     row_tokens=np.where(rows.token_index >= 0, token_gathered[np.maximum(rows.token_index, 0)], 0)
-                     .astype(np.int32),
+                     row_query_starts=rows.query_starts, row_cu_q_lens=rows.cu_q_lens, row_tokens=row_tokens,
+                     token_rows=token_rows,
                      **_chunk_fields(q_lens, homes, first_row, instances, chunk_block_size(bs), t_pad, s_pad))
 
 
@@ -217,12 +220,12 @@ def _chunk_fields(q_lens, homes, first_row, instances: int, chunk_bs: int, t_pad
     cu = np.zeros((instances, s_pad + 1), np.int32)
     np.add.at(cu, (homes, local_row + 1), q_lens)
     cu = np.cumsum(cu, axis=1).astype(np.int32)
-    slots = np.full((instances, t_pad), -1, np.int32)
+    tokens = np.zeros((instances, (width + s_pad) * chunk_bs), np.int32)
     token_row = np.repeat(np.arange(len(q_lens)), q_lens)
     offset = np.arange(len(token_row)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)  # within its sequence
-    local_token = cu[homes[token_row], local_row[token_row]] + offset
-    slots[homes[token_row], local_token] = first[token_row] * chunk_bs + offset
-    return dict(chunk_slots=slots, chunk_tables=tables, chunk_lens=lens, chunk_cu_q_lens=cu)
+    tokens[homes[token_row], first[token_row] * chunk_bs + offset] = (cu[homes[token_row], local_row[token_row]]
+                                                                      + offset)
+    return dict(chunk_tokens=tokens, chunk_tables=tables, chunk_lens=lens, chunk_cu_q_lens=cu)
 
 
 def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int, instances: int,
@@ -238,11 +241,13 @@ def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int,
                       row_tables=np.zeros((instances, rows, table_width), np.int32),
                       row_lens=np.zeros((instances, rows), np.int32))
     if not decode:
-        width = -(-num_tokens // chunk_block_size(block_size))
+        chunk_bs = chunk_block_size(block_size)
+        width = -(-num_tokens // chunk_bs)
         parts = dataclasses.replace(parts, row_query_starts=np.zeros((instances, rows), np.int32),
                                     row_cu_q_lens=np.zeros((instances, rows + 1), np.int32),
                                     row_tokens=np.zeros((instances, queries), np.int32),
-                                    chunk_slots=np.full((instances, num_tokens), -1, np.int32),
+                                    token_rows=np.full((instances, queries), -1, np.int32),
+                                    chunk_tokens=np.zeros((instances, (width + num_seqs) * chunk_bs), np.int32),
                                     chunk_tables=np.zeros((instances, num_seqs, width), np.int32),
                                     chunk_lens=np.zeros((instances, num_seqs), np.int32),
                                     chunk_cu_q_lens=np.zeros((instances, num_seqs + 1), np.int32))

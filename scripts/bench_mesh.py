@@ -13,7 +13,7 @@
 (c) skew: --skew-instances x (devices / instances) tensor parallel, a skewed load (every other request
     generates --skew-long tokens, the rest --skew-short; routing balances prompt tokens, so the long ones
     share instances), each instance's pool --skew-blocks rBlocks: throughput and preemptions with lending
-    on and off.
+    on and off, each timed after an untimed pass of the same load (--skew-warm: compiles stay out).
 (d) step: the decode step of every device as an instance, each with --step-seqs sequences of --step-context
     tokens (nothing borrowed: no collective), against one device's step with --step-seqs sequences, in one run
     (the same executor; the ratio is what lending instances cost when they lend nothing).
@@ -243,21 +243,36 @@ def skew(args, devices: int) -> dict:
                       max_tokens_per_step=args.chunk, prefix_caching=False)
         requests = [Request(p, SamplingParams(max_new_tokens=args.skew_long if i % 2 == 0 else args.skew_short,
                                               ignore_eos=True)) for i, p in enumerate(prompts)]
-        _log(f"[skew] {instances} instances x TP {tp}, lending {'on' if lending else 'off'}")
+        mode = "on" if lending else "off"
+        before, compiles_before = None, 0
+        if args.skew_warm:  # the same load once, untimed: it compiles the programs the timed pass runs
+            _log(f"[skew] {instances} instances x TP {tp}, lending {mode}: the untimed pass")
+            _drive(llm, requests)
+            before, compiles_before = llm.core.stats(), llm.compile_count
+        _log(f"[skew] {instances} instances x TP {tp}, lending {mode}")
         t0 = time.perf_counter()
         outputs, _, _ = _drive(llm, requests)
         wall = time.perf_counter() - t0
-        stats = llm.core.stats()
+        stats = _stats_since(llm.core.stats(), before)
         generated = _generated(outputs)
         out["on" if lending else "off"] = dict(wall_s=wall, generated=generated, tokens_per_s=generated / wall,
                                                preemptions=stats.preemptions_total, rblocks_lent=stats.loans_total,
                                                recalled=stats.recalled_blocks_total, dist_steps=stats.dist_steps_total,
-                                               steps=stats.steps_total, compiles=llm.compile_count)
+                                               steps=stats.steps_total, compiles=llm.compile_count - compiles_before,
+                                               warm=args.skew_warm)
         llm.close()
         del llm
         gc.collect()
     return dict(instances=instances, tensor_parallel=tp, requests=args.skew_requests, prompt=args.skew_prompt,
                 long=args.skew_long, short=args.skew_short, pool_blocks=args.skew_blocks, **out)
+
+
+def _stats_since(stats, before):
+    """The engine's counters (EngineStats) since `before` (the same counters earlier; None: since the start)."""
+    if before is None:
+        return stats
+    return dataclasses.replace(stats, **{f.name: getattr(stats, f.name) - getattr(before, f.name)
+                                         for f in dataclasses.fields(stats) if f.name.endswith("_total")})
 
 
 def step(args, devices: int) -> dict:
@@ -318,6 +333,9 @@ def main(argv=None) -> int:
     p.add_argument("--skew-long", type=int, default=1536)
     p.add_argument("--skew-short", type=int, default=64)
     p.add_argument("--skew-blocks", type=int, default=32, help="(c): rBlocks an instance")
+    p.add_argument("--skew-warm", action=argparse.BooleanOptionalAction, default=None,
+                   help="(c): run the load once untimed first, so its compiles stay out of the timed pass (default: "
+                        "on, off with --dry-run)")
     p.add_argument("--skew-lending", nargs="+", default=["on", "off"], choices=["on", "off"],
                    help="(c): lending modes to run (one a process keeps two engines' memory apart)")
     p.add_argument("--step-seqs", type=int, default=2, help="(d): sequences an instance")
@@ -347,6 +365,8 @@ def main(argv=None) -> int:
         args.skew_long, args.skew_short, args.skew_blocks = min(args.skew_long, 40), min(args.skew_short, 4), 6
         args.skew_instances = args.skew_instances or 2
         args.step_context, args.step_new_tokens, args.step_blocks = 40, 8, 8
+    if args.skew_warm is None:
+        args.skew_warm = not args.dry_run
     args.model = args.model or "llama2-7b"
     args.tp_model = args.tp_model or "llama2-70b"
     args.tp_sweep_model = args.tp_sweep_model or "llama2-13b"

@@ -476,7 +476,19 @@ def ragged_prefill_reference(
         out = jnp.einsum("kgl,kld->kgd", p, values, precision=highest) / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
         return (out.reshape(num_q_heads, head_dim), row_max.reshape(num_q_heads), row_sum.reshape(num_q_heads))
 
-    out, row_max, row_sum = jax.lax.map(one_token, (q, seq, position, real), batch_size=_REFERENCE_TOKEN_CHUNK)
+    def one_chunk(args):
+        # A chunk of padding tokens only (a bucket's tail) computes nothing: its rows have no keys.
+        empty = (jnp.zeros((args[0].shape[0], num_q_heads, head_dim), jnp.float32),
+                 jnp.full((args[0].shape[0], num_q_heads), -jnp.inf, jnp.float32),
+                 jnp.zeros((args[0].shape[0], num_q_heads), jnp.float32))
+        return jax.lax.cond(jnp.any(args[3]), jax.vmap(one_token), lambda _: empty, args)
+
+    chunk = min(_REFERENCE_TOKEN_CHUNK, num_tokens)
+    padded = -(-num_tokens // chunk) * chunk
+    pad = lambda x: jnp.pad(x, [(0, padded - num_tokens)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731 (not real)
+    chunks = [pad(x).reshape((-1, chunk) + x.shape[1:]) for x in (q, seq, position, real)]
+    out, row_max, row_sum = (x.reshape((padded,) + x.shape[2:])[:num_tokens]
+                             for x in jax.lax.map(one_chunk, tuple(chunks)))
     out = out.astype(q.dtype)
     if return_residuals:
         return out, (row_max, row_sum)

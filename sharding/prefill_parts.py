@@ -126,34 +126,48 @@ def prefill_parts(
     Returns:
       PrefillParts with one row per (instance, sequence with queries and past keys on that instance).
     """
-    if len(tables) != len(kv_lens) or len(q_lens) != len(kv_lens):
-        raise ValueError(f"tables ({len(tables)}), kv_lens ({len(kv_lens)}) and q_lens ({len(q_lens)}) must "
-                         "have one entry per sequence")
-    if block_size <= 0 or instances <= 0:
-        raise ValueError(f"block_size {block_size} and instances {instances} must be positive")
-    rows: list[list[tuple[int, list[int], int, np.ndarray]]] = [[] for _ in range(instances)]
-    first_token = 0
-    for s, (table, kv_len, q_len) in enumerate(zip(tables, kv_lens, q_lens)):
-        kv_len, q_len = int(kv_len), int(q_len)
-        if not 0 <= q_len <= kv_len:
-            raise ValueError(f"sequence {s}: q_len {q_len} must be in [0, kv_len {kv_len}]")
-        used = -(-kv_len // block_size)
+    _check_step(len(tables), kv_lens, q_lens, block_size, instances)
+    placements = []
+    for s, (table, kv_len) in enumerate(zip(tables, kv_lens)):
+        used = -(-int(kv_len) // block_size)
         if used > len(table):
             raise ValueError(f"sequence {s}: kv_len {kv_len} needs {used} rBlocks of {block_size}; its table has "
                              f"{len(table)}")
-        placed = [_placement(table[e]) for e in range(used)]
-        for e, (instance, _) in enumerate(placed):
-            if not 0 <= instance < instances:
-                raise ValueError(f"sequence {s}: table entry {e} is on instance {instance}, outside [0, {instances})")
+        placements.append(np.array([_placement(table[e]) for e in range(used)], np.int64).reshape(used, 2).T)
+    return _past_rows(placements, kv_lens, q_lens, block_size=block_size, instances=instances, max_rows=max_rows,
+                      max_blocks=max_blocks, max_tokens=max_tokens)
+
+
+def _check_step(num_tables: int, kv_lens, q_lens, block_size: int, instances: int) -> None:
+    if num_tables != len(kv_lens) or len(q_lens) != len(kv_lens):
+        raise ValueError(f"tables ({num_tables}), kv_lens ({len(kv_lens)}) and q_lens ({len(q_lens)}) must "
+                         "have one entry per sequence")
+    if block_size <= 0 or instances <= 0:
+        raise ValueError(f"block_size {block_size} and instances {instances} must be positive")
+
+
+def _past_rows(placements: Sequence[np.ndarray], kv_lens, q_lens, *, block_size: int, instances: int,
+               max_rows: int | None, max_blocks: int | None, max_tokens: int | None) -> PrefillParts:
+    """prefill_parts on each sequence's used table entries as a [2, used] array (instances, then blocks)."""
+    rows: list[list[tuple[int, np.ndarray, int, np.ndarray]]] = [[] for _ in range(instances)]
+    first_token = 0
+    for s, ((where, block), kv_len, q_len) in enumerate(zip(placements, kv_lens, q_lens)):
+        kv_len, q_len = int(kv_len), int(q_len)
+        if not 0 <= q_len <= kv_len:
+            raise ValueError(f"sequence {s}: q_len {q_len} must be in [0, kv_len {kv_len}]")
+        outside = np.flatnonzero((where < 0) | (where >= instances))
+        if len(outside):
+            e = int(outside[0])
+            raise ValueError(f"sequence {s}: table entry {e} is on instance {int(where[e])}, outside [0, {instances})")
         past = kv_len - q_len  # the first query position: keys before it are the past
         full, partial = divmod(past, block_size)
         if q_len:
             tokens = np.arange(q_len, dtype=np.int64) + first_token
             for instance in range(instances):
-                blocks = [block for where, block in placed[:full] if where == instance]
+                blocks = block[:full][where[:full] == instance]
                 keys = len(blocks) * block_size
-                if partial and placed[full][0] == instance:  # the one partly past rBlock: its keys come last
-                    blocks.append(placed[full][1])
+                if partial and where[full] == instance:  # the one partly past rBlock: its keys come last
+                    blocks = np.append(blocks, block[full])
                     keys += partial
                 if keys:
                     rows[instance].append((s, blocks, keys, tokens))
@@ -199,6 +213,14 @@ def prefill_parts_from_global(
         raise ValueError(f"tables must be [num_seqs, max_blocks] global rBlock ids, got shape {tables.shape}")
     if blocks_per_instance <= 0:
         raise ValueError(f"blocks_per_instance {blocks_per_instance} must be positive")
-    placements = [[(int(g) // blocks_per_instance, int(g) % blocks_per_instance) for g in row] for row in tables]
-    return prefill_parts(placements, kv_lens, q_lens, block_size=block_size, instances=instances, max_rows=max_rows,
-                         max_blocks=max_blocks, max_tokens=max_tokens)
+    _check_step(tables.shape[0], kv_lens, q_lens, block_size, instances)
+    placements = []
+    for s, kv_len in enumerate(kv_lens):
+        used = -(-int(kv_len) // block_size)
+        if used > tables.shape[1]:
+            raise ValueError(f"sequence {s}: kv_len {kv_len} needs {used} rBlocks of {block_size}; its table has "
+                             f"{tables.shape[1]}")
+        ids = tables[s, :used].astype(np.int64)
+        placements.append(np.stack([ids // blocks_per_instance, ids % blocks_per_instance]))
+    return _past_rows(placements, kv_lens, q_lens, block_size=block_size, instances=instances, max_rows=max_rows,
+                      max_blocks=max_blocks, max_tokens=max_tokens)

@@ -229,7 +229,7 @@ def _chunk_fields(q_lens, homes, first_row, instances: int, chunk_bs: int, t_pad
 
 
 def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int, instances: int,
-                 borrowed: bool, bias_width: int | None = None, block_size: int = 1) -> StepInputs:
+                 borrowed: bool, bias_width: int | None = None, block_size: int | None = None) -> StepInputs:
     """Warm-up inputs of one bucket, stacked for `instances`: real shapes, nothing written, nothing attended, no
     penalties (bias_width as InputLayout's; block_size: the pool's, which sizes a borrowed prefill's chunk
     tables)."""
@@ -241,6 +241,8 @@ def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int,
                       row_tables=np.zeros((instances, rows, table_width), np.int32),
                       row_lens=np.zeros((instances, rows), np.int32))
     if not decode:
+        if block_size is None:
+            raise ValueError("a borrowed prefill step's inputs need the pool's block_size (its chunk tables)")
         chunk_bs = chunk_block_size(block_size)
         width = -(-num_tokens // chunk_bs)
         parts = dataclasses.replace(parts, row_query_starts=np.zeros((instances, rows), np.int32),

@@ -465,7 +465,7 @@ def test_queue_full_then_sigterm_drains(tmp_path):
         streams["abandoned"][3].cancel()
         assert _wait_metric(s, "jaxllm_queue_depth", lambda v: v == 0, timeout=5) == 0
         assert not streams["abandoned"][0] or isinstance(streams["abandoned"][0][-1], grpc.RpcError)
-        queued_first = start("queued", 60)
+        queued_first = start("queued", 24)  # finishes within the grace period, also on a loaded 2-core machine
         assert _wait_metric(s, "jaxllm_queue_depth", lambda v: v == 1) == 1
         assert not queued_first.is_set()
 

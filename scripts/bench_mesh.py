@@ -130,7 +130,10 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     if window.running:
         traced.update(window.stop())
     stats = llm.core.stats()
-    ms = [1e3 * t for t in decode[2:]] or [1e3 * t for t in decode]  # the first decode steps compile
+    # The first decode steps compile; the traced ones (and the trace's start and stop) run slower: both left out.
+    traced_steps = range(_TRACE_AFTER, _TRACE_AFTER + args.trace_decode + 1) if args.trace_decode else range(0)
+    ms = ([1e3 * t for n, t in enumerate(decode) if n >= 2 and n not in traced_steps]
+          or [1e3 * t for t in decode])
     kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     context = length + args.new_tokens
     # The device holding the most KV sets the step: its home pool is full, the rest is spread by lending; each

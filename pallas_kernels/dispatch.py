@@ -59,9 +59,9 @@ class Kernels:
       (sharding.tensor_parallel.TensorShards, set by the executor on a mesh): Pallas kernels are custom
       calls XLA cannot partition.
     distributed: None, or a hashable object with `attention(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale,
-      parts, *, decode, num_q_heads, dtype, kernels)` that runs `paged_attention` for a step whose
-      rBlocks lie on several instances (sharding.dist_attention.DistAttention, set by the executor on a
-      step with borrowed rBlocks; it calls back into this module's ops for its per-part work).
+      batch, *, num_q_heads, dtype, kernels)` that runs `paged_attention` for a step whose rBlocks lie on
+      several instances (batch.parts; sharding.dist_attention.DistAttention, set by the executor on a step with
+      borrowed rBlocks; it calls back into this module's ops for its per-part work).
     """
 
     decode_attention: str = "reference"
@@ -238,8 +238,8 @@ def paged_attention(k_pool, v_pool, k_scale, v_scale, qkv, cos, sin, batch: Atte
             raise ValueError("an attention batch with parts (rBlocks on several instances) needs "
                              "Kernels.distributed (sharding.dist_attention.DistAttention)")
         local = dataclasses.replace(kernels, distributed=None)
-        return kernels.distributed.attention(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, batch.parts,
-                                             decode=batch.decode, num_q_heads=num_q_heads, dtype=dtype, kernels=local)
+        return kernels.distributed.attention(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, batch,
+                                             num_q_heads=num_q_heads, dtype=dtype, kernels=local)
     q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(k_pool, v_pool, qkv, cos, sin, batch.slot_mapping, k_scale,
                                                         v_scale, dtype=dtype, kernels=kernels)
     out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens, decode=batch.decode,

@@ -96,7 +96,7 @@ def _attention_kernels(events: list[tuple[str, int, int]], steps: int) -> dict[s
 
 def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     """(a): one sequence as long as the whole mesh's pools allow, prefilled and decoded."""
-    from common.device_trace import TraceWindow, device_summary
+    from common.device_trace import TraceWindow, device_summary, events_by_device
     from jaxllm.engine.core import Request
     from jaxllm.model.kv_cache import kv_bytes_per_block
     from jaxllm.contract import SamplingParams
@@ -120,7 +120,7 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
         if n == _TRACE_AFTER:
             window.start()
         elif n == _TRACE_AFTER + args.trace_decode and window.running:
-            traced.update(window.stop())
+            traced.update(events_by_device(window.stop()))
 
     t0 = time.perf_counter()
     outputs, prefill, decode = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=args.new_tokens,
@@ -128,7 +128,7 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
                                       on_decode=on_decode if args.trace_decode else None)
     wall = time.perf_counter() - t0
     if window.running:
-        traced.update(window.stop())
+        traced.update(events_by_device(window.stop()))
     stats = llm.core.stats()
     # The first decode steps compile; the traced ones (and the trace's start and stop) run slower: both left out.
     traced_steps = range(_TRACE_AFTER, _TRACE_AFTER + args.trace_decode + 1) if args.trace_decode else range(0)

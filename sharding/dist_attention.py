@@ -60,9 +60,9 @@ class DistParts:
     row_cu_q_lens[-1] points at token 0 and is dropped); token_rows [I*T] int32: the other way, each gathered
     token's packed row query here, -1 if none (a token has at most one: a row per sequence an instance). And this
     instance's chunk (its own T tokens' K/V as a pool of N = ceil(T / c) + S rBlocks of c =
-    chunk_block_size(block size) tokens, each sequence from an rBlock of its own): chunk_tokens [N * c] int32:
-    the local token each slot holds (0 where none: never attended); chunk_tables [S, ceil(T / c)], chunk_lens [S]
-    (its q_len), chunk_cu_q_lens [S+1] (its tokens, packed as the step's).
+    chunk_block_size(block size) tokens, each sequence from an rBlock of its own, its rows the step's, packed as
+    its cu_q_lens): chunk_tokens [N * c] int32: the local token each slot holds (0 where none: never attended);
+    chunk_tables [S, ceil(T / c)].
     """
 
     write_slots: jax.Array
@@ -74,8 +74,6 @@ class DistParts:
     token_rows: jax.Array | None = None
     chunk_tokens: jax.Array | None = None
     chunk_tables: jax.Array | None = None
-    chunk_lens: jax.Array | None = None
-    chunk_cu_q_lens: jax.Array | None = None
 
 
 class SpreadOverAxis:
@@ -114,11 +112,13 @@ class DistAttention:
 
     axis: str = INSTANCE
 
-    def attention(self, qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, parts: DistParts, *, decode: bool,
+    def attention(self, qkv, cos, sin, k_pool, v_pool, k_scale, v_scale, batch: dispatch.AttentionBatch, *,
                   num_q_heads: int, dtype, kernels: dispatch.Kernels):
         """qkv: this instance's fused projection [T, Hkv, G+2, hd] (or [P, T, ...] float32 split-K partials);
-        cos, sin: its RoPE tables [T, ...]; the pool and scales: this instance's; kernels: the step's Kernels
-        without this hook. Returns (out [T, Hq, hd] in dtype, k_pool, v_pool, k_scale, v_scale)."""
+        cos, sin: its RoPE tables [T, ...]; the pool and scales: this instance's; batch: this instance's step, its
+        DistParts in batch.parts (a prefill's chunk rows are packed as batch.cu_q_lens); kernels: the step's
+        Kernels without this hook. Returns (out [T, Hq, hd] in dtype, k_pool, v_pool, k_scale, v_scale)."""
+        parts, decode = batch.parts, batch.decode
         token_axis = 1 if qkv.ndim == 5 else 0
         q, k_pool, v_pool, k_scale, v_scale = dispatch.rope_write_kv(
             k_pool, v_pool, _gather(qkv, token_axis), _gather(cos), _gather(sin), parts.write_slots, k_scale,
@@ -140,7 +140,7 @@ class DistAttention:
             out = jnp.where(here[:, None, None], out[at].astype(jnp.float32), 0.0)
             row_max = jnp.where(here[:, None], row_max[at], -jnp.inf)
             row_sum = jnp.where(here[:, None], row_sum[at], 0.0)
-            chunk = self._chunk(qkv, cos, sin, k_pool, parts, dtype=dtype, attend=attend)
+            chunk = self._chunk(qkv, cos, sin, k_pool, parts, batch.cu_q_lens, dtype=dtype, attend=attend)
             tokens = chunk[0].shape[0]
             start = jax.lax.axis_index(self.axis) * tokens  # this instance's own tokens: their chunk is here
             own = [jax.lax.dynamic_slice_in_dim(x, start, tokens) for x in (out, row_max, row_sum)]
@@ -151,7 +151,7 @@ class DistAttention:
         return out.astype(dtype), k_pool, v_pool, k_scale, v_scale
 
     @staticmethod
-    def _chunk(qkv, cos, sin, k_pool, parts: DistParts, *, dtype, attend: dict):
+    def _chunk(qkv, cos, sin, k_pool, parts: DistParts, cu_q_lens, *, dtype, attend: dict):
         """This instance's own prefill tokens attending causally to each other (their sequences' chunk keys), from
         a pool of their K/V alone, gathered from the tokens (no pool to clear): (out [T, Hq, hd], row max, row
         sum) per local token. int8 pools: the K/V quantized as the pool holds them."""
@@ -168,8 +168,8 @@ class DistAttention:
             attend = dict(attend, k_scale=as_pool(k_scale), v_scale=as_pool(v_scale))
         else:
             k, v = k.astype(k_pool.dtype), v.astype(k_pool.dtype)
-        out, (row_max, row_sum) = dispatch.ragged_attention(q, as_pool(k), as_pool(v), parts.chunk_tables,
-                                                            parts.chunk_lens, parts.chunk_cu_q_lens, decode=False,
-                                                            **attend)
-        real = jnp.arange(q.shape[0]) < parts.chunk_cu_q_lens[-1]
+        lens = cu_q_lens[1:] - cu_q_lens[:-1]  # a sequence's chunk is its query tokens
+        out, (row_max, row_sum) = dispatch.ragged_attention(q, as_pool(k), as_pool(v), parts.chunk_tables, lens,
+                                                            cu_q_lens, decode=False, **attend)
+        real = jnp.arange(q.shape[0]) < cu_q_lens[-1]
         return out, row_max, jnp.where(real[:, None], row_sum, 0.0)  # padding tokens: no keys

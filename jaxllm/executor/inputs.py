@@ -206,7 +206,8 @@ def _dist_parts(plan: StepPlan, used, instances: int, nb: int, bs: int, t_pad: i
 
 def _chunk_fields(q_lens, homes, first_row, instances: int, chunk_bs: int, t_pad: int, s_pad: int) -> dict:
     """Each home's chunk pool layout (DistParts' chunk_* fields, stacked [I, ...]): sequence s's q_len tokens at
-    consecutive slots from a chunk rBlock of its own (its row's table), in its home's row order."""
+    consecutive slots from a chunk rBlock of its own (its row's table), in its home's row order, the tokens packed
+    as the step's cu_q_lens. No sequences: the bucket's inert fields."""
     blocks = -(-q_lens // chunk_bs)  # chunk rBlocks of each sequence
     before = np.cumsum(blocks) - blocks  # chunk rBlocks of the plan's earlier sequences
     first = before - before[first_row[homes]]  # ... of its home's earlier sequences (plan rows are home-major)
@@ -215,17 +216,12 @@ def _chunk_fields(q_lens, homes, first_row, instances: int, chunk_bs: int, t_pad
     tables = np.zeros((instances, s_pad, width), np.int32)
     entry = np.arange(width)
     tables[homes, local_row] = np.where(entry[None, :] < blocks[:, None], first[:, None] + entry[None, :], 0)
-    lens = np.zeros((instances, s_pad), np.int32)
-    lens[homes, local_row] = q_lens
-    cu = np.zeros((instances, s_pad + 1), np.int32)
-    np.add.at(cu, (homes, local_row + 1), q_lens)
-    cu = np.cumsum(cu, axis=1).astype(np.int32)
     tokens = np.zeros((instances, (width + s_pad) * chunk_bs), np.int32)
     token_row = np.repeat(np.arange(len(q_lens)), q_lens)
     offset = np.arange(len(token_row)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)  # within its sequence
-    tokens[homes[token_row], first[token_row] * chunk_bs + offset] = (cu[homes[token_row], local_row[token_row]]
-                                                                      + offset)
-    return dict(chunk_tokens=tokens, chunk_tables=tables, chunk_lens=lens, chunk_cu_q_lens=cu)
+    packed_before = np.cumsum(q_lens) - q_lens - (np.cumsum(q_lens) - q_lens)[first_row[homes]]  # its home's tokens
+    tokens[homes[token_row], first[token_row] * chunk_bs + offset] = packed_before[token_row] + offset
+    return dict(chunk_tokens=tokens, chunk_tables=tables)
 
 
 def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int, instances: int,
@@ -243,14 +239,11 @@ def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int,
     if not decode:
         if block_size is None:
             raise ValueError("a borrowed prefill step's inputs need the pool's block_size (its chunk tables)")
-        chunk_bs = chunk_block_size(block_size)
-        width = -(-num_tokens // chunk_bs)
+        none = np.zeros(0, np.int64)
+        chunk = _chunk_fields(none, none, np.zeros(instances + 1, np.int64), instances, chunk_block_size(block_size),
+                              num_tokens, num_seqs)
         parts = dataclasses.replace(parts, row_query_starts=np.zeros((instances, rows), np.int32),
                                     row_cu_q_lens=np.zeros((instances, rows + 1), np.int32),
                                     row_tokens=np.zeros((instances, queries), np.int32),
-                                    token_rows=np.full((instances, queries), -1, np.int32),
-                                    chunk_tokens=np.zeros((instances, (width + num_seqs) * chunk_bs), np.int32),
-                                    chunk_tables=np.zeros((instances, num_seqs, width), np.int32),
-                                    chunk_lens=np.zeros((instances, num_seqs), np.int32),
-                                    chunk_cu_q_lens=np.zeros((instances, num_seqs + 1), np.int32))
+                                    token_rows=np.full((instances, queries), -1, np.int32), **chunk)
     return dataclasses.replace(stacked, parts=parts)

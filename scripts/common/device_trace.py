@@ -21,11 +21,13 @@ _COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|
 
 def _traced(run):
     """The jax.profiler trace of run() (ProfileData), or None where none was written."""
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            run()
-        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
+    window = TraceWindow()
+    window.start()
+    try:
+        run()
+    finally:
+        data = window.stop()
+    return data
 
 
 def _gpu_kernels(data):
@@ -58,10 +60,11 @@ def gpu_kernel_events(fn, reps: int) -> list[tuple[str, int, int]]:
 def gpu_kernel_events_by_device(run) -> dict[str, list[tuple[str, int, int]]]:
     """device plane name (e.g. `/device:GPU:0`) -> (kernel name, start ns, duration ns) of every GPU kernel that
     ran while run() ran under a trace (run must wait for its device work). Empty where no GPU plane was written."""
-    return _events_by_device(_traced(run))
+    return events_by_device(_traced(run))
 
 
-def _events_by_device(data) -> dict[str, list[tuple[str, int, int]]]:
+def events_by_device(data) -> dict[str, list[tuple[str, int, int]]]:
+    """gpu_kernel_events_by_device's dict from a trace (ProfileData; None: empty)."""
     if data is None:
         return {}
     out = {}
@@ -76,8 +79,8 @@ def _events_by_device(data) -> dict[str, list[tuple[str, int, int]]]:
 
 class TraceWindow:
     """A trace started and stopped by hand, around work that is not one function call (some steps of an engine
-    running its own loop): start(), then stop() -> gpu_kernel_events_by_device's dict. The caller makes sure the
-    device work it wants has finished before stop() (or counts whole steps inside the window)."""
+    running its own loop): start(), then stop() -> the trace (events_by_device reads its kernels). The caller makes
+    sure the device work it wants has finished before stop() (or counts whole steps inside the window)."""
 
     def __init__(self):
         self._dir: str | None = None
@@ -92,14 +95,15 @@ class TraceWindow:
         self._dir = tempfile.mkdtemp(prefix="trace-window-")
         jax.profiler.start_trace(self._dir)
 
-    def stop(self) -> dict[str, list[tuple[str, int, int]]]:
+    def stop(self):
+        """The trace since start() (jax.profiler.ProfileData), or None where none was written."""
         if self._dir is None:
             raise RuntimeError("TraceWindow.stop: no trace is running")
         tmp, self._dir = self._dir, None
         try:
             jax.profiler.stop_trace()
             paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-            return _events_by_device(jax.profiler.ProfileData.from_file(paths[0]) if paths else None)
+            return jax.profiler.ProfileData.from_file(paths[0]) if paths else None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -131,7 +131,7 @@ def multi_turn(args, llm) -> dict:
     rng = np.random.default_rng(35)
     vocab = llm.config.vocab_size
     histories = [rng.integers(3, vocab, size=args.history).tolist() for _ in range(args.conversations)]
-    ttfts, generated, seconds = [], 0, 0.0
+    ttfts, generated, seconds, turn_seconds = [], 0, 0.0, []
     before = _engine_counts(llm)
     for turn in range(args.turns + 1):  # turn 0 reads every history once (cold): not counted
         prompts = [h + rng.integers(3, vocab, size=args.user_tokens).tolist() for h in histories]
@@ -144,10 +144,11 @@ def multi_turn(args, llm) -> dict:
         if turn:
             generated += sum(len(o.token_ids) for outs in outputs.values() for o in outs)
             seconds += wall
+        turn_seconds.append(wall)
         _log(f"  turn {turn}: {wall:.2f} s")
     after = _engine_counts(llm)
     return dict(ttft_p50_s=float(np.percentile(ttfts, 50)), ttft_p90_s=float(np.percentile(ttfts, 90)),
-                tokens_per_s=generated / seconds, seconds=seconds, generated=generated,
+                tokens_per_s=generated / seconds, seconds=seconds, turn_seconds=turn_seconds, generated=generated,
                 history_tokens_total=sum(len(h) for h in histories),
                 **{k: after[k] - before[k] for k in after})
 
@@ -264,7 +265,11 @@ def main(argv=None) -> int:
     partial = os.path.join(args.out, stem + ".json")  # rewritten after each part: a run cut short keeps its parts
     for tier in ("on", "off"):  # one engine each (the same pool), its parts one after the other
         _log(f"host tier {tier}: {args.model}, {args.num_blocks} rBlocks of {args.block_size} tokens on {device}")
+        started = time.perf_counter()
         llm = _engine(args, host_gib=args.host_gib if tier == "on" else 0.0, num_blocks=args.num_blocks)
+        result.setdefault("start_s", {})[tier] = time.perf_counter() - started
+        if tier == "on":  # warm-up's reservation of the tier's host memory (jaxllm.executor.host_store)
+            result["host_reserved_s"] = llm.executor.host_tier_stats()["reserved_seconds"]
         warm = _compiles(llm)
         for part in ("decode", "link", "preemption", "multi_turn"):
             if part not in args.parts or (part == "link" and tier == "off"):

@@ -47,7 +47,8 @@ class StepRunner(Protocol):
 
     def host_tier_stats(self) -> dict[str, float]:
         """The host tier's store: bytes_used (host bytes its runs hold), copy_out_seconds / copy_in_seconds (from
-        the start to the landing of every copy so far); {} without a host tier."""
+        the start to the landing of every copy so far), reserved_seconds (warm-up's reservation of host memory);
+        {} without a host tier."""
         ...
 
     def dispatch(self, plan: StepPlan, *, token_source: DispatchedStep | None = None) -> DispatchedStep:

@@ -156,7 +156,8 @@ class Executor:
             transfer = host_transfer or AsyncHostTransfer(self.programs.run_shardings, instances=instances)
             self.host_store = HostStore(
                 self.programs, transfer, max_run=min(longest_table, 1 << (kv_cache.num_blocks.bit_length() - 1)),
-                block_bytes=self.block_bytes, slots_per_instance=host_tier if instances > 1 else None)
+                block_bytes=self.block_bytes, slots_per_instance=host_tier if instances > 1 else None,
+                reserve_blocks=host_tier)
         if compat.on_gpu():
             compat.silence_triton_deprecation()  # jax 0.11 warns on every Triton-lowered kernel it traces
 
@@ -198,7 +199,8 @@ class Executor:
         if store is None:
             return {}
         seconds = store.copy_seconds
-        return dict(bytes_used=store.bytes_used, copy_out_seconds=seconds["out"], copy_in_seconds=seconds["in"])
+        return dict(bytes_used=store.bytes_used, copy_out_seconds=seconds["out"], copy_in_seconds=seconds["in"],
+                    reserved_seconds=store.reserved_seconds)
 
     def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
         """The tuner's variants of this bucket, wrapped for the mesh (memoised: asked once per bucket)."""
@@ -440,7 +442,9 @@ class Executor:
         if progress:
             buckets = len(self.buckets.decode_sizes), len(self.buckets.prefill_sizes)
             borrowed = ", each also with borrowed rBlocks, and the recall copy" if copies else ""
-            host = f", and the host tier's gather and scatter of {len(runs)} run lengths" if runs else ""
+            host = (f", and the host tier's gather and scatter of {len(runs)} run lengths, then its "
+                    f"{self.host_store.reserve_blocks * self.block_bytes / (1 << 30):.1f} GiB of host memory an "
+                    f"instance reserved" if runs else "")
             print(f"[jaxllm] warm-up: {len(plan) + copies + 2 * len(runs)} compiles ({buckets[0]} decode + "
                   f"{buckets[1]} prefill buckets x tuner variants x greedy/logprob variants{borrowed}{host})",
                   file=sys.stderr, flush=True)
@@ -459,7 +463,8 @@ class Executor:
                 bar.update(1, detail="recall copy")
             if runs:
                 self.launcher.run(self._warm_host_copies)
-                bar.update(2 * len(runs), detail=f"host copies of {runs[0]}..{runs[-1]} rBlocks")
+                bar.update(2 * len(runs), detail=f"host copies of {runs[0]}..{runs[-1]} rBlocks, host memory "
+                                                 f"reserved in {self.host_store.reserved_seconds:.1f} s")
 
     # ----- multi-process runs -----
 

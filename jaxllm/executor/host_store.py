@@ -15,6 +15,11 @@ in flight together are held to `max_copy_bytes` (the oldest is waited for before
 happens only when copies of more than that are still landing), and a run is at most that long, so a big swap
 never needs more device memory than that beyond the pool. Landed runs are let go at the next copy.
 
+Host memory: the backend's allocator for a host memory kind grows as runs arrive, and each growth pins fresh pages
+(page-locking runs at a few GB/s, far below the link), on the launcher thread, before the copy can start. Warm-up
+therefore copies the whole tier's bytes out once and lets them go (`reserve_blocks`): the allocator keeps what it
+pinned, and serving's copies reuse it.
+
 Called on the launcher thread (jaxllm.executor.launcher), between the steps: the order of device work is the
 order of the calls, so the step after a copy reads the pool the copy left.
 """
@@ -98,10 +103,13 @@ class HostStore:
     gather_blocks / scatter_blocks move runs; transfer: how runs cross the host link; max_run: the longest run
     (a power of two; it is lowered until a run fits max_copy_bytes); block_bytes: one rBlock's bytes (all layers);
     max_copy_bytes: device bytes the runs in flight may take together; slots_per_instance: each instance's host
-    tier's slots (slot // slots_per_instance: the instance whose host keeps it; None: one instance)."""
+    tier's slots (slot // slots_per_instance: the instance whose host keeps it; None: one instance);
+    reserve_blocks: rBlocks of each instance's host memory warm-up copies out once and lets go (the tier's size:
+    the module docstring's Host memory; 0: none)."""
 
     def __init__(self, programs, transfer: HostTransfer, *, max_run: int, block_bytes: int,
-                 max_copy_bytes: int = MAX_COPY_BYTES, slots_per_instance: int | None = None):
+                 max_copy_bytes: int = MAX_COPY_BYTES, slots_per_instance: int | None = None,
+                 reserve_blocks: int = 0):
         if max_run <= 0 or max_run & (max_run - 1):
             raise ValueError(f"max_run must be a power of two, got {max_run}")
         while max_run > 1 and max_run * block_bytes > max_copy_bytes:
@@ -112,6 +120,8 @@ class HostStore:
         self.block_bytes = block_bytes
         self.max_copy_bytes = max(max_copy_bytes, block_bytes)
         self.slots_per_instance = slots_per_instance
+        self.reserve_blocks = reserve_blocks
+        self.reserved_seconds = 0.0  # warm-up's reservation (the module docstring's Host memory)
         # (bytes, wait until it landed, whether it landed (never waits)), oldest first
         self._in_flight: collections.deque = collections.deque()
         self._in_flight_bytes = 0
@@ -191,7 +201,23 @@ class HostStore:
             pool = self.programs.scatter_blocks(pool, self.transfer.to_device(host), np.full(length, -1, np.int32))
         self.runs_out = 0
         jax.block_until_ready(pool)
+        self.reserve(pool)
         return pool
+
+    def reserve(self, pool) -> None:
+        """Copy `reserve_blocks` rBlocks out to each instance's host memory, a run at a time, and let them go: the
+        host allocator grows (pins) now rather than under the first copies served (the module docstring)."""
+        start = time.perf_counter()
+        instances = 1 if self.slots_per_instance is None else self.programs.instances
+        for instance in range(instances):
+            held = []  # held until the instance's whole reservation exists: each run new memory, none reused
+            for length in run_lengths(self.reserve_blocks, self.max_run):
+                host = self.transfer.to_host(self.programs.gather_blocks(pool, np.zeros(length, np.int32)), instance)
+                host.wait()
+                jax.block_until_ready(host.arrays())  # one run's device copy at a time beside the pool
+                held.append(host)
+            del held
+        self.reserved_seconds = time.perf_counter() - start
 
     def _make_room(self, length: int) -> None:
         """Wait for the oldest runs in flight until one of `length` rBlocks fits max_copy_bytes beside the rest."""

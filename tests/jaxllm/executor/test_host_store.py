@@ -2,6 +2,7 @@
 them, host bytes released when no slot needs a run, and device memory in flight held to max_copy_bytes."""
 
 import threading
+import weakref
 
 import numpy as np
 
@@ -106,3 +107,37 @@ def test_landed_runs_are_let_go_at_the_next_copy():
     store.apply(np.arange(16), _copies(out=[1], slots=[1]))
     assert [e[0] for e in log] == ["gather", "wait", "gather"], log  # far under max_copy_bytes, but landed
     store.sync()
+
+
+class _Counting(_Transfer):
+    """Counts the host rBlocks alive at once (a run's arrays are freed when the last reference goes)."""
+
+    def __init__(self, log):
+        super().__init__(log, landed=True)
+        self.alive = self.peak = 0
+        self.per_instance = {}
+
+    def to_host(self, run, instance=0):
+        host = super().to_host(run, instance)
+        self.alive += len(run)
+        self.peak = max(self.peak, self.alive)
+        self.per_instance[instance] = self.per_instance.get(instance, 0) + len(run)
+        weakref.finalize(host, self._freed, len(run))
+        return host
+
+    def _freed(self, n):
+        self.alive -= n
+
+
+def test_warm_up_reserves_the_tiers_host_memory_once_and_lets_it_go():
+    """Each instance's whole tier is copied out at once (the host allocator grows to it at warm-up, not under the
+    first copies served), one run of device memory at a time, and released: nothing is held after."""
+    log = []
+    transfer = _Counting(log)
+    store = HostStore(_Programs(log), transfer, max_run=8, block_bytes=10, reserve_blocks=19)
+    pool = store.warm_up(np.arange(100, 132))
+    compiled = sum(store.run_lengths())  # warm-up's one copy of each length, let go at the next copy
+    assert transfer.alive == compiled and transfer.peak == compiled + 19 and store.bytes_used == 0
+    assert transfer.per_instance == {0: compiled + 19}
+    assert store.runs_out == 0 and store.reserved_seconds >= 0
+    assert np.array_equal(pool, np.arange(100, 132))

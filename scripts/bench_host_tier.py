@@ -93,12 +93,12 @@ def link(args, llm) -> dict:
     outs, ins = [], []
     for _ in range(args.reps):  # slots the ledger has not handed out yet (the engine is idle): dropped after
         t = time.perf_counter()
-        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(ids, ids, none, none, none)))
+        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(ids, ids, none, none, none, none)))
         executor.launcher.drain()
         store.sync()
         outs.append(time.perf_counter() - t)
         t = time.perf_counter()
-        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(none, none, ids, ids, none)))
+        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(none, none, ids, ids, none, ids)))
         jax.block_until_ready(executor.kv_cache)
         ins.append(time.perf_counter() - t)
     out_rate, in_rate = _median_rate(outs, nbytes), _median_rate(ins, nbytes)

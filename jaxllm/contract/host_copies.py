@@ -4,7 +4,9 @@ A scheduler with a host tier (jaxllm.engine.host_tier) puts them on its StepPlan
 (jaxllm.executor.host_store) runs them before the step, in this order: `dropped` host slots are forgotten, the
 `out_*` rBlocks are copied to the host (read from the pool as the previous step left it), then the plan's
 block_copies (DistKV recalls) run, then the `in_*` host slots are copied into the pool (a slot written by this
-plan's out copies is read after that copy lands). Device
+plan's out copies is read after that copy lands), then the `released` slots are forgotten (read for the last
+time: a swapped sequence's; a host prefix-cache hit keeps its slot, so its rBlocks need no copy out when the
+device evicts them again). Device
 work runs in dispatch order, so an rBlock copied out may be handed to another sequence in the same plan, and
 the step reads every copied-in rBlock after it landed.
 """
@@ -21,15 +23,16 @@ __all__ = ["HostCopies"]
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostCopies:
     """out_blocks, out_slots [N] int32: rBlock out_blocks[i] goes to host slot out_slots[i]; in_slots, in_blocks
-    [M] int32: host slot in_slots[i] comes back into rBlock in_blocks[i] (the slot is then free); dropped [K] int32:
-    host slots whose content nobody will read (evicted from the host's prefix cache, or a swapped sequence
-    ended)."""
+    [M] int32: host slot in_slots[i] comes back into rBlock in_blocks[i]; dropped [K] int32: host slots whose
+    content nobody will read (evicted from the host's prefix cache, or a swapped sequence ended), forgotten
+    first; released [R] int32: slots forgotten after the copies in (a swapped sequence's, read back now)."""
 
     out_blocks: np.ndarray
     out_slots: np.ndarray
     in_slots: np.ndarray
     in_blocks: np.ndarray
     dropped: np.ndarray
+    released: np.ndarray
 
     def __post_init__(self):
         if len(self.out_blocks) != len(self.out_slots) or len(self.in_slots) != len(self.in_blocks):
@@ -45,7 +48,7 @@ class HostCopies:
         return len(self.in_blocks)
 
     def __len__(self) -> int:
-        return self.num_out + self.num_in + len(self.dropped)
+        return self.num_out + self.num_in + len(self.dropped) + len(self.released)
 
     @staticmethod
     def join(parts: list[HostCopies | None]) -> HostCopies | None:

@@ -10,14 +10,16 @@ Two kinds of content:
     back in) or ends; never evicted. `swap_out` declines when the tier has no room (the scheduler then
     recomputes, as without a tier: nothing is lost either way).
   - the host prefix cache: full rBlocks the device's prefix cache evicted (`spill`), under their content keys,
-    least recently spilled evicted first when room is needed; a later prompt with that prefix copies them back
-    (`lookup`, `claim`, then `restore`) instead of prefilling them.
+    least recently used evicted first when room is needed; a later prompt with that prefix copies them back
+    (`lookup`, `claim`, then `restore`) instead of prefilling them. A hit keeps its slot (the cache is inclusive):
+    when the device evicts those rBlocks again, their spill finds them on the host and copies nothing (a
+    multi-turn conversation's history crosses the link once, not at every turn).
 
 Copies in flight. A copy planned here runs on the device before the step of the plan it rides on, in dispatch
 order, so the device rBlock a swap-out read may be handed to another sequence at once, and a slot written by a
 plan's out copies may be read back by the same or a later plan (the executor waits for it to land). A slot
-read by a plan's in copies is freed only once that plan's copies are taken (`take_copies`): until then the
-executor has not read it, and a new out copy must not land in it.
+read by a plan's in copies is freed (a swap's) or rejoins the host cache (a hit's) only once that plan's copies
+are taken (`take_copies`): until then the executor has not read it, and a new out copy must not land in it.
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ class HostTier:
         self._key_of: dict[int, bytes] = {}
         self._claimed: dict[int, bytes] = {}  # slot -> key: looked up for an admission, not evictable meanwhile
         self._releasing: list[int] = []  # slots read by the pending copies: free once they are taken
+        self._rejoining: list[tuple[int, bytes]] = []  # host-cache hits read by the pending copies: cached again then
         self._out: list[tuple[int, int]] = []  # pending (rBlock, slot)
         self._in: list[tuple[int, int]] = []  # pending (slot, rBlock)
         self._dropped: list[int] = []
+        self._released: list[int] = []  # slots the pending copies in read for the last time
         # rBlocks whose contents a copy planned with this plan moves before the host copies' step (DistKV recalls:
         # destination -> source): a swap-out reads a moved rBlock at its source (host copies out run first).
         self.moved: dict[int, int] = {}
@@ -123,6 +127,8 @@ class HostTier:
         self._dropped.extend(slots[:skip])
         self._releasing.extend(slots[:skip])
         self._copy_in(slots[skip:], blocks)
+        self._released.extend(slots[skip:])
+        self._releasing.extend(slots[skip:])
         self._counts["swap_ins_total"] += 1
 
     def discard(self, seq_id: int) -> None:
@@ -179,12 +185,11 @@ class HostTier:
             self._key_of[slot] = key
 
     def restore(self, slots: list[int], blocks: list[int]) -> None:
-        """Plan copying claimed `slots` into `blocks`; they leave the host cache (the device's prefix cache holds
-        them again once computed KV is registered)."""
+        """Plan copying claimed `slots` into `blocks`; they rejoin the host cache (as the most recently used) once
+        the copies are taken, so a later spill of the same rBlocks copies nothing."""
         if len(slots) != len(blocks):
             raise ValueError(f"{len(slots)} host slots for {len(blocks)} rBlocks")
-        for slot in slots:
-            del self._claimed[slot]
+        self._rejoining.extend((slot, self._claimed.pop(slot)) for slot in slots)
         self._copy_in(slots, blocks)
         self._counts["hit_blocks_total"] += len(slots)
 
@@ -195,17 +200,24 @@ class HostTier:
         become free."""
         if not (self._out or self._in or self._dropped):
             return None
+        for slot, key in self._rejoining:
+            if key in self._cached:  # spilled again meanwhile (to another slot): this one goes
+                self._released.append(slot)
+                self._releasing.append(slot)
+            else:
+                self._cached[key] = slot
+                self._key_of[slot] = key
         pairs = lambda items, j: np.fromiter((p[j] for p in items), np.int32, len(items))  # noqa: E731
         copies = HostCopies(out_blocks=pairs(self._out, 0), out_slots=pairs(self._out, 1),
                             in_slots=pairs(self._in, 0), in_blocks=pairs(self._in, 1),
-                            dropped=np.asarray(self._dropped, np.int32))
+                            dropped=np.asarray(self._dropped, np.int32),
+                            released=np.asarray(self._released, np.int32))
         self._free.extend(sorted(self._releasing, reverse=True))
-        self._out, self._in, self._dropped, self._releasing = [], [], [], []
+        self._out, self._in, self._dropped, self._releasing, self._released, self._rejoining = [], [], [], [], [], []
         return copies
 
     def _copy_in(self, slots: list[int], blocks: list[int]) -> None:
         self._in.extend(zip(slots, blocks))
-        self._releasing.extend(slots)
         self._counts["blocks_in_total"] += len(slots)
 
     def _take(self, count: int) -> list[int]:

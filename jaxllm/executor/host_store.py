@@ -176,7 +176,6 @@ class HostStore:
             run, row = self._slots[slot]
             targets = wanted.setdefault(run, np.full(run.length, -1, np.int32))
             targets[row] = block
-            self._forget(slot)
         for run, targets in wanted.items():
             run.host.wait()  # never read a run before it has landed on the host
             self._make_room(run.length)
@@ -184,6 +183,8 @@ class HostStore:
             self._hold(run.length, device, lambda arrays=device: jax.block_until_ready(arrays))
             self._clock.started("in", lambda arrays=device: jax.block_until_ready(arrays))
             pool = self.programs.scatter_blocks(pool, device, targets)
+        for slot in copies.released.tolist():  # read for the last time (their runs stay until the copies land)
+            self._forget(slot)
         self.blocks_in += copies.num_in
         self.runs_in += len(wanted)
         return pool

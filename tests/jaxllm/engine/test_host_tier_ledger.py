@@ -67,7 +67,30 @@ def test_claimed_slots_survive_spills_until_restored_or_unclaimed():
     assert host.lookup([b"a"]) == slots
     host.claim(slots)
     host.restore(slots, [9])
-    assert host.lookup([b"a"]) == [] and host.take_copies().in_blocks.tolist() == [9]
+    assert host.lookup([b"a"]) == []  # not before the copy is taken: a spill must not land in the slot it reads
+    copies = host.take_copies()
+    assert copies.in_blocks.tolist() == [9] and copies.released.tolist() == []
+    assert host.lookup([b"a"]) == slots  # inclusive: the hit keeps its slot
+
+
+def test_a_restored_prefix_evicted_again_is_not_copied_out_again():
+    """A multi-turn conversation's history crosses the link once: the device evicting rBlocks it got back from
+    the host finds them there (an LRU touch, no copy); a swapped sequence's slots are released when read back."""
+    host = HostTier(4)
+    host.spill(b"a", 1)
+    host.spill(b"b", 2)
+    assert host.take_copies().out_slots.tolist() == [0, 1]
+    slots = host.lookup([b"a", b"b"])
+    host.claim(slots)
+    host.restore(slots, [5, 6])
+    host.take_copies()
+    assert host.spill(b"a", 5) and host.spill(b"b", 6) and host.take_copies() is None
+    assert host.stats().blocks_out_total == 2 and host.stats().hit_blocks_total == 2
+    assert host.swap_out(7, [8, 9])  # the two free slots
+    host.take_copies()
+    host.swap_in(7, [10, 11])
+    copies = host.take_copies()
+    assert sorted(copies.released.tolist()) == sorted(copies.in_slots.tolist()) and host.num_free == 4
 
 
 def _tags(tokens: list[int]) -> list[int]:
@@ -110,7 +133,9 @@ def test_random_workload_reads_only_its_own_kv(host_slots, prefix_caching):
             for _, slot, rows in outs:
                 slots[slot] = rows
             for slot, block in zip(copies.in_slots.tolist(), copies.in_blocks.tolist()):
-                device[block] = list(slots.pop(slot))
+                device[block] = list(slots[slot])
+            for slot in copies.released.tolist():  # read for the last time
+                del slots[slot]
         for i, seq_id in enumerate(plan.seq_ids.tolist()):
             seq = sched.sequence(seq_id)
             tags = _tags(seq.token_ids)
@@ -162,7 +187,9 @@ def _apply_copies(plan, device: dict, slots: dict) -> None:
             device[dst] = rows
     if host is not None:
         for slot, block in zip(host.in_slots.tolist(), host.in_blocks.tolist()):
-            device[block] = list(slots.pop(slot))
+            device[block] = list(slots[slot])
+        for slot in host.released.tolist():
+            del slots[slot]
 
 
 @pytest.mark.parametrize("host_slots", [3, 12, 60])

@@ -65,9 +65,9 @@ class _Transfer:
         return run.arrays()
 
 
-def _copies(out=(), slots=(), ins=(), into=(), dropped=()):
+def _copies(out=(), slots=(), ins=(), into=(), dropped=(), released=None):
     a = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    return HostCopies(a(out), a(slots), a(ins), a(into), a(dropped))
+    return HostCopies(a(out), a(slots), a(ins), a(into), a(dropped), a(ins if released is None else released))
 
 
 def test_run_lengths_split_a_count_into_powers_of_two():

@@ -29,6 +29,7 @@ from jaxllm.model.generation_config import load_generation_defaults
 from jaxllm.model.llama import abstract_model
 from jaxllm.tuner.compile_cache import enable_persistent_cache, resolve_cache_dir
 from jaxllm.tuner.fixed import FixedTuner
+from pallas_kernels import compat
 from pallas_kernels.dispatch import BACKENDS, default_kernels
 from sharding.mesh import check_tensor_parallel, instance_hosts, make_mesh
 from sharding.rules import abstract_kv_pool, kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
@@ -380,6 +381,13 @@ class LLM:
         if wanted and wanted < per_block:
             raise ValueError(f"host_kv_bytes {wanted} is less than one rBlock ({per_block} bytes): use 0 to turn "
                              f"the host tier off, or at least {per_block}")
+        limit = compat.pinned_host_limit_bytes(jax.devices()[0]) if wanted else None
+        needed = self.options.instances * wanted + HOST_COPY_BYTES  # every instance's tier + the copies in flight
+        if limit is not None and needed > limit:
+            raise ValueError(f"host_kv_bytes {wanted} x {self.options.instances} instance(s) + {HOST_COPY_BYTES >> 20} "
+                             f"MiB of copies in flight exceeds the backend's pinned host memory, {limit >> 30} GiB: "
+                             f"lower --host-kv-gib, or raise the cap with {compat.PINNED_HOST_LIMIT_VAR}=<GiB> in "
+                             f"the environment before the process starts")
         return wanted // per_block
 
     def close(self) -> None:

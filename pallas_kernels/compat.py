@@ -148,3 +148,23 @@ def host_memory_kind(device) -> str | None:
         if kind in kinds:
             return kind
     return None
+
+
+# XLA's GPU client pins host memory ("pinned_host" arrays) from one allocator per client, capped at this many GiB
+# unless the variable below says otherwise (read once, when the client starts): past it an allocation fails.
+PINNED_HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+_PINNED_HOST_DEFAULT_GB = 64
+
+
+def pinned_host_limit_bytes(device) -> int | None:
+    """Bytes of pinned host memory `device`'s backend can hand out in all, or None where it has no such cap (no
+    "pinned_host" memory kind: the CPU)."""
+    if host_memory_kind(device) != "pinned_host" or device.platform != "gpu":
+        return None
+    import os
+
+    try:
+        gib = int(os.environ.get(PINNED_HOST_LIMIT_VAR, _PINNED_HOST_DEFAULT_GB))
+    except ValueError:
+        gib = _PINNED_HOST_DEFAULT_GB  # XLA logs the bad value and keeps its default
+    return gib << 30

@@ -181,6 +181,37 @@ def test_host_tier_smaller_than_one_rblock_is_refused():
         LLM("tiny", max_context=64, options=EngineOptions(block_size=4, host_kv_bytes=100), progress=False)
 
 
+def test_host_tier_past_the_backends_pinned_memory_is_refused_naming_the_cap(monkeypatch):
+    """On a GPU XLA pins host memory up to a cap (64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise):
+    a tier past it would fail mid-serving; it is refused at start, naming the cap and how to raise it."""
+    from pallas_kernels import compat
+
+    monkeypatch.setattr(compat, "pinned_host_limit_bytes", lambda device: 1 << 30)
+    with pytest.raises(ValueError, match=r"host_kv_bytes 1048576 x 2 instance\(s\) \+ 1024 MiB of copies in flight "
+                                         r"exceeds the backend's pinned host memory, 1 GiB: .*"
+                                         r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB>"):
+        LLM("tiny", max_context=64, options=EngineOptions(block_size=4, instances=2, host_kv_bytes=1 << 20),
+            progress=False)
+
+
+def test_the_pinned_host_cap_follows_xlas_variable(monkeypatch):
+    from pallas_kernels import compat
+
+    class _Gpu:
+        platform = "gpu"
+
+        def addressable_memories(self):
+            return [type("M", (), {"kind": k})() for k in ("device", "pinned_host", "unpinned_host")]
+
+    monkeypatch.delenv(compat.PINNED_HOST_LIMIT_VAR, raising=False)
+    assert compat.pinned_host_limit_bytes(_Gpu()) == 64 << 30
+    monkeypatch.setenv(compat.PINNED_HOST_LIMIT_VAR, "200")
+    assert compat.pinned_host_limit_bytes(_Gpu()) == 200 << 30
+    import jax
+
+    assert compat.pinned_host_limit_bytes(jax.devices("cpu")[0]) is None
+
+
 @pytest.mark.parametrize("entry", ["generate", "serve"])
 def test_negative_host_kv_gib_flag_is_refused_naming_it(entry, capsys):
     import importlib

@@ -29,7 +29,7 @@ from tests.serve.test_server import ROOT, ServerProcess, _env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("http")]
 
-MAX_CONTEXT = 1024
+MAX_CONTEXT = 512  # prompts up to the limit are prefilled in 4 chunks
 STEP_TOKENS = 128
 MAX_RUNNING = 16  # few batch buckets to warm up; 64 concurrent streams then queue, as under real load
 MAX_LOGPROBS = 3  # the server's --max-logprobs
@@ -361,9 +361,10 @@ def test_chat_logprobs_agree_with_the_engine(client, llm):
 
 ERRORS = [
     (dict(prompt="a", top_p=1.5), openai.BadRequestError, "top_p must be in (0, 1], got 1.5", "top_p"),
-    (dict(prompt="a", max_tokens=1023), openai.BadRequestError, "max_tokens 1023 is over the limit 1022",
-     "max_tokens"),
-    (dict(prompt="x" * 1100), openai.BadRequestError, "prompt has 1101 tokens, more than the context limit 1024 allows", "prompt"),
+    (dict(prompt="a", max_tokens=MAX_CONTEXT - 1), openai.BadRequestError,
+     f"max_tokens {MAX_CONTEXT - 1} is over the limit {MAX_CONTEXT - 2}", "max_tokens"),
+    (dict(prompt="x" * (MAX_CONTEXT + 76)), openai.BadRequestError,
+     f"prompt has {MAX_CONTEXT + 77} tokens, more than the context limit {MAX_CONTEXT} allows", "prompt"),
     (dict(prompt="a", stop=["s"] * 17), openai.BadRequestError, "stop has 17 strings, over the limit 16", "stop"),
     (dict(prompt="a", seed=2**31), openai.BadRequestError, "seed must be in [0, 2**31)", "seed"),
     (dict(prompt="a", temperature=-1), openai.BadRequestError, "temperature must be a finite number >= 0",
@@ -449,9 +450,12 @@ def test_64_concurrent_streams_all_complete(server, llm):
         assert (text, finish) == (ref.text, ref.finish_reason), f"stream {i} differs from LLM.generate"
 
 
+LONG = MAX_CONTEXT - 32  # tokens of a request that runs for seconds: cancelled well before its end
+
+
 def test_closed_streams_return_the_pool_to_zero(server, client):
     before = server.metrics()
-    streams = [client.completions.create(model="tiny", prompt=f"cancel me {i}", max_tokens=1000, temperature=0.5,
+    streams = [client.completions.create(model="tiny", prompt=f"cancel me {i}", max_tokens=LONG, temperature=0.5,
                                          seed=i, stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
     for s in streams:
         assert next(iter(s)).choices  # running, holding rBlocks
@@ -460,7 +464,7 @@ def test_closed_streams_return_the_pool_to_zero(server, client):
     gone = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
     gone.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
                                                      "Content-Type": "application/json"},
-                 body=json.dumps({"model": "tiny", "prompt": "never read", "max_tokens": 1000, "ignore_eos": True}))
+                 body=json.dumps({"model": "tiny", "prompt": "never read", "max_tokens": LONG, "ignore_eos": True}))
     assert _wait_metric(server, "jaxllm_http_active_requests", lambda v: v == 5) == 5
     gone.close()
     for s in streams:

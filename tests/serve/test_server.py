@@ -1,6 +1,6 @@
 """The real server in a subprocess, called through a real gRPC client.
 
-One server (tiny model, max_context 1024, 128-token steps: few shapes to compile) serves the module;
+One server (tiny model, max_context 512, 128-token steps: few shapes to compile) serves the module;
 the SIGTERM test starts its own.
 Outputs are compared with an in-process `LLM` on the same backend: the engine makes a request's
 tokens independent of what else is in its batch, so crowded server batches must match exactly.
@@ -38,7 +38,7 @@ from serve.metrics import parse
 pytestmark = pytest.mark.xdist_group("serve")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MAX_CONTEXT = 1024
+MAX_CONTEXT = 512  # prompts up to the limit are prefilled in 4 chunks
 STEP_TOKENS = 128  # prompts over this are prefilled in chunks
 MAX_RUNNING = 16  # few batch buckets to warm up; the 64 concurrent streams then queue, as under real load
 SERVICE = "jaxllm.v1.LLMService"
@@ -288,7 +288,7 @@ def test_64_concurrent_streams_are_correct_and_independent(server, llm):
 
 def test_cancel_and_deadline_free_the_pool_at_once(server):
     before = server.metrics()
-    long = dict(max_tokens=1000, ignore_eos=True)
+    long = dict(max_tokens=MAX_CONTEXT - 32, ignore_eos=True)  # seconds of decoding: cancelled well before the end
     calls = [server.stub.Generate(_request(f"cancel me {i}", temperature=0.5, seed=i, **long), timeout=60)
              for i in range(4)]
     for call in calls:
@@ -303,7 +303,7 @@ def test_cancel_and_deadline_free_the_pool_at_once(server):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert _wait_metric(server, "jaxllm_kv_pool_usage_ratio", lambda v: v == 0) == 0
     after = server.metrics()
-    # All five were cancelled, not run to their end (1000 tokens each): the engine counted them. A
+    # All five were cancelled, not run to their end (480 tokens each): the engine counted them. A
     # cancel takes effect at the next step boundary, so the pool empties as soon as the step in
     # progress (possibly a compile) is done.
     assert after["jaxllm_engine_requests_cancelled_total"] - before["jaxllm_engine_requests_cancelled_total"] == 5
@@ -320,13 +320,14 @@ def test_cancel_and_deadline_free_the_pool_at_once(server):
 
 BAD = [
     (dict(prompt=""), "prompt is empty"),
-    (dict(prompt="x" * 1100), "prompt has 1101 tokens, more than the context limit 1024 allows"),
-    (dict(prompt="x" * 1023), "at most 1023"),  # 1024 tokens with BOS: no room for output
+    (dict(prompt="x" * (MAX_CONTEXT + 76)), f"prompt has {MAX_CONTEXT + 77} tokens, more than the context limit "
+                                            f"{MAX_CONTEXT} allows"),
+    (dict(prompt="x" * (MAX_CONTEXT - 1)), f"at most {MAX_CONTEXT - 1}"),  # the limit's tokens with BOS: no room
     (dict(prompt="a", prompt_token_ids=[1, 70]), "both set"),
     (dict(prompt_token_ids=[1, 259]), "prompt_token_ids[1]: token id 259 is outside the vocabulary [0, 259)"),
     (dict(prompt="a", max_tokens=0), "max_tokens must be >= 1, got 0"),
     (dict(prompt="a", max_tokens=-3), "max_tokens must be >= 1, got -3"),
-    (dict(prompt="a", max_tokens=1023), "max_tokens 1023 is over the limit 1022"),
+    (dict(prompt="a", max_tokens=MAX_CONTEXT - 1), f"max_tokens {MAX_CONTEXT - 1} is over the limit {MAX_CONTEXT - 2}"),
     (dict(prompt="a", temperature=-0.5), "temperature must be a finite number >= 0"),
     (dict(prompt="a", temperature=math.inf), "temperature must be a finite number >= 0"),
     (dict(prompt="a", temperature=math.nan), "temperature must be a finite number >= 0"),

@@ -6,6 +6,7 @@ Nothing else in the project may branch on the JAX version: add a function here i
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import jax
@@ -161,8 +162,6 @@ def pinned_host_limit_bytes(device) -> int | None:
     "pinned_host" memory kind: the CPU)."""
     if host_memory_kind(device) != "pinned_host" or device.platform != "gpu":
         return None
-    import os
-
     try:
         gib = int(os.environ.get(PINNED_HOST_LIMIT_VAR, _PINNED_HOST_DEFAULT_GB))
     except ValueError:

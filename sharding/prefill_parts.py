@@ -129,10 +129,7 @@ def prefill_parts(
     _check_step(len(tables), kv_lens, q_lens, block_size, instances)
     placements = []
     for s, (table, kv_len) in enumerate(zip(tables, kv_lens)):
-        used = -(-int(kv_len) // block_size)
-        if used > len(table):
-            raise ValueError(f"sequence {s}: kv_len {kv_len} needs {used} rBlocks of {block_size}; its table has "
-                             f"{len(table)}")
+        used = _used_entries(s, kv_len, len(table), block_size)
         placements.append(np.array([_placement(table[e]) for e in range(used)], np.int64).reshape(used, 2).T)
     return _past_rows(placements, kv_lens, q_lens, block_size=block_size, instances=instances, max_rows=max_rows,
                       max_blocks=max_blocks, max_tokens=max_tokens)
@@ -144,6 +141,15 @@ def _check_step(num_tables: int, kv_lens, q_lens, block_size: int, instances: in
                          "have one entry per sequence")
     if block_size <= 0 or instances <= 0:
         raise ValueError(f"block_size {block_size} and instances {instances} must be positive")
+
+
+def _used_entries(s: int, kv_len, table_width: int, block_size: int) -> int:
+    """Sequence s's table entries holding its kv_len keys (ValueError naming them when the table is narrower)."""
+    used = -(-int(kv_len) // block_size)
+    if used > table_width:
+        raise ValueError(f"sequence {s}: kv_len {kv_len} needs {used} rBlocks of {block_size}; its table has "
+                         f"{table_width}")
+    return used
 
 
 def _past_rows(placements: Sequence[np.ndarray], kv_lens, q_lens, *, block_size: int, instances: int,
@@ -216,11 +222,7 @@ def prefill_parts_from_global(
     _check_step(tables.shape[0], kv_lens, q_lens, block_size, instances)
     placements = []
     for s, kv_len in enumerate(kv_lens):
-        used = -(-int(kv_len) // block_size)
-        if used > tables.shape[1]:
-            raise ValueError(f"sequence {s}: kv_len {kv_len} needs {used} rBlocks of {block_size}; its table has "
-                             f"{tables.shape[1]}")
-        ids = tables[s, :used].astype(np.int64)
+        ids = tables[s, :_used_entries(s, kv_len, tables.shape[1], block_size)].astype(np.int64)
         placements.append(np.stack([ids // blocks_per_instance, ids % blocks_per_instance]))
     return _past_rows(placements, kv_lens, q_lens, block_size=block_size, instances=instances, max_rows=max_rows,
                       max_blocks=max_blocks, max_tokens=max_tokens)

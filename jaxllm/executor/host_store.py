@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -54,6 +55,12 @@ def run_lengths(count: int, max_run: int) -> list[int]:
             lengths.append(bit)
             rest -= bit
     return lengths
+
+
+def _landed(host: HostRun) -> None:
+    """Block until a run copied out has landed on the host (its HostRun and its arrays)."""
+    host.wait()
+    jax.block_until_ready(host.arrays())
 
 
 @dataclasses.dataclass(eq=False)
@@ -214,8 +221,7 @@ class HostStore:
             held = []  # held until the instance's whole reservation exists: each run new memory, none reused
             for length in run_lengths(self.reserve_blocks, self.max_run):
                 host = self.transfer.to_host(self.programs.gather_blocks(pool, np.zeros(length, np.int32)), instance)
-                host.wait()
-                jax.block_until_ready(host.arrays())  # one run's device copy at a time beside the pool
+                _landed(host)  # one run's device copy at a time beside the pool
                 held.append(host)
             del held
         self.reserved_seconds = time.perf_counter() - start
@@ -236,10 +242,10 @@ class HostStore:
 
     def _to_host(self, run, instance: int) -> HostRun:
         host = self.transfer.to_host(run, instance)
-        self._hold(len(jax.tree.leaves(run)[0]), host.arrays(),
-                   lambda: (host.wait(), jax.block_until_ready(host.arrays())))
+        landed = functools.partial(_landed, host)
+        self._hold(len(jax.tree.leaves(run)[0]), host.arrays(), landed)
         self.runs_out += 1
-        self._clock.started("out", lambda: (host.wait(), jax.block_until_ready(host.arrays())))
+        self._clock.started("out", landed)
         return host
 
     def _forget(self, slot: int) -> None:

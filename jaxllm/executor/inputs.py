@@ -219,7 +219,8 @@ def _chunk_fields(q_lens, homes, first_row, instances: int, chunk_bs: int, t_pad
     tokens = np.zeros((instances, (width + s_pad) * chunk_bs), np.int32)
     token_row = np.repeat(np.arange(len(q_lens)), q_lens)
     offset = np.arange(len(token_row)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)  # within its sequence
-    packed_before = np.cumsum(q_lens) - q_lens - (np.cumsum(q_lens) - q_lens)[first_row[homes]]  # its home's tokens
+    starts = np.cumsum(q_lens) - q_lens  # each sequence's first token in the plan
+    packed_before = starts - starts[first_row[homes]]  # ... in its home's packed tokens
     tokens[homes[token_row], first[token_row] * chunk_bs + offset] = packed_before[token_row] + offset
     return dict(chunk_tokens=tokens, chunk_tables=tables)
 

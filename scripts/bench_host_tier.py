@@ -120,7 +120,8 @@ def _engine_counts(llm) -> dict:
                 swap_fallbacks=s.swap_fallbacks_total, host_cache_hit_blocks=s.host_cache_hit_blocks_total,
                 host_spilled_blocks=s.host_spilled_blocks_total, host_blocks_out=s.host_blocks_out_total,
                 host_blocks_in=s.host_blocks_in_total, prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
-                host_copy_out_s=s.host_copy_out_seconds, host_copy_in_s=s.host_copy_in_seconds)
+                swap_cached_blocks=s.swap_cached_blocks_total, host_copy_out_s=s.host_copy_out_seconds,
+                host_copy_in_s=s.host_copy_in_seconds)
 
 
 def multi_turn(args, llm) -> dict:

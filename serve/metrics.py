@@ -291,7 +291,9 @@ def _register_tier_metrics(r: Registry, read) -> None:
             ("jaxllm_host_cache_spilled_blocks_total", "prefix-cache rBlocks the device evicted and the host kept",
              "host_spilled_blocks_total"),
             ("jaxllm_host_cache_hit_blocks_total", "host prefix-cache rBlocks copied back instead of prefilled",
-             "host_cache_hit_blocks_total")):
+             "host_cache_hit_blocks_total"),
+            ("jaxllm_kv_swap_cached_blocks_total", "swapped rBlocks the host prefix cache held already (not copied "
+             "out again)", "swap_cached_blocks_total")):
         r.counter(name, what, fn=read(lambda e, field=field: getattr(e.stats(), field)))
     r.counter("jaxllm_kv_host_copied_blocks_total", "KV rBlocks copied between the tiers (direction: out = to the "
               "host, in = back)", ("direction",), fn=read(lambda e: {("out",): e.stats().host_blocks_out_total,

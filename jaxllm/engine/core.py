@@ -157,8 +157,8 @@ class EngineStats:
     # The host tier (all 0 without one): its rBlocks (slots), those in use and those of its prefix cache, the host
     # bytes its runs hold; sequences swapped out instead of recomputed, back in, and recomputed because it was
     # full; rBlocks copied to the host (swaps and prefix-cache spills) and back (swaps and host-cache hits), spilled
-    # and hit; seconds from start to landing of the copies each way. kv_block_bytes: one rBlock's bytes (a tier's
-    # bytes are its rBlocks times this).
+    # and hit; swapped rBlocks the host cache held already (not copied again); seconds from start to landing of
+    # the copies each way. kv_block_bytes: one rBlock's bytes (a tier's bytes are its rBlocks times this).
     kv_block_bytes: int = 0
     host_blocks: int = 0
     host_blocks_used: int = 0
@@ -171,6 +171,7 @@ class EngineStats:
     host_blocks_in_total: int = 0
     host_spilled_blocks_total: int = 0
     host_cache_hit_blocks_total: int = 0
+    swap_cached_blocks_total: int = 0
     host_copy_out_seconds: float = 0.0
     host_copy_in_seconds: float = 0.0
 
@@ -401,6 +402,7 @@ class EngineCore:
                         swap_fallbacks_total=tier.swap_fallbacks_total, host_blocks_out_total=tier.blocks_out_total,
                         host_blocks_in_total=tier.blocks_in_total, host_spilled_blocks_total=tier.spilled_blocks_total,
                         host_cache_hit_blocks_total=tier.hit_blocks_total,
+                        swap_cached_blocks_total=tier.swap_cached_blocks_total,
                         host_copy_out_seconds=float(store.get("copy_out_seconds", 0.0)),
                         host_copy_in_seconds=float(store.get("copy_in_seconds", 0.0)))
         return EngineStats(**self._counts, **host, kv_block_bytes=executor.block_bytes, queue_depth=queue.waiting,

@@ -8,7 +8,10 @@ holds, and every copy between the tiers rides on the next StepPlan as its HostCo
 Two kinds of content:
   - swapped sequences: a preempted sequence's computed KV, all of its rBlocks, kept until it resumes (copied
     back in) or ends; never evicted. `swap_out` declines when the tier has no room (the scheduler then
-    recomputes, as without a tier: nothing is lost either way).
+    recomputes, as without a tier: nothing is lost either way). The rBlocks whose content key the host prefix
+    cache holds already (a conversation's history restored from the host, then preempted) are not copied again:
+    the sequence holds those cached slots as its own (pinned: neither evictable nor found by lookups) until it
+    resumes or ends, when they rejoin the cache.
   - the host prefix cache: full rBlocks the device's prefix cache evicted (`spill`), under their content keys,
     least recently used evicted first when room is needed; a later prompt with that prefix copies them back
     (`lookup`, `claim`, then `restore`) instead of prefilling them. A hit keeps its slot (the cache is inclusive):
@@ -49,6 +52,7 @@ class HostTierStats:
     blocks_in_total: int = 0  # rBlocks copied back (swaps and prefix-cache hits)
     spilled_blocks_total: int = 0  # device prefix-cache evictions kept on the host
     hit_blocks_total: int = 0  # host prefix-cache rBlocks a prompt copied back instead of prefilling
+    swap_cached_blocks_total: int = 0  # swapped rBlocks the host cache held already: pinned, not copied out
 
     def __add__(self, other: HostTierStats) -> HostTierStats:
         return HostTierStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
@@ -69,6 +73,8 @@ class HostTier:
         self._cached: OrderedDict[bytes, int] = OrderedDict()  # content key -> slot, oldest spill first
         self._key_of: dict[int, bytes] = {}
         self._claimed: dict[int, bytes] = {}  # slot -> key: looked up for an admission, not evictable meanwhile
+        self._pinned: dict[int, bytes] = {}  # slot -> key: a host-cached rBlock a swapped sequence holds as its own
+        self._pinned_slot: dict[bytes, int] = {}  # ... and key -> slot
         self._releasing: list[int] = []  # slots read by the pending copies: free once they are taken
         self._rejoining: list[tuple[int, bytes]] = []  # host-cache hits read by the pending copies: cached again then
         self._out: list[tuple[int, int]] = []  # pending (rBlock, slot)
@@ -79,7 +85,8 @@ class HostTier:
         # destination -> source): a swap-out reads a moved rBlock at its source (host copies out run first).
         self.moved: dict[int, int] = {}
         self._counts = dict(swap_outs_total=0, swap_ins_total=0, swap_fallbacks_total=0, blocks_out_total=0,
-                            blocks_in_total=0, spilled_blocks_total=0, hit_blocks_total=0)
+                            blocks_in_total=0, spilled_blocks_total=0, hit_blocks_total=0,
+                            swap_cached_blocks_total=0)
 
     # ----- what it holds -----
 
@@ -102,19 +109,32 @@ class HostTier:
 
     # ----- swapped sequences -----
 
-    def swap_out(self, seq_id: int, blocks: list[int]) -> bool:
+    def swap_out(self, seq_id: int, blocks: list[int], keys: list[bytes] = ()) -> bool:
         """Plan copying `blocks` (a preempted sequence's computed rBlocks, in table order) to the host; False,
-        planning nothing, when the tier cannot hold them even after evicting its whole prefix cache."""
+        planning nothing, when the tier cannot hold them even after evicting its whole prefix cache. keys: the
+        content keys of the first rBlocks (those the prefix cache could know): one the host cache holds is pinned
+        for the sequence instead of copied (the module docstring)."""
         if seq_id in self._swapped:
             raise ValueError(f"sequence {seq_id} is already swapped out")
-        if not blocks or len(blocks) > self.num_free:
+        hits = [i for i, key in enumerate(keys[:len(blocks)]) if key in self._cached]
+        fresh = len(blocks) - len(hits)
+        if not blocks or fresh > self.num_free - len(hits):  # pinning the hits takes them out of the evictable
             self._counts["swap_fallbacks_total"] += bool(blocks)
             return False
-        slots = self._take(len(blocks))
-        self._out.extend(zip((self.moved.get(b, b) for b in blocks), slots))
+        slots: list[int | None] = [None] * len(blocks)
+        for i in hits:  # before _take, which may evict cached slots
+            slot = self._cached.pop(keys[i])
+            del self._key_of[slot]
+            self._pinned[slot], self._pinned_slot[keys[i]] = keys[i], slot
+            slots[i] = slot
+        copied = [i for i, slot in enumerate(slots) if slot is None]
+        for i, slot in zip(copied, self._take(fresh)):
+            slots[i] = slot
+        self._out.extend((self.moved.get(blocks[i], blocks[i]), slots[i]) for i in copied)
         self._swapped[seq_id] = slots
         self._counts["swap_outs_total"] += 1
-        self._counts["blocks_out_total"] += len(blocks)
+        self._counts["blocks_out_total"] += fresh
+        self._counts["swap_cached_blocks_total"] += len(hits)
         return True
 
     def swap_in(self, seq_id: int, blocks: list[int], *, skip: int = 0) -> None:
@@ -124,18 +144,45 @@ class HostTier:
         if len(blocks) != len(slots) - skip:
             raise ValueError(f"sequence {seq_id} has {len(slots)} rBlocks on the host, {skip} skipped; "
                              f"got {len(blocks)} to copy them into")
-        self._dropped.extend(slots[:skip])
-        self._releasing.extend(slots[:skip])
+        for slot in slots[:skip]:
+            self._let_go(slot)
         self._copy_in(slots[skip:], blocks)
-        self._released.extend(slots[skip:])
-        self._releasing.extend(slots[skip:])
+        for slot in slots[skip:]:  # read by the copies: cached again (pinned) or freed once they are taken
+            if slot in self._pinned:
+                self._rejoining.append((slot, self._unpin(slot)))
+            else:
+                self._released.append(slot)
+                self._releasing.append(slot)
         self._counts["swap_ins_total"] += 1
 
     def discard(self, seq_id: int) -> None:
-        """A swapped sequence ended (finished or cancelled while waiting): its slots are dropped. Idempotent."""
-        slots = self._swapped.pop(seq_id, [])
-        self._dropped.extend(slots)
-        self._releasing.extend(slots)
+        """A swapped sequence ended (finished or cancelled while waiting): its slots are dropped (a pinned one
+        rejoins the host cache). Idempotent."""
+        for slot in self._swapped.pop(seq_id, []):
+            self._let_go(slot)
+
+    def _let_go(self, slot: int) -> None:
+        """A swapped sequence's slot no copy reads: a pinned one rejoins the host cache, another is dropped."""
+        if slot in self._pinned:
+            self._recache(slot, self._unpin(slot))
+        else:
+            self._dropped.append(slot)
+            self._releasing.append(slot)
+
+    def _unpin(self, slot: int) -> bytes:
+        key = self._pinned.pop(slot)
+        del self._pinned_slot[key]
+        return key
+
+    def _recache(self, slot: int, key: bytes) -> None:
+        """A slot holding `key`'s rBlock joins the host cache as the most recently used, unless the cache holds
+        that key in another slot already (spilled again meanwhile): then this one is dropped."""
+        if key in self._cached:
+            self._dropped.append(slot)
+            self._releasing.append(slot)
+        else:
+            self._cached[key] = slot
+            self._key_of[slot] = key
 
     # ----- the host prefix cache -----
 
@@ -144,6 +191,8 @@ class HostTier:
         the oldest spilled rBlocks if the tier is full; False when it cannot (every slot holds swapped KV)."""
         if key in self._cached:
             self._cached.move_to_end(key)
+            return True
+        if key in self._pinned_slot:  # on the host already, held by a swapped sequence: rejoins the cache later
             return True
         if self.num_free == 0:
             return False
@@ -176,13 +225,7 @@ class HostTier:
     def unclaim(self, slots: list[int]) -> None:
         """The admission failed: claimed slots go back to the host cache (as the most recently spilled)."""
         for slot in slots:
-            key = self._claimed.pop(slot)
-            if key in self._cached:  # spilled again meanwhile (the grow evicted the device's copy): keep that one
-                self._dropped.append(slot)
-                self._releasing.append(slot)
-                continue
-            self._cached[key] = slot
-            self._key_of[slot] = key
+            self._recache(slot, self._claimed.pop(slot))  # the grow may have spilled the device's copy meanwhile
 
     def restore(self, slots: list[int], blocks: list[int]) -> None:
         """Plan copying claimed `slots` into `blocks`; they rejoin the host cache (as the most recently used) once

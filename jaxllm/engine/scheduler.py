@@ -286,8 +286,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Swapped rather than recomputed where the host tier has room. Not a penalized sequence: its penalty state
         # learns its generated tokens by reading them again (the module docstring), so it must recompute them.
+        # Its registered rBlocks' keys: those the host cache holds already are not copied again (host_tier).
         swapped = self.host is not None and not seq.params.penalized and self.host.swap_out(
-            seq.seq_id, self.allocator.blocks(seq.seq_id)[:self._blocks_for(seq.num_computed)])
+            seq.seq_id, self.allocator.blocks(seq.seq_id)[:self._blocks_for(seq.num_computed)],
+            seq.block_keys[:seq.num_registered])
         self.allocator.free(seq.seq_id)
         self._release_slot(seq)
         self.running.remove(seq)

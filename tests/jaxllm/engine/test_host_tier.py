@@ -59,6 +59,11 @@ def test_swapped_sequences_give_the_same_tokens_as_never_preempted(expected, pre
     assert host.swap_fallbacks_total == 0 and host.blocks_in_total > 0, host
     assert got == expected
     _idle(tight)
+    if prefix_caching:  # again: the prompts come back from the host cache, and a swap pins those rBlocks (no copy)
+        assert [c.token_ids for c in tight.generate(PROMPTS, **SAMPLED)] == expected
+        host = tight.core.scheduler.stats().host
+        assert host.hit_blocks_total > 0 and host.swap_cached_blocks_total > 0, host
+        _idle(tight)
 
 
 def test_full_host_tier_falls_back_to_recompute(expected):

@@ -93,6 +93,35 @@ def test_a_restored_prefix_evicted_again_is_not_copied_out_again():
     assert sorted(copies.released.tolist()) == sorted(copies.in_slots.tolist()) and host.num_free == 4
 
 
+def test_a_swapped_sequences_host_cached_rblocks_are_pinned_not_copied_again():
+    """A conversation restored from the host cache, then preempted: its history's rBlocks are on the host already,
+    so the swap copies only the rest; the pinned slots are neither evicted nor found meanwhile, and rejoin the
+    cache when the sequence comes back (or ends)."""
+    host = HostTier(4)
+    host.spill(b"a", 1)
+    host.spill(b"b", 2)
+    host.take_copies()
+    cached = host.lookup([b"a", b"b"])
+    host.claim(cached)
+    host.restore(cached, [5, 6])
+    host.take_copies()
+    assert host.swap_out(7, [5, 6, 8], [b"a", b"b"])
+    copies = host.take_copies()
+    assert copies.out_blocks.tolist() == [8] and host.swapped(7)[:2] == cached
+    assert host.stats().blocks_out_total == 3 and host.stats().swap_cached_blocks_total == 2
+    assert host.lookup([b"a"]) == [] and host.stats().cached_blocks == 0  # pinned: not the cache's meanwhile
+    assert host.spill(b"a", 9) and host.take_copies() is None  # on the host already: nothing copied
+    assert not host.swap_out(8, [1, 2])  # one free slot; the pinned ones are not evictable
+    host.swap_in(7, [10, 11, 12])
+    assert host.lookup([b"a"]) == []  # not before the copies reading it are taken
+    copies = host.take_copies()
+    assert copies.in_slots.tolist()[:2] == cached and copies.released.tolist() == copies.in_slots.tolist()[2:]
+    assert host.lookup([b"a", b"b"]) == cached and host.num_free == 4
+    assert host.swap_out(9, [10, 11], [b"a", b"b"]) and host.take_copies() is None  # all pinned: no copy
+    host.discard(9)
+    assert host.lookup([b"a", b"b"]) == cached and host.stats().swapped_sequences == 0
+
+
 def _tags(tokens: list[int]) -> list[int]:
     """Per position, a tag of the token prefix up to it (what the KV row there depends on)."""
     return list(itertools.accumulate(tokens, lambda h, t: hash((h, t)), initial=0))[1:]
@@ -155,7 +184,7 @@ def test_random_workload_reads_only_its_own_kv(host_slots, prefix_caching):
     assert alloc.num_free == num_blocks
     if host_slots >= 40:
         assert stats.swap_outs_total > 0 and 0 < stats.swap_ins_total <= stats.swap_outs_total, stats  # cancels
-        assert not prefix_caching or stats.hit_blocks_total > 0, stats
+        assert not prefix_caching or stats.hit_blocks_total > 0 and stats.swap_cached_blocks_total > 0, stats
     if host_slots == 2:
         assert stats.swap_fallbacks_total > 0, stats
 

@@ -80,8 +80,8 @@ class MemoryPlan:
 def plan_memory(free: int, step_bytes: dict[str, int], *, host_tier: bool = False) -> MemoryPlan:
     """The pool's share of `free` bytes (a device's, after the weights) beside the largest of the step programs'
     needs (`step_bytes`, Executor.step_memory) and the margin: _MEMORY_MARGIN_FRACTION of free, at least
-    _MEMORY_MARGIN_MIN, plus the host tier's runs in flight where it is on."""
-    margin = max(_MEMORY_MARGIN_MIN, int(free * _MEMORY_MARGIN_FRACTION)) + (HOST_COPY_BYTES if host_tier else 0)
+    _MEMORY_MARGIN_MIN, plus the host tier's runs in flight (each way) where it is on."""
+    margin = max(_MEMORY_MARGIN_MIN, int(free * _MEMORY_MARGIN_FRACTION)) + (2 * HOST_COPY_BYTES if host_tier else 0)
     largest = max(step_bytes.values(), default=0)
     return MemoryPlan(free_bytes=free, step_bytes=dict(step_bytes), margin_bytes=margin,
                       pool_bytes=max(free - largest - margin, 0))

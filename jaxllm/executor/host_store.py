@@ -11,9 +11,11 @@ overwritten, and a run's host memory is released once no slot points into it (`b
 held, which may exceed the ledger's slots while part of a run is still needed).
 
 Device memory: a run gathered out, or copied back before its scatter, is a device array beside the pool. The runs
-in flight together are held to `max_copy_bytes` (the oldest is waited for before another starts past it, which
-happens only when copies of more than that are still landing), and a run is at most that long, so a big swap
-never needs more device memory than that beyond the pool. Landed runs are let go at the next copy.
+in flight each way are held to `max_copy_bytes` (the oldest of that direction is waited for before another starts
+past it, which happens only when copies of more than that are still landing), and a run is at most that long, so
+a big swap never needs more device memory than twice that beside the pool. The two directions are held apart so
+that copies out (a prefix cache spilling) and copies in (another prompt's history coming back) share the host
+link's two directions instead of waiting for each other. Landed runs are let go at the next copy.
 
 Host memory: the backend's allocator for a host memory kind grows as runs arrive, and each growth pins fresh pages
 (page-locking runs at a few GB/s, far below the link), on the launcher thread, before the copy can start. Warm-up
@@ -41,7 +43,7 @@ from jaxllm.executor.host_transfer import HostRun, HostTransfer
 
 __all__ = ["MAX_COPY_BYTES", "HostStore", "run_lengths"]
 
-MAX_COPY_BYTES = 1 << 30  # device bytes of runs in flight at once, by default (the module docstring)
+MAX_COPY_BYTES = 1 << 30  # device bytes of runs in flight at once each way, by default (the module docstring)
 
 
 def run_lengths(count: int, max_run: int) -> list[int]:
@@ -129,9 +131,9 @@ class HostStore:
         self.slots_per_instance = slots_per_instance
         self.reserve_blocks = reserve_blocks
         self.reserved_seconds = 0.0  # warm-up's reservation (the module docstring's Host memory)
-        # (bytes, wait until it landed, whether it landed (never waits)), oldest first
-        self._in_flight: collections.deque = collections.deque()
-        self._in_flight_bytes = 0
+        # Per direction ("out", "in"): (bytes, wait until it landed, whether it landed (never waits)), oldest first
+        self._in_flight = {"out": collections.deque(), "in": collections.deque()}
+        self._in_flight_bytes = {"out": 0, "in": 0}
         self.bytes_used = 0  # host bytes held by runs some slot still points into
         self.blocks_out = self.blocks_in = 0  # rBlocks copied, each way
         self.runs_out = self.runs_in = 0  # copies (runs) issued, each way
@@ -163,7 +165,7 @@ class HostStore:
             blocks, slots = out_blocks[mine], out_slots[mine].tolist()
             start = 0
             for length in run_lengths(len(slots), self.max_run):
-                self._make_room(length)
+                self._make_room(length, "out")
                 run = _Run(self._to_host(self.programs.gather_blocks(pool, blocks[start:start + length]), instance),
                            length)
                 self.bytes_used += length * self.block_bytes
@@ -185,9 +187,9 @@ class HostStore:
             targets[row] = block
         for run, targets in wanted.items():
             run.host.wait()  # never read a run before it has landed on the host
-            self._make_room(run.length)
+            self._make_room(run.length, "in")
             device = self.transfer.to_device(run.host)
-            self._hold(run.length, device, lambda arrays=device: jax.block_until_ready(arrays))
+            self._hold(run.length, "in", device, lambda arrays=device: jax.block_until_ready(arrays))
             self._clock.started("in", lambda arrays=device: jax.block_until_ready(arrays))
             pool = self.programs.scatter_blocks(pool, device, targets)
         for slot in copies.released.tolist():  # read for the last time (their runs stay until the copies land)
@@ -226,24 +228,25 @@ class HostStore:
             del held
         self.reserved_seconds = time.perf_counter() - start
 
-    def _make_room(self, length: int) -> None:
-        """Wait for the oldest runs in flight until one of `length` rBlocks fits max_copy_bytes beside the rest."""
-        need = length * self.block_bytes
-        while self._in_flight and (self._in_flight_bytes + need > self.max_copy_bytes or self._in_flight[0][2]()):
-            nbytes, landed, _ = self._in_flight.popleft()
+    def _make_room(self, length: int, direction: str) -> None:
+        """Wait for the oldest runs in flight `direction` ("out" or "in") until one of `length` rBlocks fits
+        max_copy_bytes beside the rest of them."""
+        need, flying = length * self.block_bytes, self._in_flight[direction]
+        while flying and (self._in_flight_bytes[direction] + need > self.max_copy_bytes or flying[0][2]()):
+            nbytes, landed, _ = flying.popleft()
             landed()  # at once where it already landed
-            self._in_flight_bytes -= nbytes
+            self._in_flight_bytes[direction] -= nbytes
 
-    def _hold(self, length: int, arrays, landed) -> None:
-        """Count a copy of `length` rBlocks in flight until `arrays` (its destination) are ready."""
+    def _hold(self, length: int, direction: str, arrays, landed) -> None:
+        """Count a copy of `length` rBlocks in flight `direction` until `arrays` (its destination) are ready."""
         ready = lambda: all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(arrays))  # noqa: E731
-        self._in_flight.append((length * self.block_bytes, landed, ready))
-        self._in_flight_bytes += length * self.block_bytes
+        self._in_flight[direction].append((length * self.block_bytes, landed, ready))
+        self._in_flight_bytes[direction] += length * self.block_bytes
 
     def _to_host(self, run, instance: int) -> HostRun:
         host = self.transfer.to_host(run, instance)
         landed = functools.partial(_landed, host)
-        self._hold(len(jax.tree.leaves(run)[0]), host.arrays(), landed)
+        self._hold(len(jax.tree.leaves(run)[0]), "out", host.arrays(), landed)
         self.runs_out += 1
         self._clock.started("out", landed)
         return host

@@ -100,6 +100,22 @@ def test_runs_in_flight_are_held_to_max_copy_bytes():
     store.sync()
 
 
+def test_copies_in_do_not_wait_for_copies_out_in_flight():
+    """Each direction has its own max_copy_bytes: a prompt's history coming back shares the link with spills going
+    out instead of queueing behind them."""
+    log = []
+    store = HostStore(_Programs(log), _Transfer(log), max_run=2, block_bytes=10, max_copy_bytes=20)
+    pool = store.apply(np.arange(16), _copies(out=[0, 1], slots=[0, 1]))
+    pool = store.apply(pool, _copies(out=[2, 3], slots=[2, 3]))  # waits for the first run out: 20 bytes each way
+    assert [e[0] for e in log] == ["gather", "wait", "gather"], log
+    log.clear()
+    pool = store.apply(pool, _copies(ins=[0, 1], into=[8, 9]))
+    # Reads its run once landed (the one wait), but not the second run out, still in flight.
+    assert [e[0] for e in log] == ["wait", "scatter"], log
+    assert pool[8] == 0 and pool[9] == 1
+    store.sync()
+
+
 def test_landed_runs_are_let_go_at_the_next_copy():
     log = []
     store = HostStore(_Programs(log), _Transfer(log, landed=True), max_run=8, block_bytes=10, max_copy_bytes=1000)

@@ -26,7 +26,7 @@ def test_the_pool_gets_what_the_largest_step_and_the_margin_leave():
     assert plan.pool_bytes == 92 * GiB and "prefill 4096 borrowed" in plan.describe()
     small = plan_memory(10 * GiB, {"decode 8": GiB // 2})
     assert small.margin_bytes == _MEMORY_MARGIN_MIN and small.pool_bytes == 10 * GiB - GiB // 2 - GiB
-    assert plan_memory(10 * GiB, {"decode 8": GiB // 2}, host_tier=True).pool_bytes == small.pool_bytes - HOST_COPY_BYTES
+    assert plan_memory(10 * GiB, {"decode 8": GiB // 2}, host_tier=True).pool_bytes == small.pool_bytes - 2 * HOST_COPY_BYTES
     assert plan_memory(GiB, {"prefill 4096": 2 * GiB}).pool_bytes == 0  # nothing left: LLM says MemoryError
 
 

@@ -9,7 +9,10 @@
     longest one device's pool holds.
 (b) tensor: Llama-2-13B shape at tensor parallel 1, 2 and 4 (--tp-sizes) at --tp-sweep-contexts, then the
     Llama-2-70B shape over every device at --tp-contexts (its random weights drawn straight into their shards):
-    batch-1 ms/token against the floor. Skipped (with the reason in the JSON) where the weights do not fit.
+    batch-1 ms/token against the floor; then a mixed load on that engine (--tp-mixed-requests requests, prompts
+    log-uniform in --tp-mixed-prompts, --tp-mixed-new tokens each, all at once): tokens/s, timed after an
+    untimed pass of the same load (its compiles). Skipped (with the reason in the JSON) where the weights do not
+    fit.
 (c) skew: --skew-instances x (devices / instances) tensor parallel, a skewed load (every other request
     generates --skew-long tokens, the rest --skew-short; routing balances prompt tokens, so the long ones
     share instances), each instance's pool --skew-blocks rBlocks: throughput and preemptions with lending
@@ -173,9 +176,11 @@ def _splits(config, n: int) -> bool:
         return False
 
 
-def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float | None) -> dict:
+def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float | None, *, mixed: bool = False
+               ) -> dict:
     """Batch-1 decode of `model` split `tp` ways at each context, with the floor (each device reads its share of
-    the weights and the KV at the HBM bandwidth); skipped (with why) where the weights do not fit."""
+    the weights and the KV at the HBM bandwidth), then (mixed) the mixed load on the same engine; skipped (with
+    why) where the weights do not fit."""
     from jaxllm.engine.core import Request
     from jaxllm.contract import SamplingParams
     from jaxllm.model.config import preset
@@ -197,8 +202,12 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
                         skipped=f"{model} needs about {need / 2**30:.0f} GiB of weights a device over {tp} "
                                 f"device(s); a device has {limit / 2**30:.0f} GiB")
     _log(f"[tensor] {model} at tensor parallel {tp}: contexts {contexts}")
-    llm = _engine(model, dry_run=args.dry_run, max_context=max(contexts) + args.new_tokens + 1, tensor_parallel=tp,
-                  max_seqs=1, max_tokens_per_step=args.chunk, block_size=args.block_size)
+    mixed = mixed and args.tp_mixed_requests > 0
+    # The mixed load's second pass must not find the first one's prompts in the prefix cache.
+    llm = _engine(model, dry_run=args.dry_run, max_context=max(max(contexts), args.tp_mixed_prompts[1]) + max(
+                  args.new_tokens, args.tp_mixed_new) + 1, tensor_parallel=tp, max_tokens_per_step=args.chunk,
+                  max_seqs=args.tp_mixed_requests if mixed else 1, prefix_caching=not mixed,
+                  block_size=args.block_size)
     info = llm.info()
     kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     rows = []
@@ -210,10 +219,42 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
         rows.append(dict(context=context, decode_ms_per_token=float(np.median(ms)), spread=harness.spread(ms),
                          floor_ms=floor_ms, x_floor=float(np.median(ms)) / floor_ms if floor_ms else None))
         _log(f"[tensor] {model} TP {tp} at {context}: {rows[-1]['decode_ms_per_token']:.2f} ms/token")
+    load = _mixed_load(args, llm) if mixed else None
     llm.close()
     del llm
     gc.collect()
-    return dict(model=model, tensor_parallel=tp, rows=rows)
+    return dict(model=model, tensor_parallel=tp, rows=rows, **({"mixed": load} if load else {}))
+
+
+def _mixed_load(args, llm) -> dict:
+    """--tp-mixed-requests requests at once, prompts log-uniform in --tp-mixed-prompts, --tp-mixed-new tokens
+    each: run once untimed (it compiles the buckets the load meets), then timed."""
+    from jaxllm.contract import SamplingParams
+    from jaxllm.engine.core import Request
+
+    rng = np.random.default_rng(3)
+    low, high = args.tp_mixed_prompts
+    lengths = np.exp(rng.uniform(np.log(low), np.log(high), size=args.tp_mixed_requests)).astype(int)
+    prompts = [rng.integers(3, 259, size=int(n)).tolist() for n in lengths]
+
+    def requests():
+        return [Request(p, SamplingParams(max_new_tokens=args.tp_mixed_new, ignore_eos=True)) for p in prompts]
+
+    _log(f"[tensor] mixed load: {len(prompts)} requests of {int(lengths.sum())} prompt tokens, the untimed pass")
+    _drive(llm, requests())
+    compiles = llm.compile_count
+    start = time.perf_counter()
+    outputs, _, decode = _drive(llm, requests())
+    wall = time.perf_counter() - start
+    generated = _generated(outputs)
+    result = dict(requests=len(prompts), prompt_tokens=int(lengths.sum()), new_tokens=args.tp_mixed_new,
+                  generated=generated, wall_s=wall, tokens_per_s=generated / wall,
+                  total_tokens_per_s=(generated + int(lengths.sum())) / wall,
+                  decode_ms_per_step=float(np.median(decode)) * 1e3 if decode else None,
+                  compiles_timed=llm.compile_count - compiles)
+    _log(f"[tensor] mixed load: {result['tokens_per_s']:.1f} tokens/s generated, "
+         f"{result['total_tokens_per_s']:.0f} tokens/s with the prompts, {wall:.1f} s")
+    return result
 
 
 def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
@@ -225,7 +266,7 @@ def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
              for n in args.tp_sizes if n <= devices]
     if args.dry_run:  # the tiny model splits fewer ways than 8 host devices: the most it can
         devices = max(n for n in range(1, devices + 1) if devices % n == 0 and _splits(preset(args.tp_model), n))
-    return dict(_tp_decode(args, args.tp_model, devices, args.tp_contexts, floor_tb_s), sweep=sweep)
+    return dict(_tp_decode(args, args.tp_model, devices, args.tp_contexts, floor_tb_s, mixed=True), sweep=sweep)
 
 
 def skew(args, devices: int) -> dict:
@@ -330,6 +371,10 @@ def main(argv=None) -> int:
     p.add_argument("--tp-sweep-model", default=None, help="(b)'s sweep model (default: llama2-13b; tiny with --dry-run)")
     p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4], help="(b)'s sweep: tensor-parallel sizes")
     p.add_argument("--tp-sweep-contexts", type=int, nargs="+", default=[4096])
+    p.add_argument("--tp-mixed-requests", type=int, default=32, help="(b): the mixed load's requests (0: none)")
+    p.add_argument("--tp-mixed-prompts", type=int, nargs=2, default=[128, 8192], metavar=("MIN", "MAX"),
+                   help="(b): the mixed load's prompt lengths, log-uniform between")
+    p.add_argument("--tp-mixed-new", type=int, default=64, help="(b): tokens each mixed-load request generates")
     p.add_argument("--skew-instances", type=int, default=None, help="(c): instances (default: every device)")
     p.add_argument("--skew-requests", type=int, default=8)
     p.add_argument("--skew-prompt", type=int, default=1024)
@@ -352,6 +397,10 @@ def main(argv=None) -> int:
                 f"(the window opens after {_TRACE_AFTER} decode steps), got {args.new_tokens}")
     if args.longest_tp < 1:
         p.error(f"--longest-tp must be >= 1, got {args.longest_tp}")
+    if args.tp_mixed_requests < 0 or not 1 <= args.tp_mixed_prompts[0] <= args.tp_mixed_prompts[1] or \
+            args.tp_mixed_new < 1:
+        p.error(f"--tp-mixed-requests must be >= 0, --tp-mixed-prompts 1 <= MIN <= MAX and --tp-mixed-new >= 1; got "
+                f"{args.tp_mixed_requests}, {args.tp_mixed_prompts}, {args.tp_mixed_new}")
     if args.dry_run:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
         args.model = args.model or "tiny"
@@ -365,6 +414,8 @@ def main(argv=None) -> int:
         args.tp_sweep_contexts = [min(c, 48) for c in args.tp_sweep_contexts][:1]
         args.tp_sweep_model = args.tp_sweep_model or "tiny"
         args.tp_sizes = [n for n in args.tp_sizes if n < 4]  # the tiny model's TP 4 is (b)'s main row already
+        args.tp_mixed_requests, args.tp_mixed_new = min(args.tp_mixed_requests, 4), min(args.tp_mixed_new, 4)
+        args.tp_mixed_prompts = [min(args.tp_mixed_prompts[0], 8), min(args.tp_mixed_prompts[1], 40)]
         args.skew_requests, args.skew_prompt = min(args.skew_requests, 4), min(args.skew_prompt, 40)
         args.skew_long, args.skew_short, args.skew_blocks = min(args.skew_long, 40), min(args.skew_short, 4), 6
         args.skew_instances = args.skew_instances or 2

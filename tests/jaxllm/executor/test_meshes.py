@@ -1,7 +1,8 @@
 """One executor for every mesh, on CPU host devices: the same greedy and seeded tokens through one device, tensor
 parallel 2 and 4, 2 and 4 lending instances and 2 instances x tensor parallel 2 (borrowing on the instance meshes;
 recalls compared the same way in test_lending_engine.py); and with instances, as on one device, the tuner's variants are compiled and chosen,
-decode continuations feed each step from the last one's device tokens, and nothing compiles after warm-up.
+decode continuations feed each step from the last one's device tokens, and nothing compiles after warm-up (borrowed
+steps included, with the tuner's variants and with the default tuner).
 """
 
 import collections
@@ -84,9 +85,15 @@ class _TwoVariants:
         return {"predictions": len(self.chosen), "cache_hits": 0}
 
 
+# The warm-up tests' engine: 2 instances of 12 rBlocks (a prompt of 200+ tokens borrows), bf16 pools. The test with the
+# default tuner runs after the one with two variants a bucket: its programs are that one's variant 0, read from the
+# run's compile cache (the same xdist group, so the same process).
+WARM = EngineOptions(block_size=BLOCK, kv_dtype="bfloat16", max_seqs=2, max_tokens_per_step=32, instances=2,
+                     num_blocks=12)
+
+
 def test_instances_compile_and_choose_tuner_variants_pipeline_and_compile_nothing_after_warm_up(monkeypatch):
-    options = EngineOptions(block_size=BLOCK, max_seqs=2, max_tokens_per_step=32, instances=2, num_blocks=12,
-                            tuner="fixed")
+    options = dataclasses.replace(WARM, tuner="fixed")
     llm = LLM("tiny", options=options, progress=False)
     tuner = _TwoVariants(llm.executor.tuner.kernels)
     llm.executor.tuner = tuner  # before anything asked it for variants
@@ -114,6 +121,21 @@ def test_instances_compile_and_choose_tuner_variants_pipeline_and_compile_nothin
     assert llm.core.stats().dist_steps_total > 0
     unpipelined = LLM("tiny", options=dataclasses.replace(options, pipeline=False), progress=False)
     assert [_tokens(unpipelined, short), _tokens(unpipelined, long)] == got  # same shapes, same tokens
+
+
+def test_nothing_compiles_after_warm_up_borrowed_steps_included():
+    """The default tuner (one variant a bucket): warm-up compiles every bucket plain and borrowed, and the recall
+    copy; a run that borrows compiles nothing more."""
+    rng = np.random.default_rng([20261127, 200])
+    llm = LLM("tiny", options=WARM, progress=False)
+    llm.warm_up(progress=False)
+    warm = llm.compile_count
+    assert warm == len(llm.executor.warm_up_plan()) + 1  # every bucket plain and borrowed, and the recall copy
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 5)]
+    _tokens(llm, [Request([int(t) for t in rng.integers(3, 250, int(rng.integers(200, 260)))], params[0]),
+                  Request([int(t) for t in rng.integers(3, 250, int(rng.integers(5, 40)))], params[1])])
+    assert llm.core.stats().dist_steps_total > 0  # the run borrowed
+    assert llm.compile_count == warm
 
 
 def test_instances_share_cached_prefixes():

@@ -48,8 +48,8 @@ def _tp(case: str) -> int:
 
 
 def _options(tp: int, **kw) -> EngineOptions:
-    kw = {"num_blocks": 16, "block_size": 8, **kw}
-    return EngineOptions(tensor_parallel=tp, max_seqs=4, max_tokens_per_step=32, **kw)
+    kw = {"num_blocks": 16, "block_size": 8, "max_seqs": 4, "max_tokens_per_step": 32, **kw}
+    return EngineOptions(tensor_parallel=tp, **kw)
 
 
 def _held(x) -> dict:
@@ -150,8 +150,9 @@ def triton_result():
 
 @pytest.fixture(scope="module")
 def warm_result():
-    """Warm-up on a mesh compiles what serving meets, continuations (tokens from the last step's output) included."""
-    warm = LLM("tiny", progress=False, options=_options(2))
+    """Warm-up on a mesh compiles what serving meets, continuations (tokens from the last step's output) included.
+    Buckets for the two prompts alone (decode 1 and 2, prefill 8 and 16): each one more is a compile."""
+    warm = LLM("tiny", progress=False, options=_options(2, max_seqs=2, max_tokens_per_step=16))
     warm.warm_up(progress=False)
     before = warm.compile_count
     warm.generate(["hello there", "abc"], max_new_tokens=5)

@@ -55,11 +55,9 @@ class Kernels:
     *_block_sizes / mosaic_prefill: each kernel's schedule; None is the kernel's own default.
     interpret: run the Pallas kernels in the interpreter (the CPU, tests).
     per_shard: None (one device, or a mesh where XLA partitions the reference ops), or a hashable
-      object with `attention(fn)`, `rope_write_kv(fn)` and `replicated(fn)` returning those functions run per
-      device (sharding.tensor_parallel.TensorShards, set by the executor on a mesh): Pallas kernels are custom
-      calls XLA cannot partition. Under it the decode layer's matmuls stay XLA's (a row-parallel projection's
-      split-K partials are partial over the tensor axis too: only XLA's all-reduce sums them), and its add +
-      RMSNorm runs on every device over the reduced, replicated residual stream.
+      object with `attention(fn)` and `rope_write_kv(fn)` returning those functions run per device
+      (sharding.tensor_parallel.TensorShards, set by the executor on a mesh): Pallas kernels are custom
+      calls XLA cannot partition.
     distributed: None, or a hashable object with `attention(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale,
       batch, *, num_q_heads, dtype, kernels)` that runs `paged_attention` for a step whose rBlocks lie on
       several instances (batch.parts; sharding.dist_attention.DistAttention, set by the executor on a step with
@@ -285,10 +283,10 @@ def matmul_unreduced(x: jax.Array, w: jax.Array, *, kernels: Kernels = REFERENCE
 
     Decode-sized steps under decode_layer "pallas" return the skinny matmul's unreduced split-K
     partials [S, T, N] float32: the consumer sums them in its one pass, so the sum costs no kernel of
-    its own (XLA's split-K GEMM runs its sum as a separate kernel). Otherwise, and under tensor shards
-    (Kernels.per_shard), XLA's matmul: [T, N] in x.dtype.
+    its own (XLA's split-K GEMM runs its sum as a separate kernel). Otherwise XLA's matmul: [T, N] in
+    x.dtype.
     """
-    if _decode_sized_kernel_step(kernels, x.shape[0]) and kernels.per_shard is None:
+    if _decode_sized_kernel_step(kernels, x.shape[0]):
         from pallas_kernels.rms_norm import MAX_PARTS
         from pallas_kernels.skinny_matmul import default_block_sizes, skinny_matmul_partials
 
@@ -313,11 +311,6 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, ep
 
     if _decode_sized_kernel_step(kernels, x.shape[0]):
         sizes, interpret = kernels.rms_norm_block_sizes, kernels.interpret
-        if kernels.per_shard is not None:  # x, delta: the replicated residual stream and a reduced block output
-            local = functools.partial(add_rms_norm, eps=eps, kernels=dataclasses.replace(kernels, per_shard=None))
-            if delta is None:
-                return kernels.per_shard.replicated(lambda x, weight: local(x, None, weight))(x, weight)
-            return kernels.per_shard.replicated(local)(x, delta, weight)
         if delta is None:
             return rms_norm.rms_norm(x, weight, eps=eps, block_sizes=sizes, interpret=interpret), x
         return rms_norm.add_rms_norm(x, delta, weight, eps=eps, block_sizes=sizes, interpret=interpret)

@@ -102,22 +102,10 @@ def tensor_parallel_rope_write_kv(rope_write_kv: Callable, mesh: Mesh) -> Callab
     return wrapped
 
 
-def tensor_replicated(fn: Callable, mesh: Mesh) -> Callable:
-    """`fn` of whole arrays run on every device of the `tensor` axis on its own copy (operands and results
-    replicated): a Pallas kernel over the residual stream, which is whole on every device after the all-reduce of
-    a row-parallel projection. No collective: each device computes the same result."""
-
-    def wrapped(*args):
-        return per_tensor_shard(fn, mesh, tuple(_WHOLE for _ in args), _WHOLE)(*args)
-
-    return wrapped
-
-
 @dataclasses.dataclass(frozen=True)
 class TensorShards:
     """How a step's kernels run on a mesh: `pallas_kernels.dispatch` applies it (Kernels.per_shard) to the
-    attention and RoPE + KV-write kernels, which then run per device inside shard_map over `tensor`, and to the
-    decode layer's add + RMSNorm, which runs on every device over the replicated residual stream.
+    attention and RoPE + KV-write kernels, which then run per device inside shard_map over `tensor`.
 
     Frozen and hashable (the mesh is), so the Kernels holding it stay a static jit argument.
     """
@@ -136,22 +124,19 @@ class TensorShards:
 
         return call
 
-    def replicated(self, fn: Callable) -> Callable:
-        return tensor_replicated(fn, self.mesh)
-
 
 def tensor_parallel_kernels(kernels, mesh: Mesh):
     """`kernels` (a pallas_kernels.dispatch.Kernels) for a step jitted over `mesh`.
 
     Tensor parallel 1: unchanged. Otherwise the Pallas attention and RoPE + KV-write kernels run per
     device (per_shard); under the pure-jnp reference nothing is wrapped: XLA partitions it from the
-    shardings. The decode layer's matmuls are XLA's under per_shard (a row-parallel projection's split-K
-    partials are also partial over the tensor axis, which only the all-reduce XLA puts after it sums), and
-    its one-pass add + RMSNorm runs on every device over the reduced, replicated residual stream: one
-    kernel a norm where XLA's partitioned norm runs three (the TP decode step's trace: benchmarks/NOTES.md).
+    shardings. The decode-layer kernels (one-pass add + RMSNorm over the skinny matmul's split-K
+    partials) take the reference: a row-parallel projection's partials are also partial over the
+    tensor axis, which only an all-reduce in between can sum, so XLA's matmul + norm (which it
+    partitions, all-reduce included) is the correct and simplest choice there.
     """
     if tensor_size(mesh) == 1:
         return kernels
     pallas = kernels.decode_attention != "reference" or kernels.prefill_attention != "reference" or \
-        kernels.rope_kv_write != "reference" or kernels.decode_layer != "reference"
-    return dataclasses.replace(kernels, per_shard=TensorShards(mesh) if pallas else None)
+        kernels.rope_kv_write != "reference"
+    return dataclasses.replace(kernels, decode_layer="reference", per_shard=TensorShards(mesh) if pallas else None)

@@ -139,7 +139,8 @@ class HostTier:
 
     def swap_in(self, seq_id: int, blocks: list[int], *, skip: int = 0) -> None:
         """Plan copying seq_id's swapped KV back into `blocks`, skipping its first `skip` rBlocks (found in the
-        device's prefix cache instead: their slots are dropped); its slots are free once the copies are taken."""
+        device's prefix cache instead: their slots are let go); its slots are free once the copies are taken, its
+        pinned ones back in the host cache."""
         slots = self._swapped.pop(seq_id)
         if len(blocks) != len(slots) - skip:
             raise ValueError(f"sequence {seq_id} has {len(slots)} rBlocks on the host, {skip} skipped; "

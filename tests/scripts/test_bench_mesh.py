@@ -31,7 +31,7 @@ def test_bench_mesh_dry_run_on_8_host_devices(tmp_path):
     tensor = r["tensor"]
     assert tensor["tensor_parallel"] == 4 and tensor["rows"][0]["decode_ms_per_token"] > 0
     mixed = tensor["mixed"]  # the mixed load, on the main row's engine, timed after its untimed pass
-    assert mixed["requests"] == 4 and mixed["generated"] == 4 * mixed["new_tokens"] and mixed["tokens_per_s"] > 0
+    assert mixed["requests"] == 2 and mixed["generated"] == 2 * mixed["new_tokens"] and mixed["tokens_per_s"] > 0
     assert mixed["compiles_timed"] == 0, mixed
     assert [row["tensor_parallel"] for row in tensor["sweep"]] == [1, 2]  # TP 4: the main row
     assert all(row["rows"][0]["decode_ms_per_token"] > 0 for row in tensor["sweep"])

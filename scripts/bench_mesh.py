@@ -204,10 +204,12 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
     _log(f"[tensor] {model} at tensor parallel {tp}: contexts {contexts}")
     mixed = mixed and args.tp_mixed_requests > 0
     # The mixed load's second pass must not find the first one's prompts in the prefix cache.
-    llm = _engine(model, dry_run=args.dry_run, max_context=max(max(contexts), args.tp_mixed_prompts[1]) + max(
-                  args.new_tokens, args.tp_mixed_new) + 1, tensor_parallel=tp, max_tokens_per_step=args.chunk,
-                  max_seqs=args.tp_mixed_requests if mixed else 1, prefix_caching=not mixed,
-                  block_size=args.block_size)
+    longest = max(contexts) + args.new_tokens
+    if mixed:
+        longest = max(longest, args.tp_mixed_prompts[1] + args.tp_mixed_new)
+    llm = _engine(model, dry_run=args.dry_run, max_context=longest + 1, tensor_parallel=tp,
+                  max_tokens_per_step=args.chunk, max_seqs=args.tp_mixed_requests if mixed else 1,
+                  prefix_caching=not mixed, block_size=args.block_size)
     info = llm.info()
     kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     rows = []

@@ -74,7 +74,7 @@ class HostTier:
         self._key_of: dict[int, bytes] = {}
         self._claimed: dict[int, bytes] = {}  # slot -> key: looked up for an admission, not evictable meanwhile
         self._pinned: dict[int, bytes] = {}  # slot -> key: a host-cached rBlock a swapped sequence holds as its own
-        self._pinned_slot: dict[bytes, int] = {}  # ... and key -> slot
+        self._pinned_keys: set[bytes] = set()  # ... their keys
         self._releasing: list[int] = []  # slots read by the pending copies: free once they are taken
         self._rejoining: list[tuple[int, bytes]] = []  # host-cache hits read by the pending copies: cached again then
         self._out: list[tuple[int, int]] = []  # pending (rBlock, slot)
@@ -125,7 +125,8 @@ class HostTier:
         for i in hits:  # before _take, which may evict cached slots
             slot = self._cached.pop(keys[i])
             del self._key_of[slot]
-            self._pinned[slot], self._pinned_slot[keys[i]] = keys[i], slot
+            self._pinned[slot] = keys[i]
+            self._pinned_keys.add(keys[i])
             slots[i] = slot
         copied = [i for i, slot in enumerate(slots) if slot is None]
         for i, slot in zip(copied, self._take(fresh)):
@@ -172,14 +173,15 @@ class HostTier:
 
     def _unpin(self, slot: int) -> bytes:
         key = self._pinned.pop(slot)
-        del self._pinned_slot[key]
+        self._pinned_keys.remove(key)
         return key
 
-    def _recache(self, slot: int, key: bytes) -> None:
+    def _recache(self, slot: int, key: bytes, *, read: bool = False) -> None:
         """A slot holding `key`'s rBlock joins the host cache as the most recently used, unless the cache holds
-        that key in another slot already (spilled again meanwhile): then this one is dropped."""
+        that key in another slot already (spilled again meanwhile): then this one goes, dropped, or released after
+        the pending copies that read it (`read`)."""
         if key in self._cached:
-            self._dropped.append(slot)
+            (self._released if read else self._dropped).append(slot)
             self._releasing.append(slot)
         else:
             self._cached[key] = slot
@@ -193,7 +195,7 @@ class HostTier:
         if key in self._cached:
             self._cached.move_to_end(key)
             return True
-        if key in self._pinned_slot:  # on the host already, held by a swapped sequence: rejoins the cache later
+        if key in self._pinned_keys:  # on the host already, held by a swapped sequence: rejoins the cache later
             return True
         if self.num_free == 0:
             return False
@@ -245,12 +247,7 @@ class HostTier:
         if not (self._out or self._in or self._dropped):
             return None
         for slot, key in self._rejoining:
-            if key in self._cached:  # spilled again meanwhile (to another slot): this one goes
-                self._released.append(slot)
-                self._releasing.append(slot)
-            else:
-                self._cached[key] = slot
-                self._key_of[slot] = key
+            self._recache(slot, key, read=True)
         pairs = lambda items, j: np.fromiter((p[j] for p in items), np.int32, len(items))  # noqa: E731
         copies = HostCopies(out_blocks=pairs(self._out, 0), out_slots=pairs(self._out, 1),
                             in_slots=pairs(self._in, 0), in_blocks=pairs(self._in, 1),

@@ -5,7 +5,8 @@
 (a) link: the host link's bandwidth each way, measured by a plain large jax.device_put of --link-gib GiB to the
     device's host memory kind and back, against the engine's own copy of a run of rBlocks each way (the longest
     run the tier copies, through the executor: gather + copy to the host; copy back + scatter into the pool):
-    its rate and its fraction of the link's.
+    its rate and its fraction of the link's; and a stream of --link-stream-gib GiB of rBlocks in one plan each way
+    (runs queued back to back, as a conversation's history comes back).
 (b) multi-turn: --conversations conversations, each a history of --history tokens, then --turns turns of
     --user-tokens new tokens and --reply-tokens generated; every turn submits every conversation's next prompt
     (its whole history so far) at once. The pool (--num-blocks) holds a fraction of the histories, so between
@@ -102,10 +103,30 @@ def link(args, llm) -> dict:
         jax.block_until_ready(executor.kv_cache)
         ins.append(time.perf_counter() - t)
     out_rate, in_rate = _median_rate(outs, nbytes), _median_rate(ins, nbytes)
+    # A stream: --link-stream-gib of rBlocks in one plan each way, as a conversation's history comes back: runs
+    # queued back to back, two in flight each way (jaxllm.executor.host_store).
+    count = max(1, min(int(args.link_stream_gib * (1 << 30)) // store.block_bytes, executor.kv_cache.num_blocks))
+    ids = np.arange(count, dtype=np.int32)
+    stream_bytes = count * store.block_bytes
+    stream_out, stream_in = [], []
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(ids, ids, none, none, none, none)))
+        executor.launcher.drain()
+        store.sync()
+        stream_out.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(none, none, ids, ids, none, ids)))
+        jax.block_until_ready(executor.kv_cache)
+        stream_in.append(time.perf_counter() - t)
+    s_out, s_in = _median_rate(stream_out, stream_bytes), _median_rate(stream_in, stream_bytes)
     return dict(memory_kind=kind, link_gb_s={"to_host": link_out, "to_device": link_in},
                 run_rblocks=run, run_bytes=nbytes,
                 copy_gb_s={"to_host": out_rate, "to_device": in_rate},
-                fraction_of_link={"to_host": out_rate / link_out, "to_device": in_rate / link_in})
+                fraction_of_link={"to_host": out_rate / link_out, "to_device": in_rate / link_in},
+                stream_rblocks=count, stream_bytes=stream_bytes,
+                stream_gb_s={"to_host": s_out, "to_device": s_in},
+                stream_fraction_of_link={"to_host": s_out / link_out, "to_device": s_in / link_in})
 
 
 def _timed_run(llm, requests) -> tuple[dict, float]:
@@ -202,6 +223,8 @@ def _table(result: dict) -> str:
         for way in ("to_host", "to_device"):
             rows.append([f"copy {way} ({a['run_rblocks']} rBlocks)", f"{a['copy_gb_s'][way]:.2f} GB/s",
                          f"link {a['link_gb_s'][way]:.2f} GB/s", f"{100 * a['fraction_of_link'][way]:.0f}%"])
+            rows.append([f"stream {way} ({a['stream_rblocks']} rBlocks)", f"{a['stream_gb_s'][way]:.2f} GB/s",
+                         f"link {a['link_gb_s'][way]:.2f} GB/s", f"{100 * a['stream_fraction_of_link'][way]:.0f}%"])
     for part, key, unit in (("multi_turn", "ttft_p50_s", "s TTFT p50"), ("multi_turn", "tokens_per_s", "tok/s"),
                             ("preemption", "tokens_per_s", "tok/s"), ("decode", "ms_per_token", "ms/token")):
         if part in result:
@@ -225,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--host-gib", type=float, default=48.0, help="the host tier's size with the tier on")
     p.add_argument("--reps", type=int, default=5, help="(a): timed copies each way")
     p.add_argument("--link-gib", type=float, default=2.0, help="(a): the plain device_put's size")
+    p.add_argument("--link-stream-gib", type=float, default=8.0,
+                   help="(a): the engine's copies of this many GiB of rBlocks in one plan each way (at most the pool)")
     p.add_argument("--num-blocks", type=int, default=64,
                    help="the pool, rBlocks: a fraction of (b)'s histories, about half of (c)'s sequences")
     p.add_argument("--conversations", type=int, default=16)
@@ -245,7 +270,7 @@ def main(argv=None) -> int:
         args.model = args.model or "tiny"
         args.block_size = args.block_size or 16
         args.host_gib = min(args.host_gib, 0.0625)
-        args.reps, args.link_gib = min(args.reps, 2), min(args.link_gib, 0.01)
+        args.reps, args.link_gib, args.link_stream_gib = min(args.reps, 2), min(args.link_gib, 0.01), 0.01
         args.num_blocks, args.conversations, args.history, args.turns = 12, 4, 80, 1
         args.user_tokens, args.reply_tokens = 8, 4
         args.preempt_seqs, args.preempt_prompt, args.preempt_new = 4, 40, 24

@@ -12,8 +12,10 @@ held, which may exceed the ledger's slots while part of a run is still needed).
 
 Device memory: a run gathered out, or copied back before its scatter, is a device array beside the pool. The runs
 in flight each way are held to `max_copy_bytes` (the oldest of that direction is waited for before another starts
-past it, which happens only when copies of more than that are still landing), and a run is at most that long, so
-a big swap never needs more device memory than twice that beside the pool. The two directions are held apart so
+past it, which happens only when copies of more than that are still landing), so a big swap never needs more
+device memory than twice that beside the pool. A run is at most half that long: two are in flight each way, so the
+next copy is queued on the link before the one in front of it lands (with one run in flight the link idled while
+the launcher saw it land and issued the next: ~74% of the link's rate into the devices on an H200). The two directions are held apart so
 that copies out (a prefix cache spilling) and copies in (another prompt's history coming back) share the host
 link's two directions instead of waiting for each other. Landed runs are let go at the next copy.
 
@@ -110,7 +112,7 @@ class _CopyClock:
 class HostStore:
     """The host runs of one engine's host tier (see the module docstring). programs: the StepPrograms whose
     gather_blocks / scatter_blocks move runs; transfer: how runs cross the host link; max_run: the longest run
-    (a power of two; it is lowered until a run fits max_copy_bytes); block_bytes: one rBlock's bytes (all layers);
+    (a power of two; it is lowered until two runs fit max_copy_bytes); block_bytes: one rBlock's bytes (all layers);
     max_copy_bytes: device bytes the runs in flight may take together; slots_per_instance: each instance's host
     tier's slots (slot // slots_per_instance: the instance whose host keeps it; None: one instance);
     reserve_blocks: rBlocks of each instance's host memory warm-up copies out once and lets go (the tier's size:
@@ -121,7 +123,7 @@ class HostStore:
                  reserve_blocks: int = 0):
         if max_run <= 0 or max_run & (max_run - 1):
             raise ValueError(f"max_run must be a power of two, got {max_run}")
-        while max_run > 1 and max_run * block_bytes > max_copy_bytes:
+        while max_run > 1 and 2 * max_run * block_bytes > max_copy_bytes:  # two runs in flight (the docstring)
             max_run //= 2
         self.programs = programs
         self.transfer = transfer

@@ -26,6 +26,7 @@ def test_bench_host_tier_smoke(tmp_path):
     link = r["link"]
     assert link["run_rblocks"] > 1 and all(link["copy_gb_s"][w] > 0 and link["link_gb_s"][w] > 0
                                            for w in ("to_host", "to_device"))
+    assert link["stream_rblocks"] >= 1 and all(link["stream_gb_s"][w] > 0 for w in ("to_host", "to_device"))
     turns = r["multi_turn"]
     assert turns["on"]["host_cache_hit_blocks"] > 0 and turns["off"]["host_cache_hit_blocks"] == 0
     assert turns["on"]["generated"] == turns["off"]["generated"] > 0 and turns["on"]["ttft_p50_s"] > 0

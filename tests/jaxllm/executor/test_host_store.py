@@ -91,12 +91,12 @@ def test_copies_round_trip_through_runs_and_release_host_bytes():
 
 def test_runs_in_flight_are_held_to_max_copy_bytes():
     log = []
-    store = HostStore(_Programs(log), _Transfer(log), max_run=8, block_bytes=10, max_copy_bytes=20)
-    assert store.max_run == 2  # a run never takes more than max_copy_bytes
-    store.apply(np.arange(16), _copies(out=[0, 1, 2, 3, 4], slots=[0, 1, 2, 3, 4]))
+    store = HostStore(_Programs(log), _Transfer(log), max_run=8, block_bytes=10, max_copy_bytes=40)
+    assert store.max_run == 2  # two runs fit max_copy_bytes: the next one is queued while the first lands
+    store.apply(np.arange(16), _copies(out=[0, 1, 2, 3, 4, 5, 6], slots=[0, 1, 2, 3, 4, 5, 6]))
     kinds = [e[0] for e in log]
-    # Each run after the first waits until the one before it landed (two rBlocks fill the 20 bytes).
-    assert kinds == ["gather", "wait", "gather", "wait", "gather"], log
+    # Two runs of two rBlocks fill the 40 bytes: each run after the second waits until the oldest landed.
+    assert kinds == ["gather", "gather", "wait", "gather", "wait", "gather"], log
     store.sync()
 
 
@@ -104,13 +104,14 @@ def test_copies_in_do_not_wait_for_copies_out_in_flight():
     """Each direction has its own max_copy_bytes: a prompt's history coming back shares the link with spills going
     out instead of queueing behind them."""
     log = []
-    store = HostStore(_Programs(log), _Transfer(log), max_run=2, block_bytes=10, max_copy_bytes=20)
+    store = HostStore(_Programs(log), _Transfer(log), max_run=2, block_bytes=10, max_copy_bytes=40)
     pool = store.apply(np.arange(16), _copies(out=[0, 1], slots=[0, 1]))
-    pool = store.apply(pool, _copies(out=[2, 3], slots=[2, 3]))  # waits for the first run out: 20 bytes each way
-    assert [e[0] for e in log] == ["gather", "wait", "gather"], log
+    pool = store.apply(pool, _copies(out=[2, 3], slots=[2, 3]))
+    pool = store.apply(pool, _copies(out=[4, 5], slots=[4, 5]))  # waits for the first run out: 40 bytes each way
+    assert [e[0] for e in log] == ["gather", "gather", "wait", "gather"], log
     log.clear()
     pool = store.apply(pool, _copies(ins=[0, 1], into=[8, 9]))
-    # Reads its run once landed (the one wait), but not the second run out, still in flight.
+    # Reads its run once landed (the one wait), but not the runs out still in flight.
     assert [e[0] for e in log] == ["wait", "scatter"], log
     assert pool[8] == 0 and pool[9] == 1
     store.sync()

@@ -298,6 +298,6 @@ def _register_tier_metrics(r: Registry, read) -> None:
     r.counter("jaxllm_kv_host_copied_blocks_total", "KV rBlocks copied between the tiers (direction: out = to the "
               "host, in = back)", ("direction",), fn=read(lambda e: {("out",): e.stats().host_blocks_out_total,
                                                                      ("in",): e.stats().host_blocks_in_total}))
-    r.counter("jaxllm_kv_host_copy_seconds_total", "seconds from start to landing of the copies between the tiers",
+    r.counter("jaxllm_kv_host_copy_seconds_total", "seconds each direction had a copy between the tiers in flight",
               ("direction",), fn=read(lambda e: {("out",): e.stats().host_copy_out_seconds,
                                                  ("in",): e.stats().host_copy_in_seconds}))

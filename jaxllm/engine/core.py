@@ -157,8 +157,8 @@ class EngineStats:
     # The host tier (all 0 without one): its rBlocks (slots), those in use and those of its prefix cache, the host
     # bytes its runs hold; sequences swapped out instead of recomputed, back in, and recomputed because it was
     # full; rBlocks copied to the host (swaps and prefix-cache spills) and back (swaps and host-cache hits), spilled
-    # and hit; swapped rBlocks the host cache held already (not copied again); seconds from start to landing of
-    # the copies each way. kv_block_bytes: one rBlock's bytes (a tier's bytes are its rBlocks times this).
+    # and hit; swapped rBlocks the host cache held already (not copied again); seconds each direction had a copy
+    # in flight (copies in flight together counted once). kv_block_bytes: one rBlock's bytes (a tier's bytes are its rBlocks times this).
     kv_block_bytes: int = 0
     host_blocks: int = 0
     host_blocks_used: int = 0

@@ -75,10 +75,12 @@ class _Run:
 
 
 class _CopyClock:
-    """Times copies from their start to their landing, on its own thread (the launcher never waits for one)."""
+    """Times each direction's copies, on its own thread (the launcher never waits for one): the seconds that direction
+    had a copy in flight, from a copy's start to its landing, copies in flight together counted once."""
 
     def __init__(self):
         self.seconds = {"out": 0.0, "in": 0.0}
+        self._last_landed = {"out": 0.0, "in": 0.0}  # when the direction's previous copy was seen landed
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Condition()
         self._started = self._landed = 0
@@ -101,7 +103,9 @@ class _CopyClock:
             direction, start, landed = self._queue.get()
             try:
                 landed()
-                self.seconds[direction] += time.perf_counter() - start
+                now = time.perf_counter()  # copies are watched in the order they started: the time since the later
+                self.seconds[direction] += now - max(start, self._last_landed[direction])  # of its start, last landing
+                self._last_landed[direction] = now
             except Exception:  # noqa: BLE001  (a failed copy fails its step; the clock only stops timing it)
                 pass
             with self._done:
@@ -144,7 +148,8 @@ class HostStore:
 
     @property
     def copy_seconds(self) -> dict[str, float]:
-        """Seconds from start to landing of every copy so far, "out" (to the host) and "in"."""
+        """Seconds each direction, "out" (to the host) and "in", had a copy in flight so far (from a copy's start to
+        its landing; copies in flight together counted once)."""
         return dict(self._clock.seconds)
 
     def run_lengths(self) -> list[int]:

@@ -2,6 +2,7 @@
 them, host bytes released when no slot needs a run, and device memory in flight held to max_copy_bytes."""
 
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -115,6 +116,34 @@ def test_copies_in_do_not_wait_for_copies_out_in_flight():
     assert [e[0] for e in log] == ["wait", "scatter"], log
     assert pool[8] == 0 and pool[9] == 1
     store.sync()
+
+
+class _SlowRun(_Run):
+    """A run that lands `delay` seconds after it was copied out (the store's copy clock waits for it)."""
+
+    def __init__(self, arrays, log, delay):
+        super().__init__(arrays, log)
+        self.lands_at = time.perf_counter() + delay
+
+    def wait(self):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(max(0.0, self.lands_at - time.perf_counter()))
+
+
+class _SlowTransfer(_Transfer):
+    def to_host(self, run, instance=0):
+        return _SlowRun(np.array(run), self.log, 0.3)
+
+
+def test_copy_seconds_count_copies_in_flight_together_once():
+    """Two runs out in flight at once for 0.3 s: the direction was busy 0.3 s, not 0.6 (EngineStats'
+    host_copy_out_seconds)."""
+    log = []
+    store = HostStore(_Programs(log), _SlowTransfer(log), max_run=2, block_bytes=10, max_copy_bytes=40)
+    store.apply(np.arange(16), _copies(out=[0, 1, 2, 3], slots=[0, 1, 2, 3]))  # two runs of two, both in flight
+    store.sync()
+    assert 0.25 <= store.copy_seconds["out"] < 0.5, store.copy_seconds
+    assert store.copy_seconds["in"] == 0.0
 
 
 def test_landed_runs_are_let_go_at_the_next_copy():

@@ -158,7 +158,8 @@ class EngineStats:
     # bytes its runs hold; sequences swapped out instead of recomputed, back in, and recomputed because it was
     # full; rBlocks copied to the host (swaps and prefix-cache spills) and back (swaps and host-cache hits), spilled
     # and hit; swapped rBlocks the host cache held already (not copied again); seconds each direction had a copy
-    # in flight (copies in flight together counted once). kv_block_bytes: one rBlock's bytes (a tier's bytes are its rBlocks times this).
+    # in flight (copies in flight together counted once). kv_block_bytes: one rBlock's bytes (a tier's bytes are
+    # its rBlocks times this).
     kv_block_bytes: int = 0
     host_blocks: int = 0
     host_blocks_used: int = 0

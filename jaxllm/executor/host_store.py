@@ -15,9 +15,10 @@ in flight each way are held to `max_copy_bytes` (the oldest of that direction is
 past it, which happens only when copies of more than that are still landing), so a big swap never needs more
 device memory than twice that beside the pool. A run is at most half that long: two are in flight each way, so the
 next copy is queued on the link before the one in front of it lands (with one run in flight the link idled while
-the launcher saw it land and issued the next: ~74% of the link's rate into the devices on an H200). The two directions are held apart so
-that copies out (a prefix cache spilling) and copies in (another prompt's history coming back) share the host
-link's two directions instead of waiting for each other. Landed runs are let go at the next copy.
+the launcher saw it land and issued the next: ~74% of the link's rate into the devices on an H200). The two
+directions are held apart so that copies out (a prefix cache spilling) and copies in (another prompt's history
+coming back) share the host link's two directions instead of waiting for each other. Landed runs are let go at
+the next copy.
 
 Host memory: the backend's allocator for a host memory kind grows as runs arrive, and each growth pins fresh pages
 (page-locking runs at a few GB/s, far below the link), on the launcher thread, before the copy can start. Warm-up
@@ -103,8 +104,10 @@ class _CopyClock:
             direction, start, landed = self._queue.get()
             try:
                 landed()
-                now = time.perf_counter()  # copies are watched in the order they started: the time since the later
-                self.seconds[direction] += now - max(start, self._last_landed[direction])  # of its start, last landing
+                # Copies are watched in the order they started, so a direction was busy from the later of this
+                # copy's start and its previous copy's landing until now.
+                now = time.perf_counter()
+                self.seconds[direction] += now - max(start, self._last_landed[direction])
                 self._last_landed[direction] = now
             except Exception:  # noqa: BLE001  (a failed copy fails its step; the clock only stops timing it)
                 pass

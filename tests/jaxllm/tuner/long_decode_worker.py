@@ -39,7 +39,7 @@ def main() -> None:
     # Driven at the executor: a 512K-token pool or prefill is out of reach on a CPU, a decode step at 512K is not.
     # The Pallas kernels (interpreted) read only up to each kv_len, where the reference would gather the whole
     # 512K-token table width for every token, padding included.
-    config = LlamaConfig.tiny(max_position_embeddings=2 * LONGEST)
+    config = LlamaConfig.tiny(num_layers=1, max_position_embeddings=2 * LONGEST)  # one layer: compile counts, not depth
     kernels = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
     # Decode steps of 1 and 2 sequences are what this measures; prefill has one bucket (8 tokens), compiled at warm-up
     # and counted like the others: at XLA's default optimization each program compiles for ~5 s.

@@ -62,12 +62,35 @@ def _median_rate(times: list[float], nbytes: int) -> float:
     return nbytes / float(np.median(times)) / 1e9
 
 
+def _engine_copy_rates(llm, count: int, reps: int) -> tuple[float, float]:
+    """GB/s of the engine's copies of `count` rBlocks in one plan, to the host and back (medians of `reps`), through
+    the executor: slots the ledger has not handed out yet (the engine is idle), dropped after."""
+    import jax
+
+    from jaxllm.contract import HostCopies, StepPlan
+
+    executor, store = llm.executor, llm.executor.host_store
+    ids, none = np.arange(count, dtype=np.int32), np.zeros(0, np.int32)
+    outs, ins = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(ids, ids, none, none, none, none)))
+        executor.launcher.drain()
+        store.sync()
+        outs.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(none, none, ids, ids, none, ids)))
+        jax.block_until_ready(executor.kv_cache)
+        ins.append(time.perf_counter() - t)
+    nbytes = count * store.block_bytes
+    return _median_rate(outs, nbytes), _median_rate(ins, nbytes)
+
+
 def link(args, llm) -> dict:
     """(a): the host link each way (a plain device_put) against the engine's copies of a run of rBlocks."""
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.contract import HostCopies, StepPlan
     from pallas_kernels import compat
 
     device = jax.devices()[0]
@@ -87,44 +110,17 @@ def link(args, llm) -> dict:
     link_out, link_in = _median_rate(to_host, x.nbytes), _median_rate(to_device, x.nbytes)
     del x, h
     executor, store = llm.executor, llm.executor.host_store
-    run = store.max_run
-    ids = np.arange(run, dtype=np.int32)
-    none = np.zeros(0, np.int32)
-    nbytes = run * store.block_bytes
-    outs, ins = [], []
-    for _ in range(args.reps):  # slots the ledger has not handed out yet (the engine is idle): dropped after
-        t = time.perf_counter()
-        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(ids, ids, none, none, none, none)))
-        executor.launcher.drain()
-        store.sync()
-        outs.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(none, none, ids, ids, none, ids)))
-        jax.block_until_ready(executor.kv_cache)
-        ins.append(time.perf_counter() - t)
-    out_rate, in_rate = _median_rate(outs, nbytes), _median_rate(ins, nbytes)
+    run = store.max_run  # the longest run the tier copies, alone
+    out_rate, in_rate = _engine_copy_rates(llm, run, args.reps)
     # A stream: --link-stream-gib of rBlocks in one plan each way, as a conversation's history comes back: runs
     # queued back to back, two in flight each way (jaxllm.executor.host_store).
     count = max(1, min(int(args.link_stream_gib * (1 << 30)) // store.block_bytes, executor.kv_cache.num_blocks))
-    ids = np.arange(count, dtype=np.int32)
-    stream_bytes = count * store.block_bytes
-    stream_out, stream_in = [], []
-    for _ in range(args.reps):
-        t = time.perf_counter()
-        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(ids, ids, none, none, none, none)))
-        executor.launcher.drain()
-        store.sync()
-        stream_out.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(none, none, ids, ids, none, ids)))
-        jax.block_until_ready(executor.kv_cache)
-        stream_in.append(time.perf_counter() - t)
-    s_out, s_in = _median_rate(stream_out, stream_bytes), _median_rate(stream_in, stream_bytes)
+    s_out, s_in = _engine_copy_rates(llm, count, args.reps)
     return dict(memory_kind=kind, link_gb_s={"to_host": link_out, "to_device": link_in},
-                run_rblocks=run, run_bytes=nbytes,
+                run_rblocks=run, run_bytes=run * store.block_bytes,
                 copy_gb_s={"to_host": out_rate, "to_device": in_rate},
                 fraction_of_link={"to_host": out_rate / link_out, "to_device": in_rate / link_in},
-                stream_rblocks=count, stream_bytes=stream_bytes,
+                stream_rblocks=count, stream_bytes=count * store.block_bytes,
                 stream_gb_s={"to_host": s_out, "to_device": s_in},
                 stream_fraction_of_link={"to_host": s_out / link_out, "to_device": s_in / link_in})
 

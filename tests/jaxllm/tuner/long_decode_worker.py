@@ -42,7 +42,7 @@ def main() -> None:
     config = LlamaConfig.tiny(num_layers=1, max_position_embeddings=2 * LONGEST)  # one layer: compile counts, not depth
     kernels = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
     # Decode steps of 1 and 2 sequences are what this measures; prefill has one bucket (8 tokens), compiled at warm-up
-    # and counted like the others: at XLA's default optimization each program compiles for ~5 s.
+    # and counted like the others (each program a few seconds at XLA's default optimization, one layer).
     executor = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32),
                         max_seqs=2, max_tokens_per_step=8, table_width=LONGEST // BLOCK_SIZE + 1, kernels=kernels)
     compiles = lambda: (executor.compile_count, executor.xla_compiles + executor.persistent_cache_hits)  # noqa: E731

@@ -8,7 +8,7 @@ import importlib
 _EXPORTS = {
     "LLM": "jaxllm.llm", "Completion": "jaxllm.llm", "EngineOptions": "jaxllm.llm",
     "LlamaConfig": "jaxllm.model.config", "RopeScaling": "jaxllm.model.config", "preset": "jaxllm.model.config",
-    "SamplingParams": "jaxllm.contract",
+    "SamplingParams": "jaxllm.contract", "add_tensor_parallel_flags": "sharding.xla_flags",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ import time
 from jaxllm import console
 from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, host_kv_bytes, is_leader,
                                start_processes)
+from sharding.xla_flags import add_tensor_parallel_flags
 
 _STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a writer whose reader left
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        add_tensor_parallel_flags(args.tensor_parallel)  # before JAX's backend starts (it reads XLA_FLAGS then)
         start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

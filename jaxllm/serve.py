@@ -38,6 +38,7 @@ from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_f
 from jaxllm.model.checkpoints import MODEL_DTYPES
 from jaxllm.model.config import PRESETS
 from sharding import multihost
+from sharding.xla_flags import add_tensor_parallel_flags
 
 
 def check_model_name(model: str) -> None:
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model_name(args.model)
         options = engine_options(args)
+        add_tensor_parallel_flags(args.tensor_parallel)  # before JAX's backend starts (it reads XLA_FLAGS then)
         start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

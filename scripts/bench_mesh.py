@@ -176,11 +176,12 @@ def _splits(config, n: int) -> bool:
         return False
 
 
-def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float | None, *, mixed: bool = False
-               ) -> dict:
+def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float | None, *, mixed: bool = False,
+               on_row=lambda partial: None) -> dict:
     """Batch-1 decode of `model` split `tp` ways at each context, with the floor (each device reads its share of
     the weights and the KV at the HBM bandwidth), then (mixed) the mixed load on the same engine; skipped (with
-    why) where the weights do not fit."""
+    why) where the weights do not fit. on_row(what is measured so far) after each row (the script saves it: a
+    run cut short keeps its rows)."""
     from jaxllm.engine.core import Request
     from jaxllm.contract import SamplingParams
     from jaxllm.model.config import preset
@@ -209,7 +210,7 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
         longest = max(longest, args.tp_mixed_prompts[1] + args.tp_mixed_new)
     llm = _engine(model, dry_run=args.dry_run, max_context=longest + 1, tensor_parallel=tp,
                   max_tokens_per_step=args.chunk, max_seqs=args.tp_mixed_requests if mixed else 1,
-                  prefix_caching=not mixed, block_size=args.block_size)
+                  prefix_caching=not mixed, block_size=args.block_size, num_blocks=args.tp_num_blocks)
     info = llm.info()
     kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     rows = []
@@ -221,6 +222,7 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
         rows.append(dict(context=context, decode_ms_per_token=float(np.median(ms)), spread=harness.spread(ms),
                          floor_ms=floor_ms, x_floor=float(np.median(ms)) / floor_ms if floor_ms else None))
         _log(f"[tensor] {model} TP {tp} at {context}: {rows[-1]['decode_ms_per_token']:.2f} ms/token")
+        on_row(dict(model=model, tensor_parallel=tp, rows=rows))
     load = _mixed_load(args, llm) if mixed else None
     llm.close()
     del llm
@@ -259,16 +261,20 @@ def _mixed_load(args, llm) -> dict:
     return result
 
 
-def tensor(args, devices: int, floor_tb_s: float | None) -> dict:
+def tensor(args, devices: int, floor_tb_s: float | None, save=lambda partial: None) -> dict:
     """(b): --tp-sweep-model at each of --tp-sizes (TP 1/2/4 of one machine, in one run), then --tp-model over
-    every device at --tp-contexts."""
+    every device at --tp-contexts. save(the part so far) after each row."""
     from jaxllm.model.config import preset
 
-    sweep = [_tp_decode(args, args.tp_sweep_model, n, args.tp_sweep_contexts, floor_tb_s)
-             for n in args.tp_sizes if n <= devices]
+    sweep: list[dict] = []
+    for n in (n for n in args.tp_sizes if n <= devices):
+        sweep.append(_tp_decode(args, args.tp_sweep_model, n, args.tp_sweep_contexts, floor_tb_s,
+                                on_row=lambda rows: save(dict(sweep=[*sweep, rows]))))
+        save(dict(sweep=sweep))
     if args.dry_run:  # the tiny model splits fewer ways than 8 host devices: the most it can
         devices = max(n for n in range(1, devices + 1) if devices % n == 0 and _splits(preset(args.tp_model), n))
-    return dict(_tp_decode(args, args.tp_model, devices, args.tp_contexts, floor_tb_s, mixed=True), sweep=sweep)
+    return dict(_tp_decode(args, args.tp_model, devices, args.tp_contexts, floor_tb_s, mixed=True,
+                           on_row=lambda rows: save(dict(rows, sweep=sweep))), sweep=sweep)
 
 
 def skew(args, devices: int) -> dict:
@@ -371,7 +377,13 @@ def main(argv=None) -> int:
                    f"{_TRACE_AFTER}) and record each GPU's kernels, idle time and attention kernels")
     p.add_argument("--tp-contexts", type=int, nargs="+", default=[4096, 131072])
     p.add_argument("--tp-sweep-model", default=None, help="(b)'s sweep model (default: llama2-13b; tiny with --dry-run)")
-    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4], help="(b)'s sweep: tensor-parallel sizes")
+    p.add_argument("--tp-sizes", type=int, nargs="*", default=[1, 2, 4], help="(b)'s sweep: tensor-parallel sizes "
+                   "(none: no sweep)")
+    p.add_argument("--tp-num-blocks", type=int, default=None, help="(b): rBlocks of each engine's pool (default: "
+                   "planned from free memory, which compiles the largest steps once more)")
+    p.add_argument("--tp-xla-flags", action=argparse.BooleanOptionalAction, default=True,
+                   help="(b): set the tensor-parallel XLA flags (sharding.xla_flags), as the entry points do for "
+                        "--tensor-parallel > 1 (default: on; they hold for the whole process, the TP 1 row too)")
     p.add_argument("--tp-sweep-contexts", type=int, nargs="+", default=[4096])
     p.add_argument("--tp-mixed-requests", type=int, default=32, help="(b): the mixed load's requests (0: none)")
     p.add_argument("--tp-mixed-prompts", type=int, nargs=2, default=[128, 8192], metavar=("MIN", "MAX"),
@@ -427,22 +439,33 @@ def main(argv=None) -> int:
     args.model = args.model or "llama2-7b"
     args.tp_model = args.tp_model or "llama2-70b"
     args.tp_sweep_model = args.tp_sweep_model or "llama2-13b"
+    if "tensor" in args.parts and args.tp_xla_flags:
+        from sharding.xla_flags import add_tensor_parallel_flags
+
+        add_tensor_parallel_flags(2)  # (b) runs tensor-parallel engines; before JAX's backend starts
     import jax
 
     devices = jax.device_count()
     device = harness.device_kind()
     floor = None if args.dry_run else harness.hbm_floor_tb_s(device)
-    result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model)
-    for part, run in (("longest", lambda: longest(args, devices, floor)), ("tensor", lambda: tensor(args, devices, floor)),
+    result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""))
+    name = (f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "")
+            + (f"-tp{args.longest_tp}" if args.longest_tp > 1 and "longest" in args.parts else "")
+            + ("-dry-run" if args.dry_run else ""))
+    path = os.path.join(args.out, harness.result_stem(device, name) + ".json")
+
+    def save(part: str, partial: dict) -> None:  # each row as it is measured: a run cut short keeps what it got
+        harness.write_json(path, dict(result, **{part: dict(partial, unfinished=True)}))
+
+    for part, run in (("longest", lambda: longest(args, devices, floor)),
+                      ("tensor", lambda: tensor(args, devices, floor, save=lambda partial: save("tensor", partial))),
                       ("skew", lambda: skew(args, devices)), ("step", lambda: step(args, devices))):
         if part in args.parts:
             _log(f"[{part}] on {devices} x {device}")
             result[part] = run()
             _log(f"[{part}] {result[part]}")
-    name = (f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "")
-            + (f"-tp{args.longest_tp}" if args.longest_tp > 1 and "longest" in args.parts else "")
-            + ("-dry-run" if args.dry_run else ""))
-    path = os.path.join(args.out, harness.result_stem(device, name) + ".json")
+            harness.write_json(path, result)
     harness.write_json(path, result)
     print(f"wrote {path}")
     return 0

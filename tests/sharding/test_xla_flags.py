@@ -1,0 +1,39 @@
+"""The tensor-parallel XLA flags: added to XLA_FLAGS only for tensor parallelism on a CUDA backend, never over a
+flag the user set."""
+
+from __future__ import annotations
+
+from sharding.xla_flags import (TENSOR_PARALLEL_XLA_FLAGS, add_tensor_parallel_flags, cuda_backend_expected,
+                                tensor_parallel_flags_missing)
+
+
+def test_tensor_parallel_on_cuda_appends_every_flag_after_the_users():
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/dump"}
+    added = add_tensor_parallel_flags(4, environ, cuda=True)
+    assert added == list(TENSOR_PARALLEL_XLA_FLAGS)
+    assert environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/dump", *TENSOR_PARALLEL_XLA_FLAGS]
+    assert add_tensor_parallel_flags(4, environ, cuda=True) == []  # a second call adds nothing
+    assert tensor_parallel_flags_missing(environ) == []
+
+
+def test_a_flag_the_user_named_is_left_as_set():
+    environ = {"XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"}
+    added = add_tensor_parallel_flags(2, environ, cuda=True)
+    assert "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" not in added
+    assert len(added) == len(TENSOR_PARALLEL_XLA_FLAGS) - 1
+    assert environ["XLA_FLAGS"].split()[0] == "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"
+    assert "SKIP_TEMP" not in environ["XLA_FLAGS"]
+
+
+def test_nothing_is_added_for_one_device_or_without_cuda():
+    for tp, cuda in ((1, True), (4, False)):
+        environ: dict[str, str] = {}
+        assert add_tensor_parallel_flags(tp, environ, cuda=cuda) == []
+        assert environ == {}
+
+
+def test_jax_platforms_without_cuda_expects_no_cuda_backend():
+    assert not cuda_backend_expected({"JAX_PLATFORMS": "cpu"})
+    # This machine (CI's, the sandbox's) has no CUDA plugin: no CUDA backend whatever JAX_PLATFORMS says.
+    assert not cuda_backend_expected({"JAX_PLATFORMS": "cuda"})
+

@@ -31,7 +31,8 @@ TENSOR_PARALLEL_XLA_FLAGS: tuple[str, ...] = (
     "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false",
 )
 
-_CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+# The modules of jax's CUDA plugin packages (jax-cuda1N-plugin, jax-cuda1N-pjrt).
+_CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 
 
 def _flag_name(flag: str) -> str:
@@ -44,7 +45,14 @@ def cuda_backend_expected(environ: MutableMapping[str, str] = os.environ) -> boo
     platforms = environ.get("JAX_PLATFORMS", "").lower()
     if platforms and not any(name in platforms for name in ("cuda", "gpu")):
         return False
-    return any(importlib.util.find_spec(name) is not None for name in _CUDA_PLUGINS)
+    return any(_installed(name) for name in _CUDA_PLUGINS)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose package is absent
+        return False
 
 
 def tensor_parallel_flags_missing(environ: MutableMapping[str, str] = os.environ) -> list[str]:

@@ -198,7 +198,7 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
 
         limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
         need = weights / tp * 1.15
-        if need > limit:
+        if limit and need > limit:  # no limit reported (XLA's VMM allocator keeps none): try it
             return dict(model=model, tensor_parallel=tp,
                         skipped=f"{model} needs about {need / 2**30:.0f} GiB of weights a device over {tp} "
                                 f"device(s); a device has {limit / 2**30:.0f} GiB")

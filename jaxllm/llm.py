@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import sys
 import time
-import warnings
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import jax
@@ -33,7 +32,7 @@ from jaxllm.tuner.fixed import FixedTuner
 from pallas_kernels import compat
 from pallas_kernels.dispatch import BACKENDS, default_kernels
 from sharding.mesh import check_tensor_parallel, instance_hosts, make_mesh
-from sharding.xla_flags import tensor_parallel_flags_missing
+from sharding.xla_flags import warn_without_tensor_parallel_flags
 from sharding.rules import abstract_kv_pool, kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
 
 TUNERS = ("auto", "fixed")
@@ -220,11 +219,8 @@ class LLM:
         # Every engine runs on a mesh of instances x tensor devices; one device is the 1 x 1 mesh, whose
         # model and pool load onto that device as they are (nothing to shard).
         self.mesh = make_mesh(tp, instances)
-        missing = tensor_parallel_flags_missing() if tp > 1 and compat.on_gpu() else []
-        if missing:  # XLA read its flags when the backend started: too late to add them here
-            warnings.warn(f"tensor_parallel {tp} runs its decode step slower without the XLA flags that make it one "
-                          f"CUDA graph a device: call jaxllm.add_tensor_parallel_flags({tp}) before anything starts "
-                          f"JAX's backend, or add to XLA_FLAGS: {' '.join(missing)}", RuntimeWarning, stacklevel=2)
+        if compat.on_gpu():
+            warn_without_tensor_parallel_flags(tp)
         sharded = tp * instances > 1 or jax.process_count() > 1
         if jax.process_count() > 1 and tp * instances != jax.device_count():
             # Every process runs every step; one whose devices the mesh left out could take no part.

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import MutableMapping
 
 __all__ = ["TENSOR_PARALLEL_XLA_FLAGS", "add_tensor_parallel_flags", "cuda_backend_expected",
-           "tensor_parallel_flags_missing"]
+           "tensor_parallel_flags_missing", "warn_without_tensor_parallel_flags"]
 
 TENSOR_PARALLEL_XLA_FLAGS: tuple[str, ...] = (
     "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
@@ -74,3 +75,14 @@ def add_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str,
     if missing:
         environ["XLA_FLAGS"] = " ".join([environ.get("XLA_FLAGS", "").strip(), *missing]).strip()
     return missing
+
+
+def warn_without_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str, str] = os.environ) -> None:
+    """A RuntimeWarning naming the flags XLA_FLAGS lacks, for a tensor-parallel engine built on a running GPU
+    backend (too late to add them: XLA read its flags when the backend started)."""
+    missing = tensor_parallel_flags_missing(environ) if tensor_parallel > 1 else []
+    if missing:
+        warnings.warn(f"tensor_parallel {tensor_parallel} runs its decode step slower without the XLA flags that "
+                      f"make it one CUDA graph a device: call jaxllm.add_tensor_parallel_flags({tensor_parallel}) "
+                      f"before anything starts JAX's backend, or add to XLA_FLAGS: {' '.join(missing)}",
+                      RuntimeWarning, stacklevel=3)

@@ -3,8 +3,12 @@ flag the user set."""
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
+
 from sharding.xla_flags import (TENSOR_PARALLEL_XLA_FLAGS, add_tensor_parallel_flags, cuda_backend_expected,
-                                tensor_parallel_flags_missing)
+                                tensor_parallel_flags_missing, warn_without_tensor_parallel_flags)
 
 
 def test_tensor_parallel_on_cuda_appends_every_flag_after_the_users():
@@ -37,3 +41,17 @@ def test_jax_platforms_without_cuda_expects_no_cuda_backend():
     # This machine (CI's, the sandbox's) has no CUDA plugin: no CUDA backend whatever JAX_PLATFORMS says.
     assert not cuda_backend_expected({"JAX_PLATFORMS": "cuda"})
 
+
+
+def test_an_engine_without_the_flags_is_warned_with_the_missing_ones_named():
+    environ = {"XLA_FLAGS": "--xla_gpu_graph_min_graph_size=1"}
+    with pytest.warns(RuntimeWarning, match=r"add_tensor_parallel_flags\(4\)") as caught:
+        warn_without_tensor_parallel_flags(4, environ)
+    (message,) = [str(w.message) for w in caught]
+    assert "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" in message
+    assert "--xla_gpu_graph_min_graph_size" not in message  # set already
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_without_tensor_parallel_flags(1, {})  # one device: nothing to say
+        add_tensor_parallel_flags(4, environ, cuda=True)
+        warn_without_tensor_parallel_flags(4, environ)  # every flag set: nothing to say

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        add_tensor_parallel_flags(args.tensor_parallel)  # before JAX's backend starts (it reads XLA_FLAGS then)
+        if not host_kv_bytes(args):  # the flags' VMM allocator keeps no pinned host memory for the host tier
+            add_tensor_parallel_flags(args.tensor_parallel)  # before JAX's backend starts (it reads XLA_FLAGS then)
         start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

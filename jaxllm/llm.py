@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.device_memory import device_free_bytes
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.core import EngineCore, EngineInfo, Request, RequestOutput
@@ -42,15 +43,6 @@ _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with e
 # compiled programs' code.
 _MEMORY_MARGIN_FRACTION = 0.03
 _MEMORY_MARGIN_MIN = 1 << 30
-
-
-def _device_free_bytes(devices) -> int | None:
-    """Bytes free on the fullest of `devices` (its allocator's limit less what is in use); None where the backend
-    keeps no such count (a CPU host)."""
-    stats = [d.memory_stats() for d in devices]
-    if not stats or any(not s or "bytes_limit" not in s for s in stats):
-        return None
-    return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
 
 
 def _blocks_in(budget: int, per_block: int) -> int:
@@ -219,7 +211,7 @@ class LLM:
         # Every engine runs on a mesh of instances x tensor devices; one device is the 1 x 1 mesh, whose
         # model and pool load onto that device as they are (nothing to shard).
         self.mesh = make_mesh(tp, instances)
-        if compat.on_gpu():
+        if compat.on_gpu() and not self.options.host_kv_bytes:  # the host tier runs without them (xla_flags)
             warn_without_tensor_parallel_flags(tp)
         sharded = tp * instances > 1 or jax.process_count() > 1
         if jax.process_count() > 1 and tp * instances != jax.device_count():
@@ -351,7 +343,7 @@ class LLM:
         flight), so a step the engine admits never runs out of memory."""
         # Per device: a tensor-parallel device holds 1 / tensor_parallel of every rBlock (its KV heads).
         per_block = kv_bytes_per_block(config, block_size, pool_dtype) // self.options.tensor_parallel
-        free = _device_free_bytes([d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
+        free = device_free_bytes([d for d in self.mesh.devices.flat if d.process_index == jax.process_index()])
         if free is None:  # a CPU host: no allocator limit to plan against
             # Enough for a few full-length sequences, within a modest share of host memory.
             budget = min(_CPU_KV_BYTES, 4 * self.max_context * per_block // block_size)

@@ -59,7 +59,7 @@ def test_step_memory_compiles_over_an_abstract_pool_and_borrowing_needs_do_not_g
 def test_an_engine_plans_its_pool_from_the_free_memory(monkeypatch, capsys):
     # A CPU host keeps no allocator limit; given one, the engine plans as on a GPU.
     free = 256 << 20
-    monkeypatch.setattr(llm_module, "_device_free_bytes", lambda devices: free)
+    monkeypatch.setattr(llm_module, "device_free_bytes", lambda devices: free)
     monkeypatch.setattr(llm_module, "_MEMORY_MARGIN_MIN", 4 << 20)  # a GPU's 1 GiB floor is over this whole host
     llm = LLM("tiny", options=EngineOptions(max_seqs=4, max_tokens_per_step=64, penalties=False))
     try:

@@ -25,6 +25,8 @@ decode step instead of 483 (benchmarks/NOTES.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -182,7 +184,53 @@ def init_model(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0, shardin
         return make()
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     where = jax.tree_util.tree_map_with_path(lambda path, x: sharding(_state_path(path), tuple(x.shape)), abstract)
-    return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], out_shardings=where)())
+    layers = [jax.tree.leaves(w) for w in nnx.to_pure_dict(where)["layers"].values()]
+    if any(w != layers[0] for w in layers):  # layers placed differently: one program for the whole model
+        return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], out_shardings=where)())
+    nnx.replace_by_pure_dict(abstract, _draw_by_layer(config, dtype, seed, where))
+    return nnx.merge(graphdef, abstract)
+
+
+def _seeded_at(seed: int, count) -> nnx.Rngs:
+    """nnx.Rngs(params=seed) whose next draw is its `count`-th (count may be traced): what a module built part way
+    through Llama.__init__ draws."""
+    rngs = nnx.Rngs(params=seed)
+    rngs.params.count[...] = jnp.asarray(count, jnp.uint32)
+    return rngs
+
+
+def _draw_by_layer(config: LlamaConfig, dtype, seed: int, where) -> dict:
+    """init_model's weights drawn into their shardings `where` (an nnx State of shardings) as a pure dict, one
+    decoder layer a program: the layers' program is compiled once and run for each layer (the whole model as one
+    program is ~9 kernels a layer to compile, minutes on a GPU for the 70B preset). Each part is drawn with the
+    keys Llama.__init__ gives it (the embedding first, then each layer's in turn, then the head), so the weights
+    are init_model's unsharded ones."""
+    pure_where = nnx.to_pure_dict(where)
+    one_layer = dataclasses.replace(config, num_layers=1)
+
+    def draw_layer(count):
+        rngs = _seeded_at(seed, count)
+        return nnx.to_pure_dict(nnx.state(DecoderLayer(config, dtype, rngs))), rngs.params.count[...]
+
+    def draw_ends(count, names):
+        """A one-layer model's `names` drawn from its `count`-th key on (its embedding's; the head's is one past
+        its layer's): XLA drops the draws it does not return."""
+        state = nnx.to_pure_dict(nnx.state(Llama(one_layer, dtype=dtype, rngs=_seeded_at(seed, count))))
+        return {name: state[name] for name in names}
+
+    layer = jax.jit(draw_layer, out_shardings=(pure_where["layers"][0], None))
+    drawn = {"layers": {}}
+    count = 1  # the embedding draws key 0
+    for i in range(config.num_layers):
+        drawn["layers"][i], after = layer(count)
+        count = int(after)
+    per_layer = (count - 1) // config.num_layers
+    ends = [name for name in pure_where if name not in ("layers", "lm_head")]
+    drawn.update(jax.jit(lambda: draw_ends(0, ends), out_shardings={n: pure_where[n] for n in ends})())
+    if "lm_head" in pure_where:  # after every layer's keys: a one-layer model drawn from per_layer keys earlier
+        drawn.update(jax.jit(lambda: draw_ends(count - 1 - per_layer, ["lm_head"]),
+                             out_shardings={"lm_head": pure_where["lm_head"]})())
+    return drawn
 
 
 def _state_path(path) -> tuple:

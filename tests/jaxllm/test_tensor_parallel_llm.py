@@ -5,6 +5,7 @@ Each case is computed once per module (fixtures below, cached per case) and asse
 each config's checkpoint and its TP 1 reference are made once and shared by its cases.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -233,3 +234,19 @@ def test_a_preset_is_drawn_straight_into_its_shards():
     two = LLM("tiny", progress=False, options=_options(2))
     want = one.logits(PROMPTS[0])
     assert float(np.max(np.abs(two.logits(PROMPTS[0]) - want)) / np.max(np.abs(want))) < 1e-5
+
+
+@pytest.mark.parametrize("config", [dataclasses.replace(CONFIGS["gqa"], num_layers=3),
+                                    dataclasses.replace(CONFIGS["mha"], tie_word_embeddings=True)],
+                         ids=["gqa-3-layers", "mha-tied"])
+def test_a_sharded_draw_gives_every_weight_of_the_unsharded_one(config):
+    """The sharded draw runs one program a layer (keys from where Llama.__init__ would be at that layer) and the
+    embedding and head apart: every array equals the unsharded draw's, each in its sharding."""
+    sharded = init_model(config, seed=3, sharding=rules.load_sharding(config, make_mesh(4)))
+    whole = nnx.to_pure_dict(nnx.state(init_model(config, seed=3)))
+    drawn = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(sharded))))
+    assert len(drawn) == len(jax.tree.leaves(whole))
+    for path, want in jax.tree_util.tree_leaves_with_path(whole):
+        np.testing.assert_allclose(np.asarray(drawn[path]), np.asarray(want), rtol=0, atol=1e-6, err_msg=str(path))
+    last, first = sharded.layers[-1].mlp.down[...].sharding, sharded.layers[0].mlp.down[...].sharding
+    assert last == first and not last.is_fully_replicated

@@ -381,9 +381,11 @@ def main(argv=None) -> int:
                    "(none: no sweep)")
     p.add_argument("--tp-num-blocks", type=int, default=None, help="(b): rBlocks of each engine's pool (default: "
                    "planned from free memory, which compiles the largest steps once more)")
-    p.add_argument("--tp-xla-flags", action=argparse.BooleanOptionalAction, default=True,
-                   help="(b): set the tensor-parallel XLA flags (sharding.xla_flags), as the entry points do for "
-                        "--tensor-parallel > 1 (default: on; they hold for the whole process, the TP 1 row too)")
+    p.add_argument("--tp-xla-flags", action=argparse.BooleanOptionalAction, default=None,
+                   help="set the tensor-parallel XLA flags (sharding.xla_flags), as the entry points do for "
+                        "--tensor-parallel > 1; they hold for the whole process (default: on when (b) is the only "
+                        "part, whose TP 1 row then runs with them too; off otherwise, as the other parts' one-device "
+                        "instances run in the product)")
     p.add_argument("--tp-sweep-contexts", type=int, nargs="+", default=[4096])
     p.add_argument("--tp-mixed-requests", type=int, default=32, help="(b): the mixed load's requests (0: none)")
     p.add_argument("--tp-mixed-prompts", type=int, nargs=2, default=[128, 8192], metavar=("MIN", "MAX"),
@@ -439,7 +441,9 @@ def main(argv=None) -> int:
     args.model = args.model or "llama2-7b"
     args.tp_model = args.tp_model or "llama2-70b"
     args.tp_sweep_model = args.tp_sweep_model or "llama2-13b"
-    if "tensor" in args.parts and args.tp_xla_flags:
+    if args.tp_xla_flags is None:
+        args.tp_xla_flags = set(args.parts) == {"tensor"}
+    if args.tp_xla_flags:
         from sharding.xla_flags import add_tensor_parallel_flags
 
         add_tensor_parallel_flags(2)  # (b) runs tensor-parallel engines; before JAX's backend starts

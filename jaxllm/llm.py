@@ -33,8 +33,8 @@ from jaxllm.tuner.fixed import FixedTuner
 from pallas_kernels import compat
 from pallas_kernels.dispatch import BACKENDS, default_kernels
 from sharding.mesh import check_tensor_parallel, instance_hosts, make_mesh
-from sharding.xla_flags import warn_without_tensor_parallel_flags
 from sharding.rules import abstract_kv_pool, kv_pool_shardings, load_sharding, prepare_tensor_parallel, shard_params
+from sharding.xla_flags import warn_without_tensor_parallel_flags
 
 TUNERS = ("auto", "fixed")
 _CPU_KV_BYTES = 1 << 30  # pool cap on a CPU host, where memory is shared with everything else

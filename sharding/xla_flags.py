@@ -2,11 +2,15 @@
 
 A tensor-parallel decode step is short and host-bound: XLA runs it as CUDA graphs (command buffers), and with its
 defaults it cuts them at each of the step's all-reduces (two a layer, run as XLA's one-shot all-reduce kernel
-outside the graphs) and rewrites every piece's addresses each step. These flags put NCCL's all-reduce inside the
-command buffer, so the step is one graph a device, and keep the step's temporary buffers at stable addresses
-(XLA's VMM allocator, SKIP_TEMP), so fewer of its nodes are rewritten each step. Measured on 4 x H200, 13B at 4K,
-batch 1, the jitted step back to back (benchmarks/NOTES.md, issue 32): TP 4 6.78 -> 5.19 ms, TP 2 6.29 -> 5.82 ms,
-the same tokens. A one-device step is not host-bound; the entry points set them only for tensor_parallel > 1.
+outside the graphs), so every step launches and updates ~80 graph pieces a device. These flags put NCCL's
+all-reduce inside the command buffer, so the step is one graph a device, and keep the step's temporary buffers at
+fixed addresses (XLA's VMM allocator, update mode SKIP_TEMP), which makes updating that graph each step cheap enough
+to pay (NCCL in one graph without SKIP_TEMP was slower than the defaults). Measured on 4 x H200, 13B at 4K, batch 1
+(BENCHMARKS.md, issue 32): the jitted step back to back, TP 4 6.78 -> 5.19 ms and TP 2 6.29 -> 5.82 ms, the same
+tokens. A one-device step is not host-bound; the entry points set them only for tensor_parallel > 1.
+
+The VMM allocator reports no memory counts (jaxllm.device_memory asks the CUDA driver instead) and has no pinned
+host memory, so the entry points leave the flags out when the host KV tier is on.
 
 XLA reads XLA_FLAGS once, when the backend starts (the first thing that touches a device), so the entry points
 call `add_tensor_parallel_flags` right after parsing their arguments; a program that builds `LLM` itself calls it

@@ -26,6 +26,7 @@ decode step instead of 483 (benchmarks/NOTES.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -205,32 +206,43 @@ def _draw_by_layer(config: LlamaConfig, dtype, seed: int, where) -> dict:
     program is ~9 kernels a layer to compile, minutes on a GPU for the 70B preset). Each part is drawn with the
     keys Llama.__init__ gives it (the embedding first, then each layer's in turn, then the head), so the weights
     are init_model's unsharded ones."""
-    pure_where = nnx.to_pure_dict(where)
-    one_layer = dataclasses.replace(config, num_layers=1)
-
-    def draw_layer(count):
-        rngs = _seeded_at(seed, count)
-        return nnx.to_pure_dict(nnx.state(DecoderLayer(config, dtype, rngs))), rngs.params.count[...]
-
-    def draw_ends(count, names):
-        """A one-layer model's `names` drawn from its `count`-th key on (its embedding's; the head's is one past
-        its layer's): XLA drops the draws it does not return."""
-        state = nnx.to_pure_dict(nnx.state(Llama(one_layer, dtype=dtype, rngs=_seeded_at(seed, count))))
-        return {name: state[name] for name in names}
-
-    layer = jax.jit(draw_layer, out_shardings=(pure_where["layers"][0], None))
+    leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(where))
+    layer, ends = _draw_programs(config, dtype, seed, treedef, tuple(leaves))
     drawn = {"layers": {}}
     count = 1  # the embedding draws key 0
     for i in range(config.num_layers):
         drawn["layers"][i], after = layer(count)
         count = int(after)
     per_layer = (count - 1) // config.num_layers
-    ends = [name for name in pure_where if name not in ("layers", "lm_head")]
-    drawn.update(jax.jit(lambda: draw_ends(0, ends), out_shardings={n: pure_where[n] for n in ends})())
-    if "lm_head" in pure_where:  # after every layer's keys: a one-layer model drawn from per_layer keys earlier
-        drawn.update(jax.jit(lambda: draw_ends(count - 1 - per_layer, ["lm_head"]),
-                             out_shardings={"lm_head": pure_where["lm_head"]})())
+    drawn.update(ends(count - 1 - per_layer))  # the head: one layer's keys before the last key, see draw_ends
     return drawn
+
+
+@functools.lru_cache(maxsize=8)
+def _draw_programs(config: LlamaConfig, dtype, seed: int, where_treedef, where_leaves: tuple):
+    """_draw_by_layer's two jitted programs: a layer from its first key's count, and the rest (cached: a process
+    that builds the same sharded model again compiles nothing)."""
+    where = jax.tree.unflatten(where_treedef, where_leaves)
+    one_layer = dataclasses.replace(config, num_layers=1)
+    ends = [name for name in where if name != "layers"]
+
+    def draw_layer(count):
+        rngs = _seeded_at(seed, count)
+        return nnx.to_pure_dict(nnx.state(DecoderLayer(config, dtype, rngs))), rngs.params.count[...]
+
+    def one_layer_model(count) -> dict:
+        return nnx.to_pure_dict(nnx.state(Llama(one_layer, dtype=dtype, rngs=_seeded_at(seed, count))))
+
+    def draw_ends(head_count):
+        """All but the layers from a one-layer model drawn from key 0 (its embedding's), the head from one drawn
+        from `head_count` (its head draws one layer's keys later); XLA drops the draws it does not return."""
+        out = {name: value for name, value in one_layer_model(0).items() if name in ends and name != "lm_head"}
+        if "lm_head" in ends:
+            out["lm_head"] = one_layer_model(head_count)["lm_head"]
+        return out
+
+    return (jax.jit(draw_layer, out_shardings=(where["layers"][0], None)),
+            jax.jit(draw_ends, out_shardings={name: where[name] for name in ends}))
 
 
 def _state_path(path) -> tuple:

@@ -15,8 +15,9 @@ host memory, so the entry points leave the flags out when the host KV tier is on
 XLA reads XLA_FLAGS once, when the backend starts (the first thing that touches a device), so the entry points
 call `add_tensor_parallel_flags` right after parsing their arguments; a program that builds `LLM` itself calls it
 before its first JAX call, or sets the flags in XLA_FLAGS itself. A flag the environment already names is left as
-it is (the user's choice wins); on a machine with no CUDA plugin nothing is added (the CPU backend of an older
-jaxlib may not know them, and XLA rejects an unknown flag).
+it is (the user's choice wins); JAXLLM_TENSOR_PARALLEL_XLA_FLAGS=0 adds none (XLA's defaults); on a machine with no
+CUDA plugin nothing is added (the CPU backend of an older jaxlib may not know them, and XLA rejects an unknown
+flag).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import warnings
 from collections.abc import MutableMapping
 
-__all__ = ["TENSOR_PARALLEL_XLA_FLAGS", "add_tensor_parallel_flags", "cuda_backend_expected",
+__all__ = ["OPT_OUT_ENV", "TENSOR_PARALLEL_XLA_FLAGS", "add_tensor_parallel_flags", "cuda_backend_expected",
            "tensor_parallel_flags_missing", "warn_without_tensor_parallel_flags"]
 
 TENSOR_PARALLEL_XLA_FLAGS: tuple[str, ...] = (
@@ -36,8 +37,16 @@ TENSOR_PARALLEL_XLA_FLAGS: tuple[str, ...] = (
     "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false",
 )
 
+# Set to 0 (or false / no / off): the entry points add none of the flags (XLA's defaults, its BFC allocator).
+OPT_OUT_ENV = "JAXLLM_TENSOR_PARALLEL_XLA_FLAGS"
+_NO = ("0", "false", "no", "off")
+
 # The modules of jax's CUDA plugin packages (jax-cuda1N-plugin, jax-cuda1N-pjrt).
 _CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+
+def _opted_out(environ: MutableMapping[str, str]) -> bool:
+    return environ.get(OPT_OUT_ENV, "").strip().lower() in _NO
 
 
 def _flag_name(flag: str) -> str:
@@ -68,10 +77,10 @@ def tensor_parallel_flags_missing(environ: MutableMapping[str, str] = os.environ
 
 def add_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str, str] = os.environ,
                               *, cuda: bool | None = None) -> list[str]:
-    """Append to environ["XLA_FLAGS"] the tensor-parallel flags it does not name, when tensor_parallel > 1 and a
-    CUDA backend is expected (`cuda`: None asks cuda_backend_expected); the flags added. Effective only before
-    JAX's backend starts."""
-    if tensor_parallel <= 1:
+    """Append to environ["XLA_FLAGS"] the tensor-parallel flags it does not name, when tensor_parallel > 1, the
+    environment does not opt out (OPT_OUT_ENV=0) and a CUDA backend is expected (`cuda`: None asks
+    cuda_backend_expected); the flags added. Effective only before JAX's backend starts."""
+    if tensor_parallel <= 1 or _opted_out(environ):
         return []
     if not (cuda_backend_expected(environ) if cuda is None else cuda):
         return []
@@ -84,7 +93,7 @@ def add_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str,
 def warn_without_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str, str] = os.environ) -> None:
     """A RuntimeWarning naming the flags XLA_FLAGS lacks, for a tensor-parallel engine built on a running GPU
     backend (too late to add them: XLA read its flags when the backend started)."""
-    missing = tensor_parallel_flags_missing(environ) if tensor_parallel > 1 else []
+    missing = tensor_parallel_flags_missing(environ) if tensor_parallel > 1 and not _opted_out(environ) else []
     if missing:
         warnings.warn(f"tensor_parallel {tensor_parallel} runs its decode step slower without the XLA flags that "
                       f"make it one CUDA graph a device: call jaxllm.add_tensor_parallel_flags({tensor_parallel}) "

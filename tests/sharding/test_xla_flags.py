@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from sharding.xla_flags import (TENSOR_PARALLEL_XLA_FLAGS, add_tensor_parallel_flags, cuda_backend_expected,
+from sharding.xla_flags import (OPT_OUT_ENV, TENSOR_PARALLEL_XLA_FLAGS, add_tensor_parallel_flags, cuda_backend_expected,
                                 tensor_parallel_flags_missing, warn_without_tensor_parallel_flags)
 
 
@@ -55,3 +55,14 @@ def test_an_engine_without_the_flags_is_warned_with_the_missing_ones_named():
         warn_without_tensor_parallel_flags(1, {})  # one device: nothing to say
         add_tensor_parallel_flags(4, environ, cuda=True)
         warn_without_tensor_parallel_flags(4, environ)  # every flag set: nothing to say
+
+
+def test_the_environment_opts_out_of_every_flag_and_of_the_warning():
+    for value in ("0", "false", "Off"):
+        environ = {OPT_OUT_ENV: value}
+        assert add_tensor_parallel_flags(4, environ, cuda=True) == []
+        assert "XLA_FLAGS" not in environ
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warn_without_tensor_parallel_flags(4, environ)
+    assert add_tensor_parallel_flags(4, {OPT_OUT_ENV: "1"}, cuda=True) == list(TENSOR_PARALLEL_XLA_FLAGS)

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if not host_kv_bytes(args):  # the flags' VMM allocator keeps no pinned host memory for the host tier
-            add_tensor_parallel_flags(args.tensor_parallel)  # before JAX's backend starts (it reads XLA_FLAGS then)
+        # before JAX's backend starts (it reads XLA_FLAGS then)
+        add_tensor_parallel_flags(args.tensor_parallel, host_tier=bool(host_kv_bytes(args)))
         start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -211,8 +211,8 @@ class LLM:
         # Every engine runs on a mesh of instances x tensor devices; one device is the 1 x 1 mesh, whose
         # model and pool load onto that device as they are (nothing to shard).
         self.mesh = make_mesh(tp, instances)
-        if compat.on_gpu() and not self.options.host_kv_bytes:  # the host tier runs without them (xla_flags)
-            warn_without_tensor_parallel_flags(tp)
+        if compat.on_gpu():
+            warn_without_tensor_parallel_flags(tp, host_tier=bool(self.options.host_kv_bytes))
         sharded = tp * instances > 1 or jax.process_count() > 1
         if jax.process_count() > 1 and tp * instances != jax.device_count():
             # Every process runs every step; one whose devices the mesh left out could take no part.

@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model_name(args.model)
         options = engine_options(args)
-        if not options.host_kv_bytes:  # the flags' VMM allocator keeps no pinned host memory for the host tier
-            add_tensor_parallel_flags(args.tensor_parallel)  # before JAX's backend starts (it reads XLA_FLAGS then)
+        # before JAX's backend starts (it reads XLA_FLAGS then)
+        add_tensor_parallel_flags(args.tensor_parallel, host_tier=bool(options.host_kv_bytes))
         start_processes(args, parser.prog)  # before anything touches a device
     except ValueError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

@@ -75,12 +75,19 @@ def tensor_parallel_flags_missing(environ: MutableMapping[str, str] = os.environ
     return [flag for flag in TENSOR_PARALLEL_XLA_FLAGS if _flag_name(flag) not in present]
 
 
+def _wanted(tensor_parallel: int, host_tier: bool, environ: MutableMapping[str, str]) -> bool:
+    """Whether a run wants the flags: tensor parallel, no host tier (the VMM allocator has no pinned host memory),
+    not opted out."""
+    return tensor_parallel > 1 and not host_tier and not _opted_out(environ)
+
+
 def add_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str, str] = os.environ,
-                              *, cuda: bool | None = None) -> list[str]:
-    """Append to environ["XLA_FLAGS"] the tensor-parallel flags it does not name, when tensor_parallel > 1, the
-    environment does not opt out (OPT_OUT_ENV=0) and a CUDA backend is expected (`cuda`: None asks
-    cuda_backend_expected); the flags added. Effective only before JAX's backend starts."""
-    if tensor_parallel <= 1 or _opted_out(environ):
+                              *, host_tier: bool = False, cuda: bool | None = None) -> list[str]:
+    """Append to environ["XLA_FLAGS"] the tensor-parallel flags it does not name, when tensor_parallel > 1, no
+    host KV tier is asked for (`host_tier`), the environment does not opt out (OPT_OUT_ENV=0) and a CUDA backend
+    is expected (`cuda`: None asks cuda_backend_expected); the flags added. Effective only before JAX's backend
+    starts."""
+    if not _wanted(tensor_parallel, host_tier, environ):
         return []
     if not (cuda_backend_expected(environ) if cuda is None else cuda):
         return []
@@ -90,10 +97,11 @@ def add_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str,
     return missing
 
 
-def warn_without_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str, str] = os.environ) -> None:
-    """A RuntimeWarning naming the flags XLA_FLAGS lacks, for a tensor-parallel engine built on a running GPU
-    backend (too late to add them: XLA read its flags when the backend started)."""
-    missing = tensor_parallel_flags_missing(environ) if tensor_parallel > 1 and not _opted_out(environ) else []
+def warn_without_tensor_parallel_flags(tensor_parallel: int, environ: MutableMapping[str, str] = os.environ, *,
+                                       host_tier: bool = False) -> None:
+    """A RuntimeWarning naming the flags XLA_FLAGS lacks, for an engine that wants them (add_tensor_parallel_flags'
+    rule) built on a running GPU backend (too late to add them: XLA read its flags when the backend started)."""
+    missing = tensor_parallel_flags_missing(environ) if _wanted(tensor_parallel, host_tier, environ) else []
     if missing:
         warnings.warn(f"tensor_parallel {tensor_parallel} runs its decode step slower without the XLA flags that "
                       f"make it one CUDA graph a device: call jaxllm.add_tensor_parallel_flags({tensor_parallel}) "

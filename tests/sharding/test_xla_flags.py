@@ -29,11 +29,14 @@ def test_a_flag_the_user_named_is_left_as_set():
     assert "SKIP_TEMP" not in environ["XLA_FLAGS"]
 
 
-def test_nothing_is_added_for_one_device_or_without_cuda():
-    for tp, cuda in ((1, True), (4, False)):
+def test_nothing_is_added_for_one_device_without_cuda_or_with_the_host_tier():
+    for tp, cuda, host_tier in ((1, True, False), (4, False, False), (4, True, True)):
         environ: dict[str, str] = {}
-        assert add_tensor_parallel_flags(tp, environ, cuda=cuda) == []
+        assert add_tensor_parallel_flags(tp, environ, host_tier=host_tier, cuda=cuda) == []
         assert environ == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_without_tensor_parallel_flags(4, {}, host_tier=True)  # the host tier runs without them: no warning
 
 
 def test_jax_platforms_without_cuda_expects_no_cuda_backend():

@@ -185,10 +185,7 @@ def init_model(config: LlamaConfig, *, dtype=jnp.float32, seed: int = 0, shardin
         return make()
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     where = jax.tree_util.tree_map_with_path(lambda path, x: sharding(_state_path(path), tuple(x.shape)), abstract)
-    layers = [jax.tree.leaves(w) for w in nnx.to_pure_dict(where)["layers"].values()]
-    if any(w != layers[0] for w in layers):  # layers placed differently: one program for the whole model
-        return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1], out_shardings=where)())
-    nnx.replace_by_pure_dict(abstract, _draw_by_layer(config, dtype, seed, where))
+    nnx.replace_by_pure_dict(abstract, _draw_by_layer(config, dtype, seed, nnx.to_pure_dict(where)))
     return nnx.merge(graphdef, abstract)
 
 
@@ -200,49 +197,57 @@ def _seeded_at(seed: int, count) -> nnx.Rngs:
     return rngs
 
 
-def _draw_by_layer(config: LlamaConfig, dtype, seed: int, where) -> dict:
-    """init_model's weights drawn into their shardings `where` (an nnx State of shardings) as a pure dict, one
-    decoder layer a program: the layers' program is compiled once and run for each layer (the whole model as one
-    program is ~9 kernels a layer to compile, minutes on a GPU for the 70B preset). Each part is drawn with the
-    keys Llama.__init__ gives it (the embedding first, then each layer's in turn, then the head), so the weights
-    are init_model's unsharded ones."""
-    leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(where))
-    layer, ends = _draw_programs(config, dtype, seed, treedef, tuple(leaves))
-    drawn = {"layers": {}}
-    count = 1  # the embedding draws key 0
-    for i in range(config.num_layers):
-        drawn["layers"][i], after = layer(count)
-        count = int(after)
-    per_layer = (count - 1) // config.num_layers
-    drawn.update(ends(count - 1 - per_layer))  # the head: one layer's keys before the last key, see draw_ends
+def _draw_by_layer(config: LlamaConfig, dtype, seed: int, where: dict) -> dict:
+    """init_model's weights drawn into their shardings `where` (a pure dict of shardings, the model's state's
+    shape) as a pure dict, one decoder layer a program: layers placed alike share one compiled program, run for
+    each (the whole model as one program grows with the layers: 37-45 s to compile on CPU for the 70B shape,
+    benchmarks/NOTES.md). Each part is drawn with the keys Llama.__init__ gives it (the embedding key 0, then
+    each layer's in turn, then the head), so the weights are init_model's unsharded ones."""
+    first, per_layer = _layer_program(config, dtype, seed, *_flat(where["layers"][0]))(1)
+    per_layer = int(per_layer) - 1  # the keys a layer draws: the one sync, then every layer is dispatched at once
+    drawn = {"layers": {0: first}}
+    for i in range(1, config.num_layers):
+        drawn["layers"][i], _ = _layer_program(config, dtype, seed, *_flat(where["layers"][i]))(1 + i * per_layer)
+    ends = {name: value for name, value in where.items() if name != "layers"}
+    # The head draws the key after the last layer's: a one-layer model drawn from one layer's keys earlier.
+    drawn.update(_ends_program(config, dtype, seed, *_flat(ends))(config.num_layers * per_layer - per_layer))
     return drawn
 
 
-@functools.lru_cache(maxsize=8)
-def _draw_programs(config: LlamaConfig, dtype, seed: int, where_treedef, where_leaves: tuple):
-    """_draw_by_layer's two jitted programs: a layer from its first key's count, and the rest (cached: a process
-    that builds the same sharded model again compiles nothing)."""
-    where = jax.tree.unflatten(where_treedef, where_leaves)
-    one_layer = dataclasses.replace(config, num_layers=1)
-    ends = [name for name in where if name != "layers"]
+def _flat(tree) -> tuple:
+    """A pytree of shardings as a hashable (treedef, leaves) pair (the program caches' key)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaves)
 
+
+@functools.lru_cache(maxsize=8)
+def _layer_program(config: LlamaConfig, dtype, seed: int, where_treedef, where_leaves: tuple):
+    """Jitted: a decoder layer drawn from its first key's count, into these shardings, and the count after it
+    (cached: layers placed alike, and a process that builds the same sharded model again, compile nothing)."""
     def draw_layer(count):
         rngs = _seeded_at(seed, count)
         return nnx.to_pure_dict(nnx.state(DecoderLayer(config, dtype, rngs))), rngs.params.count[...]
+
+    return jax.jit(draw_layer, out_shardings=(jax.tree.unflatten(where_treedef, where_leaves), None))
+
+
+@functools.lru_cache(maxsize=8)
+def _ends_program(config: LlamaConfig, dtype, seed: int, where_treedef, where_leaves: tuple):
+    """Jitted: all but the layers, from a one-layer model drawn from key 0 (its embedding's), and the head from one
+    drawn from `head_count` (its head draws one layer's keys later); XLA drops the draws it does not return."""
+    where = jax.tree.unflatten(where_treedef, where_leaves)
+    one_layer = dataclasses.replace(config, num_layers=1)
 
     def one_layer_model(count) -> dict:
         return nnx.to_pure_dict(nnx.state(Llama(one_layer, dtype=dtype, rngs=_seeded_at(seed, count))))
 
     def draw_ends(head_count):
-        """All but the layers from a one-layer model drawn from key 0 (its embedding's), the head from one drawn
-        from `head_count` (its head draws one layer's keys later); XLA drops the draws it does not return."""
-        out = {name: value for name, value in one_layer_model(0).items() if name in ends and name != "lm_head"}
-        if "lm_head" in ends:
+        out = {name: value for name, value in one_layer_model(0).items() if name in where and name != "lm_head"}
+        if "lm_head" in where:
             out["lm_head"] = one_layer_model(head_count)["lm_head"]
         return out
 
-    return (jax.jit(draw_layer, out_shardings=(where["layers"][0], None)),
-            jax.jit(draw_ends, out_shardings={name: where[name] for name in ends}))
+    return jax.jit(draw_ends, out_shardings=where)
 
 
 def _state_path(path) -> tuple:

@@ -270,7 +270,6 @@ def tensor(args, devices: int, floor_tb_s: float | None, save=lambda partial: No
     for n in (n for n in args.tp_sizes if n <= devices):
         sweep.append(_tp_decode(args, args.tp_sweep_model, n, args.tp_sweep_contexts, floor_tb_s,
                                 on_row=lambda rows: save(dict(sweep=[*sweep, rows]))))
-        save(dict(sweep=sweep))
     if args.dry_run:  # the tiny model splits fewer ways than 8 host devices: the most it can
         devices = max(n for n in range(1, devices + 1) if devices % n == 0 and _splits(preset(args.tp_model), n))
     return dict(_tp_decode(args, args.tp_model, devices, args.tp_contexts, floor_tb_s, mixed=True,
@@ -469,8 +468,7 @@ def main(argv=None) -> int:
             _log(f"[{part}] on {devices} x {device}")
             result[part] = run()
             _log(f"[{part}] {result[part]}")
-            harness.write_json(path, result)
-    harness.write_json(path, result)
+            harness.write_json(path, result)  # after each part (--parts names at least one)
     print(f"wrote {path}")
     return 0
 

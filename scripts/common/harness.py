@@ -22,7 +22,9 @@ HBM_TB_S = {
     "NVIDIA H200": 4.8,
 }
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+# The repository's benchmarks/results/ (this file is scripts/common/harness.py).
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                           "results")
 
 
 def device_kind() -> str:

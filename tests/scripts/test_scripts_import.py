@@ -122,3 +122,9 @@ def test_markdown_table_and_ratio():
     assert harness.ratio(3.0, 2.0) == "1.50" and harness.ratio(None, 2.0) == "-"
     rows = [dict(case="c", impl="i", us=2.0)]
     assert harness.row_value(rows, "c", "i", "us") == 2.0 and harness.row_value(rows, "c", "j", "us") is None
+
+
+def test_results_go_to_the_repositorys_benchmarks_results():
+    """Every script's default --out: the directory BENCHMARKS.md's JSON lives in (it once pointed at a
+    scripts/benchmarks/results/ that nothing reads)."""
+    assert harness.RESULTS_DIR == os.path.join(ROOT, "benchmarks", "results")

@@ -200,9 +200,10 @@ def _seeded_at(seed: int, count) -> nnx.Rngs:
 def _draw_by_layer(config: LlamaConfig, dtype, seed: int, where: dict) -> dict:
     """init_model's weights drawn into their shardings `where` (a pure dict of shardings, the model's state's
     shape) as a pure dict, one decoder layer a program: layers placed alike share one compiled program, run for
-    each (the whole model as one program grows with the layers: 39 s to compile on 4 CPU host devices for the 70B
-    shape against 1.5 s by layer, benchmarks/NOTES.md). Each part is drawn with the keys Llama.__init__ gives it (the embedding key 0, then
-    each layer's in turn, then the head), so the weights are init_model's unsharded ones."""
+    each (the whole model as one program grows with the layers: 39 s to compile on 4 CPU host devices for the
+    70B shape against 1.5 s by layer, benchmarks/NOTES.md). Each part is drawn with the keys Llama.__init__
+    gives it (the embedding key 0, then each layer's in turn, then the head), so the weights are init_model's
+    unsharded ones."""
     first, per_layer = _layer_program(config, dtype, seed, *_flat(where["layers"][0]))(1)
     per_layer = int(per_layer) - 1  # the keys a layer draws: the one sync, then every layer is dispatched at once
     drawn = {"layers": {0: first}}

@@ -7,8 +7,9 @@ import warnings
 
 import pytest
 
-from sharding.xla_flags import (OPT_OUT_ENV, TENSOR_PARALLEL_XLA_FLAGS, add_tensor_parallel_flags, cuda_backend_expected,
-                                tensor_parallel_flags_missing, warn_without_tensor_parallel_flags)
+from sharding.xla_flags import (OPT_OUT_ENV, TENSOR_PARALLEL_XLA_FLAGS, add_tensor_parallel_flags,
+                                cuda_backend_expected, tensor_parallel_flags_missing,
+                                warn_without_tensor_parallel_flags)
 
 
 def test_tensor_parallel_on_cuda_appends_every_flag_after_the_users():

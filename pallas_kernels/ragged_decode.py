@@ -10,7 +10,9 @@ group together (one read of K and V per group; the group's query rows are read i
 grouped per KV head that may hold more rows a group than it uses: the model's rotated q|k), and either writes the result (a sequence with one item) or a
 partial `(out, row_max, row_sum)`; the last program of a sequence and head to finish (an atomic
 arrival counter) merges that sequence's partials exactly with `residuals.merge_run` and writes the
-output in the layout the output projection reads.
+output in the layout the output projection reads. A sequence with more items than MERGE_LOADS_PER_RUN
+loads of partials is merged in two levels (runs of consecutive items, then the runs), so the serial
+merge stays short where few KV heads split each sequence hundreds of ways (a tensor shard of a GQA model).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
-from pallas_kernels.residuals import merge_run
+from pallas_kernels.residuals import merge_run, parts_per_merge_load
 from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch, check_ragged_decode_args, is_pow2
+
+# A split sequence's partials are merged in runs of this many merge_run loads (parts_per_merge_load parts
+# each) when it has more: a run's last program merges the run, the last run's merger merges the runs.
+MERGE_LOADS_PER_RUN = 4
 
 # Scores of keys past the end: finite, so no exp(-inf - -inf) NaN, and exp(mask - max) is 0.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -173,8 +179,9 @@ def _decode_kernel(
     v_ref,  # [num_blocks, num_kv_heads, block_size, head_dim]
     *refs,  # (k_scale_ref, v_scale_ref [num_blocks, num_kv_heads, block_size])?, counters_in_ref (aliased),
     #         parts_o_ref [items, Hkv, group_rows, D], parts_m_ref, parts_l_ref [items, Hkv, group_rows],
+    #         (runs_o_ref, runs_m_ref, runs_l_ref: the same shapes, with fan_in)?,
     #         out_ref [num_seqs * num_q_heads, head_dim], out_m_ref, out_l_ref [num_seqs * num_q_heads],
-    #         counters_ref [num_seqs, num_kv_heads] int32
+    #         counters_ref [num_seqs (+ items with fan_in), num_kv_heads] int32
     sm_scale: float,
     tile: int,
     block_size: int,
@@ -187,12 +194,15 @@ def _decode_kernel(
     seqs_pow2: int,
     group_held: int,
     block_sizes: DecodeBlockSizes,
+    fan_in: int | None,
     interpret: bool,
 ):
     if quantized:
-        k_scale_ref, v_scale_ref, _, parts_o_ref, parts_m_ref, parts_l_ref, out_ref, out_m_ref, out_l_ref, counters_ref = refs
-    else:
-        _, parts_o_ref, parts_m_ref, parts_l_ref, out_ref, out_m_ref, out_l_ref, counters_ref = refs
+        k_scale_ref, v_scale_ref, *refs = refs
+    parts_refs, refs = refs[1:4], refs[4:]
+    if fan_in is not None:
+        runs_refs, refs = refs[:3], refs[3:]
+    out_ref, out_m_ref, out_l_ref, counters_ref = refs
     item, head = pl.program_id(0), pl.program_id(1)
     num_kv_heads = k_ref.shape[1]
     head_dim = q_ref.shape[-1]
@@ -256,21 +266,53 @@ def _decode_kernel(
 
         @pl.when(seq_items > 1)
         def _():
-            # Only the group's real rows: the padding rows of tl.dot would be 16x the bytes for MHA.
-            compat.triton_masked_store(parts_o_ref.at[item, head], o / l[:, None], real[:, None])
-            compat.triton_masked_store(parts_m_ref.at[item, head], m, real)
-            compat.triton_masked_store(parts_l_ref.at[item, head], l, real)
-            # Every thread's stores before the release; the program that arrives last for this
-            # (sequence, head) sees all of them after its acquire, merges, and re-arms the counter.
-            compat.triton_barrier(interpret)
-            arrived = compat.triton_atomic_add(counters_ref, (seq, head), 1)
+            def store_part(refs, at, out, m, l, n_rows):  # a normalised partial (out, row max, row sum)
+                o_ref, m_ref, l_ref = refs
+                keep = jnp.arange(n_rows, dtype=jnp.int32) < group
+                compat.triton_masked_store(o_ref.at[at, head, pl.ds(0, n_rows)], out, keep[:, None])
+                compat.triton_masked_store(m_ref.at[at, head, pl.ds(0, n_rows)], m, keep)
+                compat.triton_masked_store(l_ref.at[at, head, pl.ds(0, n_rows)], l, keep)
 
-            @pl.when(arrived == seq_items - 1)
-            def _():
-                out, row_max, row_sum = merge_run(parts_o_ref, parts_m_ref, parts_l_ref, first_item, seq_items, head,
-                                                  rows=merged_rows, real_rows=group, coherent=True)
-                write_final(out, row_max, row_sum, merged_rows)
-                counters_ref[seq, head] = jnp.int32(0)
+            def last_merges(counter, arrivals, refs, first, num, then):
+                # Every thread's stores before the release; the program that arrives last at `counter`
+                # sees all of them after its acquire, merges parts first .. first + num - 1 of `refs`,
+                # re-arms the counter and hands the result to then(out, row_max, row_sum).
+                compat.triton_barrier(interpret)
+                arrived = compat.triton_atomic_add(counters_ref, (counter, head), 1)
+
+                @pl.when(arrived == arrivals - 1)
+                def _():
+                    merged = merge_run(*refs, first, num, head, rows=merged_rows, real_rows=group, coherent=True)
+                    counters_ref[counter, head] = jnp.int32(0)
+                    then(*merged)
+
+            # Only the group's real rows: the padding rows of tl.dot would be 16x the bytes for MHA.
+            store_part(parts_refs, item, o / l[:, None], m, l, group_rows)
+            final = lambda out, m, l: write_final(out, m, l, merged_rows)  # noqa: E731
+            if fan_in is None:
+                last_merges(seq, seq_items, parts_refs, first_item, seq_items, final)
+            else:
+                # Two levels: a run of fan_in consecutive items is merged by its last to arrive, into
+                # runs[first_item + run]; the sequence's runs by the last run merger. One merger reading
+                # hundreds of partials one load after another (a few KV heads, GQA groups of 8: 4 parts
+                # a load) took longer than reading the KV.
+                runs = (seq_items + fan_in - 1) // fan_in
+                run = (item - first_item) // fan_in
+                run_first = first_item + run * fan_in
+                run_items = jnp.minimum(fan_in, seq_items - run * fan_in)
+
+                @pl.when(runs == 1)
+                def _():
+                    last_merges(seq, seq_items, parts_refs, first_item, seq_items, final)
+
+                def merged_run(out, m, l):
+                    store_part(runs_refs, first_item + run, out, m, l, merged_rows)
+                    last_merges(seq, runs, runs_refs, first_item, runs, final)
+
+                @pl.when(runs > 1)
+                def _():
+                    last_merges(num_seqs + first_item + run, run_items, parts_refs, run_first, run_items,
+                                merged_run)
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "sm_scale", "return_residuals", "block_sizes",
@@ -288,34 +330,37 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
         compute_dtype = jnp.float16
     tile = block_sizes.tile(block_size)
     num_items = block_sizes.num_items(block_size, num_seqs, block_tables.shape[1] * block_size, num_kv_heads)
+    fan_in = parts_per_merge_load(merged_rows) * MERGE_LOADS_PER_RUN
+    fan_in = fan_in if num_items > fan_in else None  # no sequence can have more items than one run holds
 
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, tile=tile, block_size=block_size,
                                quantized=quantized, compute_dtype=compute_dtype, group=group, group_rows=group_rows,
                                merged_rows=merged_rows, num_seqs=num_seqs,
                                seqs_pow2=1 << (num_seqs - 1).bit_length(), group_held=group_held,
-                               block_sizes=block_sizes,
+                               block_sizes=block_sizes, fan_in=fan_in,
                                interpret=interpret)
     scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
-    # Arrivals per (sequence, kv head): zero on entry, and the kernel leaves them zero.
-    counters = jnp.zeros((num_seqs, num_kv_heads), jnp.int32)
+    # Arrivals per (sequence, kv head), then (fan_in) per run of items: zero on entry, and the kernel leaves
+    # them zero.
+    counters = jnp.zeros((num_seqs + (num_items if fan_in else 0), num_kv_heads), jnp.int32)
     rows = num_seqs * num_q_heads
     whole = pl.no_block_spec  # everything is indexed inside the kernel, never sliced by a BlockSpec
-    _, _, _, out, row_max, row_sum, _ = pl.pallas_call(
+    # Split sequences' partials (only the group's real rows are written), and (fan_in) the runs' merges.
+    partials = [jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32),
+                jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32)]
+    out_shape = [*partials, *(partials if fan_in else []),
+                 jax.ShapeDtypeStruct((rows, head_dim), q.dtype),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32),
+                 jax.ShapeDtypeStruct(counters.shape, jnp.int32)]
+    *_, out, row_max, row_sum, _ = pl.pallas_call(
         kernel,
         grid=(num_items, num_kv_heads),
         in_specs=[whole] * (6 + len(scales)),
-        out_specs=[whole] * 7,
-        out_shape=[
-            # Split sequences' partials (only the group's real rows are written).
-            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32),
-            jax.ShapeDtypeStruct((num_items, num_kv_heads, group_rows), jnp.float32),
-            jax.ShapeDtypeStruct((rows, head_dim), q.dtype),
-            jax.ShapeDtypeStruct((rows,), jnp.float32),
-            jax.ShapeDtypeStruct((rows,), jnp.float32),
-            jax.ShapeDtypeStruct((num_seqs, num_kv_heads), jnp.int32),
-        ],
-        input_output_aliases={5 + len(scales): 6},
+        out_specs=[whole] * len(out_shape),
+        out_shape=out_shape,
+        input_output_aliases={5 + len(scales): len(out_shape) - 1},
         compiler_params=compat.triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="ragged_decode",

@@ -146,6 +146,29 @@ def test_split_size_does_not_change_the_result():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,lens", [
+    (16, 2, [1000, 256, 272, 0, 5]),  # GQA 8: 4 parts a merge load, runs of 16 items; 63 / 16 / 17 items
+    (2, 2, [2100, 40]),  # MHA: 32 parts a load, runs of 128 items; 132 items
+])
+def test_sequences_split_past_one_merge_run_merge_in_two_levels(num_q_heads, num_kv_heads, lens):
+    """A sequence of more items than one run of merge loads holds is merged run by run, then the runs: the
+    result equals the reference whatever the last run's size (full, one item, ragged)."""
+    from pallas_kernels.ragged_decode import MERGE_LOADS_PER_RUN
+    from pallas_kernels.residuals import parts_per_merge_load
+
+    rng = np.random.default_rng(11)
+    case = make_case(rng, lens, num_q_heads, num_kv_heads, 64, 16, jnp.float32)
+    sizes = DecodeBlockSizes(block_k=16, tokens_per_split=16)
+    group = num_q_heads // num_kv_heads
+    fan_in = parts_per_merge_load(1 << (group - 1).bit_length()) * MERGE_LOADS_PER_RUN
+    assert -(-max(lens) // 16) > fan_in  # the longest sequence takes the two-level merge
+    got, want = run_both(*case, block_sizes=sizes)
+    assert_matches(got, want, jnp.float32)
+    again, _ = run_both(*case, block_sizes=sizes)  # counters are left zero: a second call is the same
+    for a, b in zip(got, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_kernel_residuals_merge_over_a_split_of_the_tables():
     """Attention over the first k rBlocks and over the rest, merged, equals attention over all."""
     rng = np.random.default_rng(9)

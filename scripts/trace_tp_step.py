@@ -15,9 +15,9 @@ collectives by NCCL kernel, and the largest idle gaps by the kernel that follows
 the step (Executor.compiled_step_text), every collective with its shape and the jax operation it comes from
 (op_name), and the resharding the partitioner inserted (all-gathers, all-to-alls, collective-permutes).
 The product's tensor-parallel XLA flags (sharding.xla_flags) are set before JAX starts unless --no-xla-flags, as
-`python -m jaxllm.generate --tensor-parallel N` sets them. --num-blocks fixes each engine's pool (the memory plan's
-extra compiles are skipped). --dry-run: the tiny model on CPU host devices (no GPU trace; the HLO part still runs).
-Writes JSON to --out after each row.
+`python -m jaxllm.generate --tensor-parallel N` sets them (for the whole process: a TP 1 row runs with them too).
+--num-blocks fixes each engine's pool (the memory plan's extra compiles are skipped). --dry-run: the tiny model on
+CPU host devices (no GPU trace; the HLO part still runs). Writes JSON to --out after each row.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def trace_engine(args, tp: int, floor_tb_s: float | None, on_row=lambda row: Non
     from jaxllm import LLM, EngineOptions
 
     _log(f"[trace] {args.model} at tensor parallel {tp}, contexts {args.contexts}")
-    llm = LLM(args.model, dtype=None if args.dry_run else "bfloat16", allow_long_context=True, progress=not args.dry_run,
-              max_context=max(args.contexts) + 20 * args.reps + 64,
+    llm = LLM(args.model, dtype=None if args.dry_run else "bfloat16", allow_long_context=True,
+              progress=not args.dry_run, max_context=max(args.contexts) + 20 * args.reps + 64,
               options=EngineOptions(tensor_parallel=tp, max_seqs=1, max_logprobs=0, penalties=False,
                                     num_blocks=args.num_blocks))
     rows = []
@@ -171,6 +171,7 @@ def main(argv=None) -> int:
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
     kind = "dry-run" if args.dry_run else f"x{jax.device_count()}"
     path = f"{args.out}/{harness.result_stem(device, f'trace-tp-{kind}.json', result['date'])}"
+
     def keep(row: dict) -> None:  # after each row: a run stopped at its limit keeps what it measured
         result["rows"].append(row)
         harness.write_json(path, result)

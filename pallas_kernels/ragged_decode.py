@@ -99,6 +99,14 @@ class DecodeBlockSizes:
         target = max(self.target_programs, self.short_target_programs)
         return min(num_seqs * pl.cdiv(capacity, self.tile(block_size)), pl.cdiv(target, num_kv_heads) + num_seqs)
 
+    def items_per_sequence(self, block_size: int, capacity: int, num_kv_heads: int) -> int:
+        """Static bound on one sequence's work items (at most `capacity` tokens): ceil(len / split) with split
+        >= one tile, and split >= len * heads / target (len is part of the total)."""
+        if self.tokens_per_split is not None:
+            return pl.cdiv(capacity, self.tokens_per_split)
+        target = max(self.target_programs, self.short_target_programs)
+        return min(pl.cdiv(capacity, self.tile(block_size)), pl.cdiv(target, num_kv_heads) + 1)
+
     def split(self, block_size: int, kv_lens: jax.Array, num_kv_heads: int) -> jax.Array:
         """Most tokens per work item before a sequence takes one more (int32 scalar, >= one tile)."""
         if self.tokens_per_split is not None:
@@ -331,7 +339,9 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
     tile = block_sizes.tile(block_size)
     num_items = block_sizes.num_items(block_size, num_seqs, block_tables.shape[1] * block_size, num_kv_heads)
     fan_in = parts_per_merge_load(merged_rows) * MERGE_LOADS_PER_RUN
-    fan_in = fan_in if num_items > fan_in else None  # no sequence can have more items than one run holds
+    # None where no sequence can have more items than one run holds (then the kernel is the one-level one).
+    capacity = block_tables.shape[1] * block_size
+    fan_in = fan_in if block_sizes.items_per_sequence(block_size, capacity, num_kv_heads) > fan_in else None
 
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, tile=tile, block_size=block_size,
                                quantized=quantized, compute_dtype=compute_dtype, group=group, group_rows=group_rows,

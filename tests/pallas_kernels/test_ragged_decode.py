@@ -221,8 +221,20 @@ def test_host_split_equals_the_kernels():
         lens = rng.integers(0, 1 << rng.integers(1, 20), size=int(rng.integers(1, 40)))
         heads = int(rng.choice([1, 8, 32]))
         split = int(bsz.split(16, jnp.asarray(lens, jnp.int32), heads))
-        items = int(np.sum(np.maximum(-(-lens // split), 1)))  # an empty sequence still gets one item
-        assert items <= bsz.num_items(16, len(lens), 1 << 20, heads), (lens, heads, split)
+        per_sequence = np.maximum(-(-lens // split), 1)  # an empty sequence still gets one item
+        assert int(per_sequence.sum()) <= bsz.num_items(16, len(lens), 1 << 20, heads), (lens, heads, split)
+        # and one sequence's: whether the kernel needs its two-level merge is decided from this bound
+        assert int(per_sequence.max()) <= bsz.items_per_sequence(16, 1 << 20, heads), (lens, heads, split)
+    for heads in (1, 2, 8, 32):  # one long sequence: the bound is tight
+        lens = np.asarray([(1 << 20) - 3])
+        split = int(bsz.split(16, jnp.asarray(lens, jnp.int32), heads))
+        assert -(-int(lens[0]) // split) <= bsz.items_per_sequence(16, 1 << 20, heads), (heads, split)
+    # Llama-2-7B's 32 KV heads (MHA: 128 items a run) never need it under the default schedule; GQA 8's shards do.
+    from pallas_kernels.ragged_decode import MERGE_LOADS_PER_RUN
+    from pallas_kernels.residuals import parts_per_merge_load
+
+    assert DecodeBlockSizes().items_per_sequence(256, 1 << 20, 32) <= parts_per_merge_load(1) * MERGE_LOADS_PER_RUN
+    assert DecodeBlockSizes().items_per_sequence(256, 1 << 20, 2) > parts_per_merge_load(8) * MERGE_LOADS_PER_RUN
 
 
 def _work_items(kv_lens, num_items, block_sizes, block_size=16, num_kv_heads=2):

@@ -337,10 +337,10 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
     if quantized and block_sizes.int8_via_fp16:
         compute_dtype = jnp.float16
     tile = block_sizes.tile(block_size)
-    num_items = block_sizes.num_items(block_size, num_seqs, block_tables.shape[1] * block_size, num_kv_heads)
+    capacity = block_tables.shape[1] * block_size
+    num_items = block_sizes.num_items(block_size, num_seqs, capacity, num_kv_heads)
     fan_in = parts_per_merge_load(merged_rows) * MERGE_LOADS_PER_RUN
     # None where no sequence can have more items than one run holds (then the kernel is the one-level one).
-    capacity = block_tables.shape[1] * block_size
     fan_in = fan_in if block_sizes.items_per_sequence(block_size, capacity, num_kv_heads) > fan_in else None
 
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, tile=tile, block_size=block_size,

@@ -90,22 +90,26 @@ class DecodeBlockSizes:
         """Tokens per kernel iteration: a power of two dividing both block_k and the rBlock size."""
         return math.gcd(self.block_k, block_size)
 
+    @property
+    def _most_programs(self) -> int:
+        """The larger of the two program targets, which the static item bounds divide among the KV heads."""
+        return max(self.target_programs, self.short_target_programs)
+
     def num_items(self, block_size: int, num_seqs: int, capacity: int, num_kv_heads: int) -> int:
         """Static bound on work items: every chunk of every sequence fits."""
         if self.tokens_per_split is not None:
             return num_seqs * pl.cdiv(capacity, self.tokens_per_split)
         # sum_i max(ceil(len_i / split), 1) <= total / split + num_seqs, and split >= total * heads / target
         # (both targets), and split >= one tile.
-        target = max(self.target_programs, self.short_target_programs)
-        return min(num_seqs * pl.cdiv(capacity, self.tile(block_size)), pl.cdiv(target, num_kv_heads) + num_seqs)
+        return min(num_seqs * pl.cdiv(capacity, self.tile(block_size)),
+                   pl.cdiv(self._most_programs, num_kv_heads) + num_seqs)
 
     def items_per_sequence(self, block_size: int, capacity: int, num_kv_heads: int) -> int:
         """Static bound on one sequence's work items (at most `capacity` tokens): ceil(len / split) with split
         >= one tile, and split >= len * heads / target (len is part of the total)."""
         if self.tokens_per_split is not None:
             return pl.cdiv(capacity, self.tokens_per_split)
-        target = max(self.target_programs, self.short_target_programs)
-        return min(pl.cdiv(capacity, self.tile(block_size)), pl.cdiv(target, num_kv_heads) + 1)
+        return min(pl.cdiv(capacity, self.tile(block_size)), pl.cdiv(self._most_programs, num_kv_heads) + 1)
 
     def split(self, block_size: int, kv_lens: jax.Array, num_kv_heads: int) -> jax.Array:
         """Most tokens per work item before a sequence takes one more (int32 scalar, >= one tile)."""
@@ -297,8 +301,9 @@ def _decode_kernel(
             # Only the group's real rows: the padding rows of tl.dot would be 16x the bytes for MHA.
             store_part(parts_refs, item, o / l[:, None], m, l, group_rows)
             final = lambda out, m, l: write_final(out, m, l, merged_rows)  # noqa: E731
+            one_level = lambda: last_merges(seq, seq_items, parts_refs, first_item, seq_items, final)  # noqa: E731
             if fan_in is None:
-                last_merges(seq, seq_items, parts_refs, first_item, seq_items, final)
+                one_level()
             else:
                 # Two levels: a run of fan_in consecutive items is merged by its last to arrive, into
                 # runs[first_item + run]; the sequence's runs by the last run merger. One merger reading
@@ -309,9 +314,7 @@ def _decode_kernel(
                 run_first = first_item + run * fan_in
                 run_items = jnp.minimum(fan_in, seq_items - run * fan_in)
 
-                @pl.when(runs == 1)
-                def _():
-                    last_merges(seq, seq_items, parts_refs, first_item, seq_items, final)
+                pl.when(runs == 1)(one_level)
 
                 def merged_run(out, m, l):
                     store_part(runs_refs, first_item + run, out, m, l, merged_rows)

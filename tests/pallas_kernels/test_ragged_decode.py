@@ -9,9 +9,9 @@ import pytest
 
 from pallas_kernels import compat
 from pallas_kernels.kv_write import quantize_int8
-from pallas_kernels.ragged_decode import (DecodeBlockSizes, _work_item, default_block_sizes, ragged_decode,
-                                          ragged_decode_reference)
-from pallas_kernels.residuals import merge_partials
+from pallas_kernels.ragged_decode import (MERGE_LOADS_PER_RUN, DecodeBlockSizes, _work_item, default_block_sizes,
+                                          ragged_decode, ragged_decode_reference)
+from pallas_kernels.residuals import merge_partials, parts_per_merge_load
 from tests.seeds import seed
 
 # Output tolerance by query/output dtype; int8 KV is compared at its query dtype's tolerance.
@@ -153,8 +153,6 @@ def test_split_size_does_not_change_the_result():
 def test_sequences_split_past_one_merge_run_merge_in_two_levels(num_q_heads, num_kv_heads, lens):
     """A sequence of more items than one run of merge loads holds is merged run by run, then the runs: the
     result equals the reference whatever the last run's size (full, one item, ragged)."""
-    from pallas_kernels.ragged_decode import MERGE_LOADS_PER_RUN
-    from pallas_kernels.residuals import parts_per_merge_load
 
     rng = np.random.default_rng(11)
     case = make_case(rng, lens, num_q_heads, num_kv_heads, 64, 16, jnp.float32)
@@ -230,9 +228,6 @@ def test_host_split_equals_the_kernels():
         split = int(bsz.split(16, jnp.asarray(lens, jnp.int32), heads))
         assert -(-int(lens[0]) // split) <= bsz.items_per_sequence(16, 1 << 20, heads), (heads, split)
     # Llama-2-7B's 32 KV heads (MHA: 128 items a run) never need it under the default schedule; GQA 8's shards do.
-    from pallas_kernels.ragged_decode import MERGE_LOADS_PER_RUN
-    from pallas_kernels.residuals import parts_per_merge_load
-
     assert DecodeBlockSizes().items_per_sequence(256, 1 << 20, 32) <= parts_per_merge_load(1) * MERGE_LOADS_PER_RUN
     assert DecodeBlockSizes().items_per_sequence(256, 1 << 20, 2) > parts_per_merge_load(8) * MERGE_LOADS_PER_RUN
 

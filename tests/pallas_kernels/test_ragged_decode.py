@@ -153,7 +153,6 @@ def test_split_size_does_not_change_the_result():
 def test_sequences_split_past_one_merge_run_merge_in_two_levels(num_q_heads, num_kv_heads, lens):
     """A sequence of more items than one run of merge loads holds is merged run by run, then the runs: the
     result equals the reference whatever the last run's size (full, one item, ragged)."""
-
     rng = np.random.default_rng(11)
     case = make_case(rng, lens, num_q_heads, num_kv_heads, 64, 16, jnp.float32)
     sizes = DecodeBlockSizes(block_k=16, tokens_per_split=16)

@@ -46,7 +46,6 @@ def test_jax_platforms_without_cuda_expects_no_cuda_backend():
     assert not cuda_backend_expected({"JAX_PLATFORMS": "cuda"})
 
 
-
 def test_an_engine_without_the_flags_is_warned_with_the_missing_ones_named():
     environ = {"XLA_FLAGS": "--xla_gpu_graph_min_graph_size=1"}
     with pytest.warns(RuntimeWarning, match=r"add_tensor_parallel_flags\(4\)") as caught:

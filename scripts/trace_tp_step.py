@@ -11,7 +11,9 @@ of that many tokens is prefilled, then:
   floor_ms    (weights + KV of the context) / tp read at the card's HBM bandwidth
 and, from a jax.profiler trace of --reps bare steps, per GPU: kernels a step, their time, the span, the idle time
 (span minus the union of kernel intervals), kernel time by kind (matmul, attention, collective, other),
-collectives by NCCL kernel, and the largest idle gaps by the kernel that follows them. From XLA's optimized HLO of
+collectives by NCCL kernel, and the largest idle gaps by the kernel that follows them; and what the host threads
+did meanwhile (time a step per thread, the heaviest event names: the executor launches from its own thread, so a
+step is host-bound when that thread is busy most of it). From XLA's optimized HLO of
 the step (Executor.compiled_step_text), every collective with its shape and the jax operation it comes from
 (op_name), and the resharding the partitioner inserted (all-gathers, all-to-alls, collective-permutes).
 The product's tensor-parallel XLA flags (sharding.xla_flags) are set before JAX starts unless --no-xla-flags, as
@@ -92,7 +94,7 @@ def trace_engine(args, tp: int, floor_tb_s: float | None, on_row=lambda row: Non
 
 
 def trace_one(args, llm, tp: int, context: int, floor_tb_s: float | None) -> dict:
-    from common.device_trace import gpu_kernel_events_by_device
+    from common.device_trace import events_by_device, host_summary, traced
     from jaxllm.contract import SamplingParams
     from jaxllm.engine.core import Request
     from jaxllm.model.kv_cache import kv_bytes_per_block
@@ -133,8 +135,9 @@ def trace_one(args, llm, tp: int, context: int, floor_tb_s: float | None) -> dic
     row["floor_ms"] = (1e3 * (weights + context * kv_token) / tp / (floor_tb_s * 1e12)) if floor_tb_s else None
     row["bare_x_floor"] = row["bare_ms"] / row["floor_ms"] if row["floor_ms"] else None
 
-    per_device = gpu_kernel_events_by_device(lambda: bare(args.reps))
-    row["devices"] = {name: device_summary(events, args.reps) for name, events in sorted(per_device.items())}
+    data = traced(lambda: bare(args.reps), host_detail=True)
+    row["devices"] = {name: device_summary(events, args.reps) for name, events in sorted(events_by_device(data).items())}
+    row["host"] = host_summary(data, args.reps)
     row["hlo"] = hlo_collectives(executor.compiled_step_text(plan))
     llm.core.cancel(request_id)
     llm.core.drain()
@@ -191,6 +194,10 @@ def main(argv=None) -> int:
                   f"{d['idle_us_per_step']:.0f}); {kinds}")
             for g in d["idle_gaps_before"][:4]:
                 print(f"        idle {g['us_per_step']:7.1f} us ({g['gaps_per_step']:.0f} gaps) before {g['kernel'][:70]}")
+        for thread, us in list(r["host"].get("threads_us_per_step", {}).items())[:6]:
+            print(f"    host {thread}: {us:.0f} us a step")
+        for e in r["host"].get("events", [])[:12]:
+            print(f"        {e['us_per_step']:7.1f} us ({e['calls_per_step']:.1f} calls) {e['name'][:80]}")
     _log(f"wrote {path}")
     return 0
 

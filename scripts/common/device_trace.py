@@ -19,9 +19,9 @@ _MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", 
 _COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|Broadcast|Reduce)", re.I)
 
 
-def _traced(run):
+def _traced(run, host_detail: bool = False):
     """The jax.profiler trace of run() (ProfileData), or None where none was written."""
-    window = TraceWindow()
+    window = TraceWindow(host_detail)
     window.start()
     try:
         run()
@@ -63,6 +63,42 @@ def gpu_kernel_events_by_device(run) -> dict[str, list[tuple[str, int, int]]]:
     return events_by_device(_traced(run))
 
 
+def traced(run, host_detail: bool = False):
+    """The jax.profiler trace (ProfileData) of run(), or None where none was written: for events_by_device and
+    host_summary of one trace. host_detail: XLA's runtime events in detail and no Python calls (TraceWindow)."""
+    return _traced(run, host_detail)
+
+
+def host_summary(data, reps: int, top: int = 30) -> dict:
+    """What the host threads did in a trace of `reps` steps: per thread (line) its events' time a step at the top
+    level (events nest), and the `top` event names by time a step with their calls a step (nested ones counted
+    under their own names too, so names overlap). Empty where no trace was written."""
+    if data is None:
+        return {}
+    per = lambda ns: ns / reps / 1e3  # noqa: E731  (us per step)
+    threads, names = {}, defaultdict(lambda: [0, 0])
+    for plane in data.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            top_level, end_so_far = 0, None
+            for e in sorted(line.events, key=lambda e: e.start_ns):
+                names[e.name[:100]][0] += e.duration_ns
+                names[e.name[:100]][1] += 1
+                if end_so_far is None or e.start_ns >= end_so_far:
+                    top_level += e.duration_ns
+                    end_so_far = e.start_ns + e.duration_ns
+                elif e.start_ns + e.duration_ns > end_so_far:
+                    top_level += e.start_ns + e.duration_ns - end_so_far
+                    end_so_far = e.start_ns + e.duration_ns
+            if top_level:
+                threads[f"{plane.name} {line.name}"[:100]] = per(top_level)
+    busiest = sorted(threads.items(), key=lambda kv: -kv[1])[:top]
+    heaviest = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"threads_us_per_step": dict(busiest),
+            "events": [{"name": k, "us_per_step": per(t), "calls_per_step": n / reps} for k, (t, n) in heaviest]}
+
+
 def events_by_device(data) -> dict[str, list[tuple[str, int, int]]]:
     """gpu_kernel_events_by_device's dict from a trace (ProfileData; None: empty)."""
     if data is None:
@@ -82,8 +118,15 @@ class TraceWindow:
     running its own loop): start(), then stop() -> the trace (events_by_device reads its kernels). The caller makes
     sure the device work it wants has finished before stop() (or counts whole steps inside the window)."""
 
-    def __init__(self):
+    def __init__(self, host_detail: bool = False):
+        """host_detail: the host tracer at its verbose level (XLA's runtime events: thunks, command buffers) and
+        the Python tracer off, whose events would slow the host and hide what the runtime does."""
         self._dir: str | None = None
+        self._options = None
+        if host_detail:
+            self._options = jax.profiler.ProfileOptions()
+            self._options.host_tracer_level = 2
+            self._options.python_tracer_level = 0
 
     @property
     def running(self) -> bool:
@@ -93,7 +136,7 @@ class TraceWindow:
         if self._dir is not None:
             raise RuntimeError("TraceWindow.start: a trace is already running")
         self._dir = tempfile.mkdtemp(prefix="trace-window-")
-        jax.profiler.start_trace(self._dir)
+        jax.profiler.start_trace(self._dir, profiler_options=self._options)
 
     def stop(self):
         """The trace since start() (jax.profiler.ProfileData), or None where none was written."""

@@ -1,5 +1,6 @@
 """scripts/trace_tp_step.py --dry-run on 4 CPU host devices with the tiny model: one engine per tensor-parallel
-size (here 2) serves every context asked for, and each row reports its step times and the step's collectives."""
+size (here 2) serves every context asked for, and each row reports its step times, the step's collectives and what
+the host threads did."""
 
 import json
 import subprocess
@@ -28,3 +29,8 @@ def test_trace_tp_step_dry_run_rows_per_context(tmp_path):
     # The step all-reduces (two a layer) and reshards nothing.
     assert all(row["hlo"]["by_kind"].get("all-reduce", 0) >= 2 and row["hlo"]["resharding"] == 0 for row in r["rows"])
     assert r["xla_flags"] == xla_flags(4)  # no tensor-parallel XLA flags on a CPU machine
+    # What the host threads did: XLA's runtime events (the CPU client executes the step's thunks), no Python calls.
+    for row in r["rows"]:
+        names = [e["name"] for e in row["host"]["events"]]
+        assert row["host"]["threads_us_per_step"] and any("Execute" in n for n in names), row["host"]
+        assert not any(n.startswith("$") for n in names), names  # the Python tracer's events start with $

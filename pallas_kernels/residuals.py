@@ -134,7 +134,8 @@ def merge_run(outs_ref, max_ref, sum_ref, first, num, head, *, rows: int, real_r
     """Inside a Triton-lowered kernel: merge parts first .. first + num - 1 of `head` (refs [P, H, R(, D)]).
 
     Rows >= real_rows and parts outside the run are never read (masked loads), so they may hold anything
-    and the run may end at the arrays' end. coherent=True reads past L1, for parts other programs of the
+    and the run may end at the arrays' end; a part of the run with no key (row sum 0) is read but adds
+    nothing, whatever its max and output hold. coherent=True reads past L1, for parts other programs of the
     running kernel wrote (the decode kernel's last program of a sequence merges them).
 
     Returns (out [rows, D] float32 normalised, row_max [rows], row_sum [rows]); out 0, max -inf, sum 0 where
@@ -150,17 +151,22 @@ def merge_run(outs_ref, max_ref, sum_ref, first, num, head, *, rows: int, real_r
         parts = pl.ds(first + c * chunk, chunk)
         # Later parts belong to other runs (or lie past the arrays' end).
         mask = (c * chunk + offsets < num)[:, None] & row_ok[None, :]  # [chunk, rows]
+        # The three loads depend on nothing loaded, so they wait on memory once, not three times in turn
+        # (a long run merges one chunk after another: its latency is the merge's).
         part_sum = compat.triton_masked_load(sum_ref.at[parts, head, pl.ds(0, rows)], mask, 0.0,
                                              coherent=coherent)
-        live = mask & (part_sum > 0)
-        part_max = compat.triton_masked_load(max_ref.at[parts, head, pl.ds(0, rows)], live, -jnp.inf,
+        part_max = compat.triton_masked_load(max_ref.at[parts, head, pl.ds(0, rows)], mask, -jnp.inf,
                                              coherent=coherent)
+        part_out = compat.triton_masked_load(outs_ref.at[parts, head, pl.ds(0, rows), :], mask[:, :, None], 0.0,
+                                             coherent=coherent)  # [chunk, rows, D]
+        live = mask & (part_sum > 0)
+        part_max = jnp.where(live, part_max, -jnp.inf)
         new_max = jnp.maximum(total_max, jnp.max(part_max, axis=0))
         safe_max = jnp.where(new_max > -jnp.inf, new_max, 0.0)
         rescale = jnp.exp(total_max - safe_max)  # 0 while total_max is still -inf
         weight = jnp.where(live, part_sum * jnp.exp(jnp.where(live, part_max, 0.0) - safe_max[None, :]), 0.0)
-        part_out = compat.triton_masked_load(outs_ref.at[parts, head, pl.ds(0, rows), :], live[:, :, None], 0.0,
-                                             coherent=coherent)  # [chunk, rows, D]
+        # A part with no key adds nothing, whatever its output holds (NaN included): selected, not multiplied.
+        part_out = jnp.where(live[:, :, None], part_out, 0.0)
         acc = acc * rescale[:, None] + jnp.sum(part_out * weight[:, :, None], axis=0)
         return acc, new_max, total_sum * rescale + jnp.sum(weight, axis=0)
 

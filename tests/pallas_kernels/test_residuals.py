@@ -148,8 +148,9 @@ def test_merge_run_matches_merge_partials(rows, real_rows):
     outs[:real, :, :real_rows] = rng.standard_normal((real, heads, real_rows, dim))
     maxes[:real, :, :real_rows] = rng.standard_normal((real, heads, real_rows)) * 5
     sums[:real, :, :real_rows] = rng.uniform(0.5, 3, (real, heads, real_rows))
-    sums[1, 0, 0] = 0.0  # an empty part inside a run: no weight whatever it holds
-    maxes[1, 0, 0] = -np.inf
+    sums[1, 0, 0] = 0.0  # an empty part inside a run: no weight whatever its max and output hold
+    maxes[1, 0, 0] = np.nan
+    outs[1, 0, 0] = np.nan
     first = np.concatenate([[0], np.cumsum(runs)[:-1]]).astype(np.int32)
     out, m, s = merge_runs(jnp.asarray(outs), jnp.asarray(maxes), jnp.asarray(sums), jnp.asarray(first),
                            jnp.asarray(runs, np.int32), rows=rows, real_rows=real_rows)

@@ -151,11 +151,6 @@ class EngineOptions:
     default_max_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_length: int = 256
-    # Executables of the decode program that consecutive decode steps alternate between (1 or 2;
-    # jaxllm.executor.programs says why). None (the default): 2 on GPUs with tensor_parallel > 1, where XLA runs
-    # the step as a CUDA graph it updates every step (sharding.xla_flags) and one executable held the host back a
-    # whole step; else 1. Each copy is compiled at warm-up.
-    decode_program_copies: int | None = None
 
     def __post_init__(self):
         for name in ("tensor_parallel", "instances", "default_max_tokens", "max_stop_strings", "max_stop_length"):
@@ -182,9 +177,6 @@ class EngineOptions:
             raise ValueError(f"max_seqs must be positive, got {self.max_seqs}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of {BACKENDS}")
-        if self.decode_program_copies not in (None, 1, 2) or isinstance(self.decode_program_copies, bool):
-            raise ValueError(f"decode_program_copies must be 1, 2 or None (the default: 2 on GPUs with "
-                             f"tensor_parallel > 1), got {self.decode_program_copies!r}")
         if self.tuner not in TUNERS:
             raise ValueError(f"tuner {self.tuner!r} is not one of {TUNERS}")
         if self.compile_cache_dir is not None and (not isinstance(self.compile_cache_dir, str)
@@ -261,8 +253,6 @@ class LLM:
             """rBlocks one sequence may fill: every pool it can reach (the whole mesh's when instances lend)."""
             return num_blocks * (instances if self.options.lending else 1)
 
-        decode_copies = self.options.decode_program_copies or (2 if on_gpu and self.options.tensor_parallel > 1 else 1)
-
         def executor(kv_cache, num_blocks: int, tuner, host_tier: int) -> Executor:
             # The table is as wide as the longest sequence the pool and context limit allow.
             longest = min(self.max_context + 1, reach_blocks(num_blocks) * block_size)
@@ -270,7 +260,7 @@ class LLM:
                             table_width=-(-longest // block_size), kernels=base, mesh=self.mesh, instances=instances,
                             borrowing=lending, max_logprobs=self.options.max_logprobs, tuner=tuner,
                             penalties=self.options.penalties, max_logit_bias=self.options.max_logit_bias,
-                            host_tier=host_tier, decode_copies=decode_copies)
+                            host_tier=host_tier)
 
         # Each instance's pool (one device's memory, or one tensor-parallel group's).
         num_blocks = self.options.num_blocks or self._default_num_blocks(

@@ -210,8 +210,7 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
         longest = max(longest, args.tp_mixed_prompts[1] + args.tp_mixed_new)
     llm = _engine(model, dry_run=args.dry_run, max_context=longest + 1, tensor_parallel=tp,
                   max_tokens_per_step=args.chunk, max_seqs=args.tp_mixed_requests if mixed else 1,
-                  prefix_caching=not mixed, block_size=args.block_size, num_blocks=args.tp_num_blocks,
-                  decode_program_copies=args.tp_decode_copies)
+                  prefix_caching=not mixed, block_size=args.block_size, num_blocks=args.tp_num_blocks)
     info = llm.info()
     kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
     rows = []
@@ -223,15 +222,12 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
         rows.append(dict(context=context, decode_ms_per_token=float(np.median(ms)), spread=harness.spread(ms),
                          floor_ms=floor_ms, x_floor=float(np.median(ms)) / floor_ms if floor_ms else None))
         _log(f"[tensor] {model} TP {tp} at {context}: {rows[-1]['decode_ms_per_token']:.2f} ms/token")
-        on_row(dict(model=model, tensor_parallel=tp, decode_program_copies=llm.executor.programs.decode_copies,
-                    rows=rows))
+        on_row(dict(model=model, tensor_parallel=tp, rows=rows))
     load = _mixed_load(args, llm) if mixed else None
-    copies = llm.executor.programs.decode_copies
     llm.close()
     del llm
     gc.collect()
-    return dict(model=model, tensor_parallel=tp, decode_program_copies=copies, rows=rows,
-                **({"mixed": load} if load else {}))
+    return dict(model=model, tensor_parallel=tp, rows=rows, **({"mixed": load} if load else {}))
 
 
 def _mixed_load(args, llm) -> dict:
@@ -389,8 +385,6 @@ def main(argv=None) -> int:
                         "--tensor-parallel > 1; they hold for the whole process (default: on when (b) is the only "
                         "part, whose TP 1 row then runs with them too; off otherwise, as the other parts' one-device "
                         "instances run in the product)")
-    p.add_argument("--tp-decode-copies", type=int, choices=(1, 2), default=None,
-                   help="(b): EngineOptions.decode_program_copies (default: the engine's choice, 2 on GPUs at TP > 1)")
     p.add_argument("--tp-sweep-contexts", type=int, nargs="+", default=[4096])
     p.add_argument("--tp-mixed-requests", type=int, default=32, help="(b): the mixed load's requests (0: none)")
     p.add_argument("--tp-mixed-prompts", type=int, nargs=2, default=[128, 8192], metavar=("MIN", "MAX"),

@@ -84,9 +84,6 @@ class Executor:
     host_tier: the slots of each instance's host tier (0: none): plans may carry host copies (one process), so
     the HostStore is built and its copy programs compiled at warm-up; host_transfer: how its runs cross the host
     link (default AsyncHostTransfer: JAX's host memory kinds).
-    decode_copies: 2 compiles the decode program as two executables that consecutive decode steps alternate
-    between (jaxllm.executor.programs says why: a step run as a CUDA graph updated every step); warm-up compiles
-    both.
 
     On a multi-process mesh every process holds an Executor over the same mesh and runs the same programs:
     process 0 sends each call through a CallChannel before running it, and every other process runs
@@ -97,7 +94,7 @@ class Executor:
                  backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None, mesh=None,
                  instances: int = 1, borrowing: bool = False, max_logprobs: int = 0, tuner: StepTuner | None = None,
                  penalties: bool = True, max_logit_bias: int = 64, host_tier: int = 0,
-                 host_transfer: HostTransfer | None = None, decode_copies: int = 1):
+                 host_transfer: HostTransfer | None = None):
         if not 0 <= max_logprobs <= model.config.vocab_size:
             raise ValueError(f"max_logprobs {max_logprobs} must be in [0, {model.config.vocab_size}] (the vocabulary)")
         if max_logit_bias < 0:
@@ -127,8 +124,7 @@ class Executor:
         self._penalty_state = init_penalty_state(instances * max_seqs, model.config.vocab_size, rows) if penalties \
             else None
         self.programs = StepPrograms(graphdef, self.state, kv_cache, self.mesh, instances=instances,
-                                     replicated_io=multi_process, penalty_state=self._penalty_state,
-                                     decode_copies=decode_copies)
+                                     replicated_io=multi_process, penalty_state=self._penalty_state)
         self._inert_penalties: dict[tuple, PenaltyInputs] = {}  # placed once per shape (_placed says why)
         self.buckets = Buckets(max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, table_width=table_width,
                                min_tokens=min_tokens)
@@ -440,9 +436,7 @@ class Executor:
         recall copy too), so serving compiles nothing new."""
         from jaxllm.progress import Progress
 
-        # Each decode entry runs once per decode copy (the copies alternate), compiling every copy.
-        plan = [entry for entry in self.warm_up_plan()
-                for _ in range(self.programs.decode_copies if entry[0].op == Op.DECODE else 1)]
+        plan = self.warm_up_plan()
         copies = 1 if self.borrowing else 0
         runs = [] if self.host_store is None else self.host_store.run_lengths()
         if progress:

@@ -11,12 +11,6 @@ stacked on a leading instance axis [I, ...]:
     in which nothing
     is borrowed moves nothing between devices: no collective. (A multi-process run keeps them replicated:
     process 0 reads every instance's tokens, and the other processes get their inputs by broadcast.)
-With `decode_copies` 2 the decode program is compiled twice, as two executables, and consecutive decode steps
-alternate between them: where XLA runs a step as one CUDA graph per device that it updates before every launch
-(the tensor-parallel flags, sharding.xla_flags: the step's inputs and outputs sit at new addresses every step),
-launching an updated graph waits until that graph's previous launch has finished, so one executable kept the host
-from queueing step k + 1 until step k was done (the device then idles at every step boundary). Two executables
-each wait on the step before last, which the device has finished. Both are compiled at warm-up.
 The recall copy (`copy_blocks`) moves rBlocks between instances' pools; `gather_blocks` and `scatter_blocks`
 take a run of rBlocks out of the pool into a compact array and put one back (the host tier's copies:
 jaxllm.executor.host_store), a run's length a power of two; on several instances the run (global ids, any
@@ -74,14 +68,10 @@ class StepPrograms:
 
     graphdef: the model's (nnx.split); state, pool, penalty_state: placed on `mesh` already (their shardings are
     the programs'; penalty_state None: penalties off); instances: the mesh's instance axis; replicated_io: inputs
-    and outputs whole on every device (a multi-process run) instead of split over `instance`; decode_copies: 1,
-    or 2 executables of the decode program that consecutive decode steps alternate between (the module docstring).
+    and outputs whole on every device (a multi-process run) instead of split over `instance`.
     """
 
-    def __init__(self, graphdef, state, pool, mesh, *, instances: int, replicated_io: bool, penalty_state=None,
-                 decode_copies: int = 1):
-        if decode_copies not in (1, 2):
-            raise ValueError(f"decode_copies must be 1 or 2, got {decode_copies!r}")
+    def __init__(self, graphdef, state, pool, mesh, *, instances: int, replicated_io: bool, penalty_state=None):
         self.graphdef = graphdef
         self.mesh = mesh
         self.instances = instances
@@ -98,10 +88,7 @@ class StepPrograms:
         shardings = ([x.sharding for x in leaves], self.pool_shardings, self.io_sharding, penalty_shardings)
         jit = functools.partial(_jit_on_mesh, in_shardings=shardings, donate=(1, 3),
                                 out_shardings=(self.io_sharding, self.pool_shardings, penalty_shardings))
-        # Each copy jits its own function object: jax would share one executable between jits of one function.
-        self._decodes = [jit(self._per_instance(decode_step), static_argnames=("kernels", "greedy", "logprobs"))
-                         for _ in range(decode_copies)]
-        self._decode_turn = 0  # the copy the next decode step runs
+        self._decode = jit(self._per_instance(decode_step), static_argnames=("kernels", "greedy", "logprobs"))
         self._prefill = jit(self._per_instance(prefill_step), static_argnames=("kernels", "logprobs"))
         self._logits = jit(self._per_instance(logits_step), static_argnames=("kernels",))
         self._copy = None if instances == 1 else _jit_on_mesh(
@@ -153,21 +140,11 @@ class StepPrograms:
 
         return self._counted(functools.wraps(fn)(per_instance))
 
-    @property
-    def decode_copies(self) -> int:
-        """Executables of the decode program that decode steps alternate between (a shape compiles once in each)."""
-        return len(self._decodes)
-
     def run(self, op: str, state_leaves: list, pool, inputs: StepInputs, penalty_state, **statics):
         """Run program `op` ("decode", "prefill" or "logits") on the state's leaves (jax.tree.leaves of the state
         the programs were built for) with its statics (kernels, greedy, logprobs); returns (outputs [I, ...],
-        pool, penalty state). A decode step runs the next of the decode copies. Counts the XLA compiles behind
-        the call."""
-        if op == "decode":
-            program = self._decodes[self._decode_turn]
-            self._decode_turn = (self._decode_turn + 1) % len(self._decodes)
-        else:
-            program = {"prefill": self._prefill, "logits": self._logits}[op]
+        pool, penalty state). Counts the XLA compiles behind the call."""
+        program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
         before = compile_events()
         out = program(state_leaves, pool, inputs, penalty_state, **statics)
         self._count(before)
@@ -178,7 +155,7 @@ class StepPrograms:
         (runs nothing): its `as_text()` is XLA's optimized HLO (profiling scripts: which collectives and copies the
         partitioner put in), its `memory_analysis()` the device memory it needs. The pool may be abstract
         (jax.ShapeDtypeStruct leaves with their shardings): memory planning compiles before a pool exists."""
-        program = {"decode": self._decodes[0], "prefill": self._prefill, "logits": self._logits}[op]
+        program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
         return program.compiled(state_leaves, pool, inputs, penalty_state, **statics)
 
     def _count(self, before) -> None:

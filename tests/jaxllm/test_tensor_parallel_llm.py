@@ -152,19 +152,12 @@ def triton_result():
 @pytest.fixture(scope="module")
 def warm_result():
     """Warm-up on a mesh compiles what serving meets, continuations (tokens from the last step's output) included.
-    Buckets for the two prompts alone (decode 1 and 2, prefill 8 and 16): each one more is a compile. The same
-    with the decode program in two copies that steps alternate between (decode_program_copies 2)."""
-    out = {}
-    for copies in (1, 2):
-        warm = LLM("tiny", progress=False, options=_options(2, max_seqs=2, max_tokens_per_step=16,
-                                                            decode_program_copies=copies))
-        warm.warm_up(progress=False)
-        before = warm.compile_count
-        texts = [c.token_ids for c in warm.generate(["hello there", "abc"], max_new_tokens=5, temperature=0.0)]
-        decode_entries = sum(call.op.name == "DECODE" for call, _ in warm.executor.warm_up_plan())
-        out[copies] = dict(warm_up_compiles=before, after=warm.compile_count - before, tokens=texts,
-                           decode_entries=decode_entries, copies=warm.executor.programs.decode_copies)
-    return out
+    Buckets for the two prompts alone (decode 1 and 2, prefill 8 and 16): each one more is a compile."""
+    warm = LLM("tiny", progress=False, options=_options(2, max_seqs=2, max_tokens_per_step=16))
+    warm.warm_up(progress=False)
+    before = warm.compile_count
+    warm.generate(["hello there", "abc"], max_new_tokens=5)
+    return dict(warm_up_compiles=before, after=warm.compile_count - before)
 
 
 @pytest.mark.parametrize("case", CASES + ["orbax/tp4"])
@@ -226,18 +219,8 @@ def test_pallas_kernels_run_per_shard(triton_result):
 
 
 def test_nothing_compiles_after_warm_up_on_a_mesh(warm_result):
-    r = warm_result[1]
+    r = warm_result
     assert r["warm_up_compiles"] > 0 and r["after"] == 0, r
-
-
-def test_two_decode_copies_are_both_compiled_at_warm_up_and_give_the_same_tokens(warm_result):
-    one, two = warm_result[1], warm_result[2]
-    assert (one["copies"], two["copies"]) == (1, 2)
-    # Each decode shape traced once more (its second copy: a program of its own), all at warm-up.
-    assert two["decode_entries"] > 0
-    assert two["warm_up_compiles"] == one["warm_up_compiles"] + two["decode_entries"], (one, two)
-    assert two["after"] == 0, two
-    assert two["tokens"] == one["tokens"] and all(len(t) == 5 for t in one["tokens"]), (one, two)
 
 
 def test_a_preset_is_drawn_straight_into_its_shards():

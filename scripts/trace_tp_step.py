@@ -136,7 +136,8 @@ def trace_one(args, llm, tp: int, context: int, floor_tb_s: float | None) -> dic
     row["bare_x_floor"] = row["bare_ms"] / row["floor_ms"] if row["floor_ms"] else None
 
     data = traced(lambda: bare(args.reps), host_detail=True)
-    row["devices"] = {name: device_summary(events, args.reps) for name, events in sorted(events_by_device(data).items())}
+    per_device = sorted(events_by_device(data).items())
+    row["devices"] = {name: device_summary(events, args.reps) for name, events in per_device}
     row["host"] = host_summary(data, args.reps)
     row["hlo"] = hlo_collectives(executor.compiled_step_text(plan))
     llm.core.cancel(request_id)

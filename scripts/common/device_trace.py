@@ -19,8 +19,9 @@ _MATMUL_WORDS = ("gemm", "gemv", "xmma", "cublas", "cutlass", "wgmma", "nvjet", 
 _COLLECTIVE = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|SendRecv|Broadcast|Reduce)", re.I)
 
 
-def _traced(run, host_detail: bool = False):
-    """The jax.profiler trace of run() (ProfileData), or None where none was written."""
+def traced(run, host_detail: bool = False):
+    """The jax.profiler trace of run() (ProfileData), or None where none was written (events_by_device and
+    host_summary read one). host_detail: XLA's runtime events in detail and no Python calls (TraceWindow)."""
     window = TraceWindow(host_detail)
     window.start()
     try:
@@ -53,20 +54,8 @@ def gpu_kernel_events(fn, reps: int) -> list[tuple[str, int, int]]:
             out = fn()
         jax.block_until_ready(out)
 
-    data = _traced(run)
+    data = traced(run)
     return [] if data is None else [(e.name, e.start_ns, e.duration_ns) for e in _gpu_kernels(data)]
-
-
-def gpu_kernel_events_by_device(run) -> dict[str, list[tuple[str, int, int]]]:
-    """device plane name (e.g. `/device:GPU:0`) -> (kernel name, start ns, duration ns) of every GPU kernel that
-    ran while run() ran under a trace (run must wait for its device work). Empty where no GPU plane was written."""
-    return events_by_device(_traced(run))
-
-
-def traced(run, host_detail: bool = False):
-    """The jax.profiler trace (ProfileData) of run(), or None where none was written: for events_by_device and
-    host_summary of one trace. host_detail: XLA's runtime events in detail and no Python calls (TraceWindow)."""
-    return _traced(run, host_detail)
 
 
 def host_summary(data, reps: int, top: int = 30) -> dict:
@@ -100,7 +89,8 @@ def host_summary(data, reps: int, top: int = 30) -> dict:
 
 
 def events_by_device(data) -> dict[str, list[tuple[str, int, int]]]:
-    """gpu_kernel_events_by_device's dict from a trace (ProfileData; None: empty)."""
+    """device plane name (e.g. `/device:GPU:0`) -> (kernel name, start ns, duration ns) of every GPU kernel in a
+    trace (ProfileData, from traced(run): run must wait for its device work); empty for None or no GPU plane."""
     if data is None:
         return {}
     out = {}
@@ -179,7 +169,7 @@ def kernel_ns_per_batch(batches) -> dict[str, dict[str, tuple[int, int]]]:
             with jax.profiler.TraceAnnotation(label):
                 thunk()
 
-    data = _traced(run)
+    data = traced(run)
     if data is None:
         return {}
     kernels = [(e.start_ns, e.duration_ns, dict(e.stats).get("hlo_module", "")) for e in _gpu_kernels(data)]

@@ -63,7 +63,11 @@ def test_a_process_that_dies_ends_the_other_within_seconds(dead, message):
         assert time.monotonic() - died < 5  # the watch reads end-of-file within milliseconds
         out = survivor.stdout.read()
         assert f"worker {1 - dead} stepped" in out, out
-        assert out.strip().splitlines()[-1] == message, out
+        lines = out.strip().splitlines()
+        assert message in lines, out
+        # Nothing of ours after the message. JAX's coordination client may notice the same loss while the process
+        # exits and log it (its glog lines and gRPC details, once seen on a loaded CI machine): not ours to order.
+        assert not any(line.startswith("worker") for line in lines[lines.index(message) + 1:]), out
         _no_crash_trace(out)
     finally:
         for p in procs:

@@ -12,8 +12,8 @@ of that many tokens is prefilled, then:
 and, from a jax.profiler trace of --reps bare steps, per GPU: kernels a step, their time, the span, the idle time
 (span minus the union of kernel intervals), kernel time by kind (matmul, attention, collective, other),
 collectives by NCCL kernel, and the largest idle gaps by the kernel that follows them; and what the host threads
-did meanwhile (time a step per thread, the heaviest event names: the executor launches from its own thread, so a
-step is host-bound when that thread is busy most of it). From XLA's optimized HLO of
+did meanwhile (time a step per thread, the heaviest event names). A launch thread's time includes waiting on busy
+GPUs (cuGraphLaunch blocks then), so read it beside the GPUs' busy time, not as host work. From XLA's optimized HLO of
 the step (Executor.compiled_step_text), every collective with its shape and the jax operation it comes from
 (op_name), and the resharding the partitioner inserted (all-gathers, all-to-alls, collective-permutes).
 The product's tensor-parallel XLA flags (sharding.xla_flags) are set before JAX starts unless --no-xla-flags, as

@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     for r in result["rows"]:
         floor = f"{r['floor_ms']:9.2f}" if r["floor_ms"] else f"{'-':>9}"
         ratio = f"{r['bare_x_floor']:8.2f}" if r["bare_x_floor"] else f"{'-':>8}"
-        print(f"{r['tensor_parallel']:>3} {r['context']:>8} {r['engine_ms']:>10.2f} {r['bare_ms']:>8.2f} {floor} {ratio}  {r['hlo']['by_kind']}")
+        print(f"{r['tensor_parallel']:>3} {r['context']:>8} {r['engine_ms']:>10.2f} {r['bare_ms']:>8.2f} {floor} "
+              f"{ratio}  {r['hlo']['by_kind']}")
         for name, d in r["devices"].items():
             kinds = ", ".join(f"{k} {v['us_per_step']:.0f}" for k, v in sorted(d["by_kind"].items()))
             print(f"    {name}: {d['kernels_per_step']:.0f} kernels, {d['kernel_us_per_step']:.0f} us of kernels, busy "

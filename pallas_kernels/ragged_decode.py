@@ -3,8 +3,8 @@
 Sequences of any lengths share one call, and one call is one kernel. Every sequence's real KV is
 cut into work items of about `split` tokens (the split chosen from the batch's total length, so a
 batch of one 500K sequence and a batch of mixed 1K..500K lengths both spread evenly over the GPU
-and no program touches padding); the grid runs over `(work item, kv_head)` and each program works
-out its own item from kv_lens. Each program reads its rBlocks straight from the pool through the
+and no program touches padding); the grid runs over `work item x kv_head` (head fastest) and each program
+works out its own item from kv_lens. Each program reads its rBlocks straight from the pool through the
 block table (nothing is gathered, copied or transposed), processes all query heads of one KV head's
 group together (one read of K and V per group; the group's query rows are read in place, from a q
 grouped per KV head that may hold more rows a group than it uses: the model's rotated q|k), and either writes the result (a sequence with one item) or a
@@ -34,6 +34,13 @@ from pallas_kernels.validation import MIN_DOT_ROWS, check_dot_tile, check_launch
 # each) when it has more: a run's last program merges the run, the last run's merger merges the runs.
 MERGE_LOADS_PER_RUN = 4
 
+# A sequence is cut into about target_programs / KV heads work items a head, and each (sequence, head)'s
+# partials are merged by its last program. With few KV heads a device (a tensor shard of a GQA model: 2 at 70B
+# over 4 GPUs) that is hundreds of items a head, whose merge and start-up cost more than their KV: at 2 heads
+# and 128K, 55 us at 1024 programs, 49 at 512 (benchmarks/NOTES.md). So at most this many items a head. The cap
+# binds only below 8 KV heads for every tuner candidate (targets <= 2048): one-GPU Llama shapes are unchanged.
+MAX_ITEMS_PER_HEAD = 256
+
 # Scores of keys past the end: finite, so no exp(-inf - -inf) NaN, and exp(mask - max) is 0.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -50,7 +57,8 @@ class DecodeBlockSizes:
       differ by at most one tile). The grid is
       then bounded by target_programs / kv_heads + num_seqs items whatever the table width, so a lone
       sequence still fills the GPU and a ragged batch is cut into equal chunks (benchmarks/NOTES.md).
-    target_programs: about how many programs (work items x KV heads) a call aims for.
+    target_programs: about how many programs (work items x KV heads) a call aims for; at most
+      MAX_ITEMS_PER_HEAD x KV heads (`programs`), and so is short_target_programs.
     min_tokens_per_split: no item shorter than this (a power of two), unless the call is short: then
       items shrink, down to one tile, so that about short_target_programs programs still run.
     short_target_programs: programs a short call (total KV x heads < target_programs x
@@ -90,10 +98,15 @@ class DecodeBlockSizes:
         """Tokens per kernel iteration: a power of two dividing both block_k and the rBlock size."""
         return math.gcd(self.block_k, block_size)
 
-    @property
-    def _most_programs(self) -> int:
+    def programs(self, num_kv_heads: int) -> tuple[int, int]:
+        """(target_programs, short_target_programs) at num_kv_heads KV heads: each at most MAX_ITEMS_PER_HEAD
+        items a head."""
+        cap = MAX_ITEMS_PER_HEAD * num_kv_heads
+        return min(self.target_programs, cap), min(self.short_target_programs, cap)
+
+    def _most_programs(self, num_kv_heads: int) -> int:
         """The larger of the two program targets, which the static item bounds divide among the KV heads."""
-        return max(self.target_programs, self.short_target_programs)
+        return max(self.programs(num_kv_heads))
 
     def num_items(self, block_size: int, num_seqs: int, capacity: int, num_kv_heads: int) -> int:
         """Static bound on work items: every chunk of every sequence fits."""
@@ -102,30 +115,35 @@ class DecodeBlockSizes:
         # sum_i max(ceil(len_i / split), 1) <= total / split + num_seqs, and split >= total * heads / target
         # (both targets), and split >= one tile.
         return min(num_seqs * pl.cdiv(capacity, self.tile(block_size)),
-                   pl.cdiv(self._most_programs, num_kv_heads) + num_seqs)
+                   pl.cdiv(self._most_programs(num_kv_heads), num_kv_heads) + num_seqs)
 
     def items_per_sequence(self, block_size: int, capacity: int, num_kv_heads: int) -> int:
         """Static bound on one sequence's work items (at most `capacity` tokens): ceil(len / split) with split
         >= one tile, and split >= len * heads / target (len is part of the total)."""
         if self.tokens_per_split is not None:
             return pl.cdiv(capacity, self.tokens_per_split)
-        return min(pl.cdiv(capacity, self.tile(block_size)), pl.cdiv(self._most_programs, num_kv_heads) + 1)
+        return min(pl.cdiv(capacity, self.tile(block_size)),
+                   pl.cdiv(self._most_programs(num_kv_heads), num_kv_heads) + 1)
 
     def split(self, block_size: int, kv_lens: jax.Array, num_kv_heads: int) -> jax.Array:
         """Most tokens per work item before a sequence takes one more (int32 scalar, >= one tile)."""
         if self.tokens_per_split is not None:
             return jnp.int32(self.tokens_per_split)
         work = jnp.sum(kv_lens.astype(jnp.int32)) * num_kv_heads
-        return self.split_for_work(work, self.tile(block_size), jnp.maximum, jnp.minimum, pl.cdiv).astype(jnp.int32)
+        return self.split_for_work(work, self.tile(block_size), num_kv_heads, jnp.maximum, jnp.minimum,
+                                   pl.cdiv).astype(jnp.int32)
 
-    def split_for_work(self, work, tile: int, maximum=max, minimum=min, cdiv=lambda a, b: -(-a // b)):
-        """split() from work = total KV tokens x KV heads and the tile (`tile(block_size)`): a traced scalar
-        with jnp.maximum / jnp.minimum / pl.cdiv (what the kernel runs), or a Python int with the defaults
-        (the AutoTuner's features compute it on the host, where pl.cdiv's checks cost more than the rest)."""
+    def split_for_work(self, work, tile: int, num_kv_heads: int, maximum=max, minimum=min,
+                       cdiv=lambda a, b: -(-a // b)):
+        """split() from work = total KV tokens x KV heads, the tile (`tile(block_size)`) and the KV heads: a
+        traced scalar with jnp.maximum / jnp.minimum / pl.cdiv (what the kernel runs), or a Python int with the
+        defaults (the AutoTuner's features compute it on the host, where pl.cdiv's checks cost more than the
+        rest)."""
         # Not rounded to a power of two (just past one, 128K + a few tokens, that would halve the
         # programs) nor to the tile (each sequence's tiles are dealt evenly among its items).
-        want = cdiv(work, self.target_programs)
-        short = maximum(cdiv(work, self.short_target_programs), tile)
+        target, short_target = self.programs(num_kv_heads)
+        want = cdiv(work, target)
+        short = maximum(cdiv(work, short_target), tile)
         floor = minimum(maximum(self.min_tokens_per_split, tile), short)
         return maximum(want, floor)
 
@@ -215,8 +233,11 @@ def _decode_kernel(
     if fan_in is not None:
         runs_refs, refs = refs[:3], refs[3:]
     out_ref, out_m_ref, out_l_ref, counters_ref = refs
-    item, head = pl.program_id(0), pl.program_id(1)
     num_kv_heads = k_ref.shape[1]
+    # One grid axis, KV head fastest: program p works on item p // Hkv of head p % Hkv, so every head's
+    # first items are dispatched before any head's last, and the items the static grid bound holds
+    # beyond the real ones (they exit at once) come after all the real work instead of between heads.
+    item, head = pl.program_id(0) // num_kv_heads, pl.program_id(0) % num_kv_heads
     head_dim = q_ref.shape[-1]
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     seq, start, count, first_item, seq_items = _work_item(
@@ -369,7 +390,7 @@ def _ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale, v_scale, *
                  jax.ShapeDtypeStruct(counters.shape, jnp.int32)]
     *_, out, row_max, row_sum, _ = pl.pallas_call(
         kernel,
-        grid=(num_items, num_kv_heads),
+        grid=(num_items * num_kv_heads,),
         in_specs=[whole] * (6 + len(scales)),
         out_specs=[whole] * len(out_shape),
         out_shape=out_shape,

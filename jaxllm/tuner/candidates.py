@@ -182,7 +182,7 @@ def interaction_features(op: str, names, *, kv_heads: int, block_size: int | Non
         n, total, longest = stats[0], int(stats[1]), stats[2]
         work, rows = total * kv_heads, []
         for s, tile in reps:
-            split = s.split_for_work(work, tile)
+            split = s.split_for_work(work, tile, kv_heads)
             rows.append((log2(split), log2(split / tile), log2(1 + -(-longest // split)), log2(total / split + n)))
         return [x for i in which for x in rows[i]]
 

@@ -9,8 +9,8 @@ import pytest
 
 from pallas_kernels import compat
 from pallas_kernels.kv_write import quantize_int8
-from pallas_kernels.ragged_decode import (MERGE_LOADS_PER_RUN, DecodeBlockSizes, _work_item, default_block_sizes,
-                                          ragged_decode, ragged_decode_reference)
+from pallas_kernels.ragged_decode import (MAX_ITEMS_PER_HEAD, MERGE_LOADS_PER_RUN, DecodeBlockSizes, _work_item,
+                                          default_block_sizes, ragged_decode, ragged_decode_reference)
 from pallas_kernels.residuals import merge_partials, parts_per_merge_load
 from tests.seeds import seed
 
@@ -201,6 +201,21 @@ def test_default_split_follows_the_real_lengths_not_the_table():
     assert int(bsz.split(16, jnp.asarray([1000]), 8)) == 16
 
 
+def test_few_kv_heads_get_at_most_max_items_a_head_and_eight_or_more_keep_their_targets():
+    """A tensor shard's few KV heads cap both program targets at MAX_ITEMS_PER_HEAD x heads; from 8 heads up
+    no schedule the tuner lists (targets up to 2048 / 1024) changes."""
+    assert MAX_ITEMS_PER_HEAD * 8 >= 2048
+    assert DecodeBlockSizes().programs(2) == (2 * MAX_ITEMS_PER_HEAD, min(512, 2 * MAX_ITEMS_PER_HEAD))
+    assert DecodeBlockSizes().programs(1) == (MAX_ITEMS_PER_HEAD, MAX_ITEMS_PER_HEAD)
+    for heads in (8, 10, 32):
+        assert DecodeBlockSizes().programs(heads) == (1024, 512)
+        assert DecodeBlockSizes(target_programs=2048, short_target_programs=1024).programs(heads) == (2048, 1024)
+    # One 128K sequence over 2 KV heads: 1024 programs would be 512 items a head.
+    split = int(DecodeBlockSizes().split(256, jnp.asarray([131072]), 2))
+    assert 131072 // split == MAX_ITEMS_PER_HEAD
+    assert int(DecodeBlockSizes().split(256, jnp.asarray([131072]), 8)) == 131072 * 8 // 1024  # uncapped
+
+
 def test_host_split_equals_the_kernels():
     """split_for_work on Python ints (the AutoTuner's features) gives what the kernel computes on the device."""
     rng = np.random.default_rng(seed(53823))
@@ -208,15 +223,15 @@ def test_host_split_equals_the_kernels():
                  DecodeBlockSizes(target_programs=512, short_target_programs=256, min_tokens_per_split=1024))
     for _ in range(40):
         lens = rng.integers(1, int(rng.choice([100, 5000, 600_000])), size=int(rng.integers(1, 9)))
-        heads, block = int(rng.choice([1, 8, 32])), int(rng.choice([16, 64, 256, 1024]))
+        heads, block = int(rng.choice([1, 2, 8, 32])), int(rng.choice([16, 64, 256, 1024]))
         for bsz in schedules:
-            host = bsz.split_for_work(int(lens.sum()) * heads, bsz.tile(block))
+            host = bsz.split_for_work(int(lens.sum()) * heads, bsz.tile(block), heads)
             assert isinstance(host, int) and host == int(bsz.split(block, jnp.asarray(lens, jnp.int32), heads))
     # The static bound holds for any lengths: target / heads + num_seqs items.
     rng = np.random.default_rng(seed(53824))
     for _ in range(200):
         lens = rng.integers(0, 1 << rng.integers(1, 20), size=int(rng.integers(1, 40)))
-        heads = int(rng.choice([1, 8, 32]))
+        heads = int(rng.choice([1, 2, 8, 32]))
         split = int(bsz.split(16, jnp.asarray(lens, jnp.int32), heads))
         per_sequence = np.maximum(-(-lens // split), 1)  # an empty sequence still gets one item
         assert int(per_sequence.sum()) <= bsz.num_items(16, len(lens), 1 << 20, heads), (lens, heads, split)

@@ -205,15 +205,33 @@ def summarize(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """'KxN' -> (K, N), both positive."""
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not KxN (two integers, e.g. 1280x5120)") from None
+    if k < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} needs K and N >= 1")
+    return k, n
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=harness.RESULTS_DIR)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; on a CPU the kernel runs interpreted")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--budget-s", type=float, default=None, help="skip sweep items past this many seconds")
+    parser.add_argument("--shapes", nargs="+", type=_shape, default=None, metavar="KxN",
+                        help="the table's weight shapes (default: Llama-2-7B's), e.g. a tensor shard's: 1280x5120")
+    parser.add_argument("--rows", nargs="+", type=int, default=None, help="the table's M values (default 1 8)")
     args = parser.parse_args(argv)
     compat.silence_triton_deprecation()
     plan = SMOKE if args.smoke else Plan()
+    if args.shapes:
+        plan = dataclasses.replace(plan, shapes=tuple(args.shapes))
+    if args.rows:
+        plan = dataclasses.replace(plan, rows=tuple(args.rows))
     if args.budget_s is not None:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
     interpret = not compat.on_gpu()
@@ -226,8 +244,8 @@ def main(argv=None) -> int:
     bench = Bench(plan, interpret)
     result = dict(script="scripts/bench_skinny_matmul.py", argv=sys.argv[1:], device=device, date=date,
                   jax=jax.__version__, python=platform.python_version(), smoke=args.smoke, seed=bench.seed,
-                  command="XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/bench_skinny_matmul.py"
-                          + (" --smoke" if args.smoke else ""),
+                  command="XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/bench_skinny_matmul.py "
+                          + " ".join(sys.argv[1:]),
                   plan=dataclasses.asdict(plan), hbm_tbps_datasheet=hbm, hbm_floor_tb_s=hbm, sections=bench.rows,
                   definitions=dict(
                       us="median over reps of elapsed / calls / layers, layers chained inside one jit",

@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.executor.packed_inputs import pack, unpack
 from jaxllm.executor.step import StepInputs, decode_step, logits_step, prefill_step
 from jaxllm.tuner.compile_cache import compile_events
 from sharding.mesh import INSTANCE
@@ -125,8 +126,8 @@ class StepPrograms:
 
         def local(state_leaves, pool, inputs, penalty_state, **statics):
             state = jax.tree.unflatten(treedef, state_leaves)
-            out, pool, penalty_state = fn(graphdef, state, pool, jax.tree.map(lambda x: x[0], inputs), penalty_state,
-                                          **statics)
+            inputs = jax.tree.map(lambda x: x[0], unpack(inputs))
+            out, pool, penalty_state = fn(graphdef, state, pool, inputs, penalty_state, **statics)
             return jax.tree.map(lambda x: x[None], out), pool, penalty_state
 
         if self.instances == 1:
@@ -143,10 +144,11 @@ class StepPrograms:
     def run(self, op: str, state_leaves: list, pool, inputs: StepInputs, penalty_state, **statics):
         """Run program `op` ("decode", "prefill" or "logits") on the state's leaves (jax.tree.leaves of the state
         the programs were built for) with its statics (kernels, greedy, logprobs); returns (outputs [I, ...],
-        pool, penalty state). Counts the XLA compiles behind the call."""
+        pool, penalty state). The inputs' integer host arrays travel packed in one array a step
+        (jaxllm.executor.packed_inputs). Counts the XLA compiles behind the call."""
         program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
         before = compile_events()
-        out = program(state_leaves, pool, inputs, penalty_state, **statics)
+        out = program(state_leaves, pool, pack(inputs), penalty_state, **statics)
         self._count(before)
         return out
 
@@ -156,7 +158,7 @@ class StepPrograms:
         partitioner put in), its `memory_analysis()` the device memory it needs. The pool may be abstract
         (jax.ShapeDtypeStruct leaves with their shardings): memory planning compiles before a pool exists."""
         program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
-        return program.compiled(state_leaves, pool, inputs, penalty_state, **statics)
+        return program.compiled(state_leaves, pool, pack(inputs), penalty_state, **statics)
 
     def _count(self, before) -> None:
         """Add the XLA compiles and persistent-cache reads since `before` (a compile happens inside the call

@@ -38,7 +38,8 @@ class StepInputs:
     prompt token each token precedes where its sequence scores its prompt, -1 elsewhere (StepPlan.targets).
     penalties: each row's penalties and logit bias (jaxllm.executor.penalties.PenaltyInputs) on an engine with
     penalties on (inert rows where none), None on one with them off. Leaves are numpy arrays on the host or jax
-    arrays on the device.
+    arrays on the device. packed: None, or on the way into a program the integer fields in one array
+    (jaxllm.executor.packed_inputs; those fields None).
     """
 
     tokens: np.ndarray | jax.Array
@@ -54,6 +55,7 @@ class StepInputs:
     targets: np.ndarray | jax.Array
     parts: Any = None  # on several instances, a step with borrowed rBlocks: sharding.dist_attention.DistParts
     penalties: PenaltyInputs | None = None
+    packed: np.ndarray | jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +63,7 @@ class StepInputs:
 
     @property
     def num_seqs(self) -> int:
-        return self.kv_lens.shape[-1]
+        return self.temperature.shape[-1]
 
 
 def bucket(n: int, minimum: int) -> int:

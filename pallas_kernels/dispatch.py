@@ -55,9 +55,9 @@ class Kernels:
     *_block_sizes / mosaic_prefill: each kernel's schedule; None is the kernel's own default.
     interpret: run the Pallas kernels in the interpreter (the CPU, tests).
     per_shard: None (one device, or a mesh where XLA partitions the reference ops), or a hashable
-      object with `attention(fn)` and `rope_write_kv(fn)` returning those functions run per device
-      (sharding.tensor_parallel.TensorShards, set by the executor on a mesh): Pallas kernels are custom
-      calls XLA cannot partition.
+      object with `attention(fn)`, `rope_write_kv(fn)` and `add_rms_norm(fn)` returning those functions run
+      per device (sharding.tensor_parallel.TensorShards, set by the executor on a mesh): Pallas kernels are
+      custom calls XLA cannot partition. Under it matmul_unreduced is XLA's matmul (see there).
     distributed: None, or a hashable object with `attention(qkv, cos, sin, k_pool, v_pool, k_scale, v_scale,
       batch, *, num_q_heads, dtype, kernels)` that runs `paged_attention` for a step whose rBlocks lie on
       several instances (batch.parts; sharding.dist_attention.DistAttention, set by the executor on a step with
@@ -283,10 +283,12 @@ def matmul_unreduced(x: jax.Array, w: jax.Array, *, kernels: Kernels = REFERENCE
 
     Decode-sized steps under decode_layer "pallas" return the skinny matmul's unreduced split-K
     partials [S, T, N] float32: the consumer sums them in its one pass, so the sum costs no kernel of
-    its own (XLA's split-K GEMM runs its sum as a separate kernel). Otherwise XLA's matmul: [T, N] in
-    x.dtype.
+    its own (XLA's split-K GEMM runs its sum as a separate kernel). Otherwise, and on a mesh
+    (kernels.per_shard), XLA's matmul: [T, N] in x.dtype. On a mesh a row-parallel projection's output
+    is also partial over the tensor axis, which only an all-reduce can sum: XLA partitions the dot and
+    places that all-reduce, and the norm after it gets the sum.
     """
-    if _decode_sized_kernel_step(kernels, x.shape[0]):
+    if kernels.per_shard is None and _decode_sized_kernel_step(kernels, x.shape[0]):
         from pallas_kernels.rms_norm import MAX_PARTS
         from pallas_kernels.skinny_matmul import default_block_sizes, skinny_matmul_partials
 
@@ -305,10 +307,15 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, ep
 
     `rms_norm.add_rms_norm`'s meaning (HF Llama's rounding points). Decode-sized steps under
     decode_layer "pallas" take the one-pass Pallas kernel, one launch where XLA runs three (the add,
-    the reduction, the scale); other steps take the reference, which XLA fuses.
+    the reduction, the scale); other steps take the reference, which XLA fuses. On a mesh
+    (kernels.per_shard) the kernel runs on every device over the whole (replicated) rows.
     """
     from pallas_kernels import rms_norm
 
+    if kernels.per_shard is not None and _decode_sized_kernel_step(kernels, x.shape[0]):
+        local = dataclasses.replace(kernels, per_shard=None)
+        return kernels.per_shard.add_rms_norm(functools.partial(add_rms_norm, eps=eps, kernels=local))(
+            x, delta, weight)
     if _decode_sized_kernel_step(kernels, x.shape[0]):
         sizes, interpret = kernels.rms_norm_block_sizes, kernels.interpret
         if delta is None:

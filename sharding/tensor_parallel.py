@@ -102,10 +102,26 @@ def tensor_parallel_rope_write_kv(rope_write_kv: Callable, mesh: Mesh) -> Callab
     return wrapped
 
 
+def replicated_add_rms_norm(add_rms_norm: Callable, mesh: Mesh) -> Callable:
+    """Wrap a single-device add + RMSNorm (`dispatch.add_rms_norm`'s signature, delta [T, D] or None) to run on
+    every device over the whole rows: x, delta and the weight are replicated (XLA all-reduces a row-parallel
+    projection's partials on the way in), and so are both outputs. Every device computes the same rows, as
+    XLA's own partitioning of the norm does, in one kernel instead of XLA's three."""
+
+    def wrapped(x, delta, weight):
+        if delta is None:
+            return per_tensor_shard(lambda x, w: add_rms_norm(x, None, w), mesh, (_WHOLE, _WHOLE),
+                                    (_WHOLE, _WHOLE))(x, weight)
+        return per_tensor_shard(add_rms_norm, mesh, (_WHOLE, _WHOLE, _WHOLE), (_WHOLE, _WHOLE))(x, delta, weight)
+
+    return wrapped
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorShards:
     """How a step's kernels run on a mesh: `pallas_kernels.dispatch` applies it (Kernels.per_shard) to the
-    attention and RoPE + KV-write kernels, which then run per device inside shard_map over `tensor`.
+    attention and RoPE + KV-write kernels, which then run per device inside shard_map over `tensor`, and to
+    the decode layer's add + RMSNorm, which runs on every device over the replicated rows.
 
     Frozen and hashable (the mesh is), so the Kernels holding it stay a static jit argument.
     """
@@ -124,19 +140,23 @@ class TensorShards:
 
         return call
 
+    def add_rms_norm(self, add_rms_norm: Callable) -> Callable:
+        return replicated_add_rms_norm(add_rms_norm, self.mesh)
+
 
 def tensor_parallel_kernels(kernels, mesh: Mesh):
     """`kernels` (a pallas_kernels.dispatch.Kernels) for a step jitted over `mesh`.
 
-    Tensor parallel 1: unchanged. Otherwise the Pallas attention and RoPE + KV-write kernels run per
-    device (per_shard); under the pure-jnp reference nothing is wrapped: XLA partitions it from the
-    shardings. The decode-layer kernels (one-pass add + RMSNorm over the skinny matmul's split-K
-    partials) take the reference: a row-parallel projection's partials are also partial over the
-    tensor axis, which only an all-reduce in between can sum, so XLA's matmul + norm (which it
-    partitions, all-reduce included) is the correct and simplest choice there.
+    Tensor parallel 1: unchanged. Otherwise the Pallas kernels run per device (per_shard): attention and
+    RoPE + KV write on each device's heads, the decode layer's add + RMSNorm on every device over the
+    replicated rows; under the pure-jnp reference nothing is wrapped: XLA partitions it from the
+    shardings. The matmuls stay XLA's (dispatch.matmul_unreduced): a row-parallel projection's
+    partials are also partial over the tensor axis, which only an all-reduce in between can sum, so
+    XLA's partitioned matmul (all-reduce included) feeds the norm. At 13B over 4 H200s, XLA's norm was
+    three kernels twice a layer (benchmarks/NOTES.md).
     """
     if tensor_size(mesh) == 1:
         return kernels
     pallas = kernels.decode_attention != "reference" or kernels.prefill_attention != "reference" or \
-        kernels.rope_kv_write != "reference"
-    return dataclasses.replace(kernels, decode_layer="reference", per_shard=TensorShards(mesh) if pallas else None)
+        kernels.rope_kv_write != "reference" or kernels.decode_layer != "reference"
+    return dataclasses.replace(kernels, per_shard=TensorShards(mesh) if pallas else None)

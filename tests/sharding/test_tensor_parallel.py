@@ -20,7 +20,8 @@ from pallas_kernels import dispatch, kv_write
 from pallas_kernels.dispatch import AttentionBatch
 from sharding import rules
 from sharding.mesh import make_mesh
-from sharding.tensor_parallel import TensorShards, tensor_parallel_attention, tensor_parallel_rope_write_kv
+from sharding.tensor_parallel import (TensorShards, tensor_parallel_attention, tensor_parallel_kernels,
+                                     tensor_parallel_rope_write_kv)
 from tests.devices import needs_host_devices
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharding_tp"), needs_host_devices]
@@ -39,17 +40,21 @@ CONFIGS = {
     # llama2-70b's head counts (64 query / 8 KV heads) at a small width
     "70b": LlamaConfig.llama2_70b(vocab_size=512, hidden_size=256, num_layers=2, intermediate_size=256),
 }
-# case: (config, tensor parallel, instances, attention per shard inside shard_map)
+# case: (config, tensor parallel, instances, kernels: "reference" (XLA partitions everything), "shard_map" (the
+# reference attention per shard, the path a Pallas kernel takes) or "decode_layer" (that, and the Pallas add +
+# RMSNorm in interpret mode on every device, as tensor_parallel_kernels sets it up on a GPU))
 TP_CASES = {
-    "mha/tp2": ("mha", 2, 1, False),
-    "mha/tp4": ("mha", 4, 1, False),
-    "mha/tp8": ("mha", 8, 1, False),
-    "gqa/tp2": ("gqa", 2, 1, False),
-    "gqa/tp8": ("gqa", 8, 1, False),
-    "gqa_wide/tp8": ("gqa_wide", 8, 1, False),
-    "70b/tp8": ("70b", 8, 1, False),
-    "gqa/tp4x2": ("gqa", 4, 2, False),  # both mesh axes
-    "gqa_wide/tp4/shard_map": ("gqa_wide", 4, 1, True),
+    "mha/tp2": ("mha", 2, 1, "reference"),
+    "mha/tp4": ("mha", 4, 1, "reference"),
+    "mha/tp8": ("mha", 8, 1, "reference"),
+    "gqa/tp2": ("gqa", 2, 1, "reference"),
+    "gqa/tp8": ("gqa", 8, 1, "reference"),
+    "gqa_wide/tp8": ("gqa_wide", 8, 1, "reference"),
+    "70b/tp8": ("70b", 8, 1, "reference"),
+    "gqa/tp4x2": ("gqa", 4, 2, "reference"),  # both mesh axes
+    "gqa_wide/tp4/shard_map": ("gqa_wide", 4, 1, "shard_map"),
+    "gqa/tp4/decode_layer": ("gqa", 4, 1, "decode_layer"),
+    "gqa/tp2x2/decode_layer": ("gqa", 2, 2, "decode_layer"),
 }
 
 
@@ -105,7 +110,7 @@ def _unsharded(config):
     return state, _run(graphdef, state, init_kv_cache(config, BLOCKS, BLOCK, "float32"))[0]
 
 
-def _tp_case(unsharded, config, tensor_parallel, instances=1, attention_in_shard_map=False):
+def _tp_case(unsharded, config, tensor_parallel, instances=1, kernels_kind="reference"):
     state, want = unsharded
     tp_config, tp_state = rules.prepare_tensor_parallel(config, state, tensor_parallel)
     tp_graphdef = nnx.graphdef(llama.abstract_model(tp_config))
@@ -114,13 +119,20 @@ def _tp_case(unsharded, config, tensor_parallel, instances=1, attention_in_shard
     kv = rules.shard_kv_pool(init_kv_cache(tp_config, BLOCKS, BLOCK, "float32"), mesh)
     kv_shardings = rules.kv_pool_shardings(kv, mesh)
     kernels = dispatch.REFERENCE
-    if attention_in_shard_map:  # the per-device path a Pallas kernel takes (Kernels.per_shard), over the reference
+    if kernels_kind == "shard_map":  # the per-device path a Pallas kernel takes (Kernels.per_shard), over the reference
         kernels = dataclasses.replace(kernels, per_shard=TensorShards(mesh))
+    elif kernels_kind == "decode_layer":
+        kernels = tensor_parallel_kernels(dispatch.Kernels(decode_layer="pallas", interpret=True), mesh)
     got, kv = _run(tp_graphdef, sharded, kv, out_shardings=(rules.replicated(mesh), kv_shardings), kernels=kernels)
+    # Which Pallas kernels the decode step runs (by name), and whether a skinny matmul is among them.
+    decode_step = _steps()[1]
+    jaxpr = str(jax.make_jaxpr(lambda state, kv: nnx.merge(tp_graphdef, state)(*decode_step[:2], kv, decode_step[2],
+                                                                               kernels=kernels))(sharded, kv))
     error = max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w))) for g, w in zip(got, want))
     params = _split_fraction(_named_leaves(sharded))
     pool = _split_fraction({f"pool/{k}": v for k, v in _named_leaves(kv).items()})
-    return dict(error=error, kv_heads=tp_config.num_kv_heads, params=params, pool=pool, devices=mesh.devices.size)
+    return dict(error=error, kv_heads=tp_config.num_kv_heads, params=params, pool=pool, devices=mesh.devices.size,
+                rms_norm_kernels=jaxpr.count("rms_norm"), skinny_kernels=jaxpr.count("skinny_matmul"))
 
 
 def _pool_and_tables(rng, config, lens, block):
@@ -221,6 +233,14 @@ def test_each_device_holds_its_share(tp_result, case):
     instances = r["devices"] // n
     for name, held in r["pool"].items():  # KV heads over tensor, rBlocks over instances
         assert held["fraction"] == pytest.approx(1 / (n * instances)), (name, held)
+
+
+@pytest.mark.parametrize("case", [c for c, spec in TP_CASES.items() if spec[3] == "decode_layer"])
+def test_decode_layer_norms_run_as_the_pallas_kernel_and_the_matmuls_stay_xla(tp_result, case):
+    r = tp_result(case)
+    layers = CONFIGS[TP_CASES[case][0]].num_layers
+    assert r["rms_norm_kernels"] >= 2 * layers + 1 and r["skinny_kernels"] == 0, r  # two a layer, the final norm
+    assert tp_result("gqa/tp2")["rms_norm_kernels"] == 0
 
 
 def test_kv_heads_replicated_when_fewer_than_the_tensor_axis(tp_result):

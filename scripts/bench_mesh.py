@@ -73,12 +73,13 @@ def _generated(outputs) -> int:
     return sum(len(o.token_ids) for outs in outputs.values() for o in outs)
 
 
-def _engine(model: str, *, dry_run: bool, max_context: int | None, **options):
+def _engine(model: str, *, dry_run: bool, max_context: int | None, tuner: str, **options):
     from jaxllm import LLM, EngineOptions
 
     dtype = None if dry_run else "bfloat16"
     # Random-weight presets: contexts past the model's window are what this measures.
-    return LLM(model, dtype=dtype, max_context=max_context, allow_long_context=True, options=EngineOptions(**options),
+    return LLM(model, dtype=dtype, max_context=max_context, allow_long_context=True,
+               options=EngineOptions(tuner=tuner, **options),
                progress=not dry_run)
 
 
@@ -108,9 +109,9 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     if devices % tp:
         return dict(skipped=f"tensor parallel {tp} does not divide {devices} devices")
     instances = devices // tp
-    llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=instances,
-                  tensor_parallel=tp, max_seqs=1, max_tokens_per_step=args.chunk, num_blocks=args.num_blocks,
-                  block_size=args.block_size, kv_dtype=args.kv_dtype)
+    llm = _engine(args.model, dry_run=args.dry_run, tuner=args.tuner, max_context=args.max_context,
+                  instances=instances, tensor_parallel=tp, max_seqs=1, max_tokens_per_step=args.chunk,
+                  num_blocks=args.num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype)
     info = llm.info()
     per_instance_tokens = info.num_blocks // instances * info.block_size
     length = llm.context_limit - args.new_tokens
@@ -208,7 +209,7 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
     longest = max(contexts) + args.new_tokens
     if mixed:
         longest = max(longest, args.tp_mixed_prompts[1] + args.tp_mixed_new)
-    llm = _engine(model, dry_run=args.dry_run, max_context=longest + 1, tensor_parallel=tp,
+    llm = _engine(model, dry_run=args.dry_run, tuner=args.tuner, max_context=longest + 1, tensor_parallel=tp,
                   max_tokens_per_step=args.chunk, max_seqs=args.tp_mixed_requests if mixed else 1,
                   prefix_caching=not mixed, block_size=args.block_size, num_blocks=args.tp_num_blocks)
     info = llm.info()
@@ -289,9 +290,9 @@ def skew(args, devices: int) -> dict:
     prompts = [rng.integers(3, 259, size=args.skew_prompt).tolist() for _ in range(args.skew_requests)]
     out = {}
     for lending in [mode == "on" for mode in args.skew_lending]:
-        llm = _engine(args.model, dry_run=args.dry_run, max_context=args.max_context, instances=instances,
-                      tensor_parallel=tp, lending=lending, num_blocks=args.skew_blocks, block_size=args.block_size,
-                      max_tokens_per_step=args.chunk, prefix_caching=False)
+        llm = _engine(args.model, dry_run=args.dry_run, tuner=args.tuner, max_context=args.max_context,
+                      instances=instances, tensor_parallel=tp, lending=lending, num_blocks=args.skew_blocks,
+                      block_size=args.block_size, max_tokens_per_step=args.chunk, prefix_caching=False)
         requests = [Request(p, SamplingParams(max_new_tokens=args.skew_long if i % 2 == 0 else args.skew_short,
                                               ignore_eos=True)) for i, p in enumerate(prompts)]
         mode = "on" if lending else "off"
@@ -334,10 +335,10 @@ def step(args, devices: int) -> dict:
     rng = np.random.default_rng(3)
     rows = []
     for instances in sorted({1, devices}):
-        llm = _engine(args.model, dry_run=args.dry_run, max_context=args.step_context + args.new_tokens + 64,
-                      instances=instances, max_seqs=args.step_seqs, num_blocks=args.step_blocks,
-                      block_size=args.block_size, max_tokens_per_step=args.step_seqs * args.step_context,
-                      prefix_caching=False)
+        llm = _engine(args.model, dry_run=args.dry_run, tuner=args.tuner,
+                      max_context=args.step_context + args.new_tokens + 64, instances=instances,
+                      max_seqs=args.step_seqs, num_blocks=args.step_blocks, block_size=args.block_size,
+                      max_tokens_per_step=args.step_seqs * args.step_context, prefix_caching=False)
         requests = [Request(rng.integers(3, 259, size=args.step_context).tolist(),
                             SamplingParams(max_new_tokens=args.step_new_tokens, ignore_eos=True))
                     for _ in range(instances * args.step_seqs)]
@@ -405,6 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--step-context", type=int, default=1024, help="(d): prompt tokens a sequence")
     p.add_argument("--step-new-tokens", type=int, default=64, help="(d): tokens each sequence generates")
     p.add_argument("--step-blocks", type=int, default=64, help="(d): rBlocks an instance")
+    p.add_argument("--tuner", choices=("auto", "fixed"), default="auto",
+                   help="every engine's kernel schedules: the learned tuner where one was trained (auto), or the "
+                        "defaults (fixed)")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
     if args.trace_decode < 0 or (args.trace_decode and args.new_tokens < _TRACE_AFTER + args.trace_decode + 1):
@@ -451,7 +455,7 @@ def main(argv=None) -> int:
     devices = jax.device_count()
     device = harness.device_kind()
     floor = None if args.dry_run else harness.hbm_floor_tb_s(device)
-    result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model,
+    result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model, tuner=args.tuner,
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
     name = (f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "")
             + (f"-tp{args.longest_tp}" if args.longest_tp > 1 and "longest" in args.parts else "")

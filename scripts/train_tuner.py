@@ -157,8 +157,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     weights, names, held = _train_split(rows, args, args.seed)
     train_s = time.time() - t0
-    meta = dict(device=device, datasets=headers, trained=harness.today(), holdout=args.holdout, seed=args.seed,
-                hidden=args.hidden, steps=args.steps, members=args.members, listwise=args.listwise,
+    # The head shapes measured: load_tuner uses the model only at these (elsewhere it would extrapolate).
+    heads = sorted({tuple(r["heads"]) for r in rows})
+    meta = dict(device=device, datasets=headers, heads=heads, trained=harness.today(), holdout=args.holdout,
+                seed=args.seed, hidden=args.hidden, steps=args.steps, members=args.members, listwise=args.listwise,
                 script="scripts/train_tuner.py")
     model = CostModel(weights, names, meta)
     model_out = args.model_out or os.path.join(ROOT, "jaxllm", "tuner", "models", args.device + ".npz")

@@ -1,5 +1,6 @@
 """The step tuner (issue 22): per bucket a few compiled Kernels variants, per step the one a learned cost model
-predicts fastest (LearnedTuner), or today's fixed defaults (FixedTuner) where no model exists for the device.
+predicts fastest (LearnedTuner), or today's fixed defaults (FixedTuner) where no model exists for the device or
+the model never measured the device's head shape.
 
 `load_tuner` is what the engine calls; models ship in jaxllm/tuner/models/<device-slug>.npz
 (scripts/train_tuner.py writes them from benchmarks/tuning/ datasets).
@@ -34,12 +35,17 @@ def _fixed(base, device_kind: str, reason: str) -> FixedTuner:
 
 
 def load_tuner(base, *, device_kind: str, config, kv_dtype, block_size: int | None = None,
-               tensor_parallel: int = 1, max_context: int | None = None, models_dir: str | None = None):
-    """The StepTuner for this device: LearnedTuner over base where a trained model exists for device_kind
-    and the pool is a float dtype, else FixedTuner(base) (said once in the log, naming the device).
+               tensor_parallel: int = 1, max_context: int | None = None, models_dir: str | None = None,
+               trained_heads_only: bool = True):
+    """The StepTuner for this device: LearnedTuner over base where a trained model exists for device_kind,
+    the pool is a float dtype and (trained_heads_only) the model's datasets measured this device's head shape,
+    else FixedTuner(base) (said once in the log, naming the device and why).
 
     config: the LlamaConfig (its heads and head_dim; divided by tensor_parallel per device). kv_dtype: the
     pool's dtype (int8 pools keep their own decode schedule: fixed). block_size: the rBlock size.
+    trained_heads_only: a model extrapolating to a head shape it never measured can pick a slower schedule
+    than the default (13B's tensor shard of 10 KV heads on an H200: 16.4 us against the default's 14.9 at 4K,
+    benchmarks/NOTES.md); False uses it anyway. A model whose meta names no heads (older) is used anywhere.
     """
     import jax.numpy as jnp
 
@@ -55,5 +61,11 @@ def load_tuner(base, *, device_kind: str, config, kv_dtype, block_size: int | No
     if tensor_parallel < 1 or config.num_kv_heads % tensor_parallel:
         raise ValueError(f"tensor_parallel {tensor_parallel} must divide num_kv_heads {config.num_kv_heads}")
     heads = (config.num_heads // tensor_parallel, config.num_kv_heads // tensor_parallel, config.head_dim)
-    return LearnedTuner(base, CostModel.load(path), heads=heads, dtype_bytes=dtype.itemsize, block_size=block_size,
+    model = CostModel.load(path)
+    trained = [tuple(h) for h in model.meta.get("heads", ())]
+    if trained_heads_only and trained and heads not in trained:
+        return _fixed(base, device_kind, f"its cost model measured heads (q, kv, head_dim) {trained}, not this "
+                                         f"device's {heads}: collect data at them (scripts/collect_tuning_data.py) "
+                                         f"and retrain")
+    return LearnedTuner(base, model, heads=heads, dtype_bytes=dtype.itemsize, block_size=block_size,
                         max_context=max_context or config.max_context)

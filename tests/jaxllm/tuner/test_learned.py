@@ -153,11 +153,30 @@ def test_load_tuner_falls_back_to_fixed_and_says_so_once(caplog):
 
 
 def test_load_tuner_finds_the_shipped_model():
-    config = LlamaConfig.tiny()
+    config = LlamaConfig.llama2_7b()  # 32 / 32 heads of 128: measured in the shipped datasets
     assert tuner_pkg.model_path(H100).endswith("nvidia-h100-80gb-hbm3.npz")
     tuner = load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="bfloat16", block_size=256)
     assert isinstance(tuner, LearnedTuner) and tuner.variants(True, 8)[0] is HOPPER
     assert isinstance(load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="int8"), FixedTuner)
+
+
+@pytest.mark.parametrize("device", [H100, "NVIDIA H200"])
+def test_load_tuner_keeps_the_defaults_at_heads_its_model_never_measured(device, caplog):
+    """The shipped models measured 32 / 32 and 32 / 8 heads of 128 (their meta says so); a tensor shard of 13B
+    (10 / 10) or 70B (16 / 2) gets the fixed defaults, said once, unless asked otherwise."""
+    assert sorted(map(tuple, CostModel.load(tuner_pkg.model_path(device)).meta["heads"])) == [(32, 8, 128),
+                                                                                               (32, 32, 128)]
+    for config, tp in ((LlamaConfig.llama2_13b(), 4), (LlamaConfig.llama2_70b(), 4), (LlamaConfig.llama2_13b(), 1)):
+        with caplog.at_level(logging.INFO, logger="jaxllm.tuner"):
+            got = load_tuner(HOPPER, device_kind=device, config=config, kv_dtype="bfloat16", tensor_parallel=tp)
+        assert isinstance(got, FixedTuner), (config.name, tp)
+        anyway = load_tuner(HOPPER, device_kind=device, config=config, kv_dtype="bfloat16", tensor_parallel=tp,
+                            trained_heads_only=False)
+        assert isinstance(anyway, LearnedTuner) and anyway.heads[1] == config.num_kv_heads // tp
+    assert any("(10, 10, 128)" in r.getMessage() and device in r.getMessage() for r in caplog.records)
+    # Llama-3-8B's heads (32 / 8) over one device were measured.
+    eight_b = LlamaConfig.llama2_70b(hidden_size=4096, num_heads=32, num_layers=1, intermediate_size=256)
+    assert isinstance(load_tuner(HOPPER, device_kind=device, config=eight_b, kv_dtype="bfloat16"), LearnedTuner)
 
 
 def test_every_repeated_key_is_a_cache_hit_whatever_variant_it_chose():

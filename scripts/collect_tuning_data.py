@@ -7,7 +7,8 @@ drawn from serving, one dataset per device.
 What is timed is exactly what a step runs: `dispatch.ragged_attention` under each candidate's Kernels
 (jaxllm.tuner.candidates), one jit per (head shape, op, bucket, candidate) compiled once, over a pool of
 one layer's rBlocks (K+V ~ --pool-gb) for Llama-2-7B heads (32 q / 32 kv x 128) and Llama-3-8B heads
-(32 / 8 x 128), bf16, rBlocks of 256. A bucket's static shapes are the engine's (decode: sequences padded
+(32 / 8 x 128), or the head shapes --heads names (a tensor shard's: 10/10/128 for 13B over 4 GPUs), bf16,
+rBlocks of 256. A bucket's static shapes are the engine's (decode: sequences padded
 to a power of two; prefill: tokens padded to a power of two, cu_q_lens padded with the last count); the
 lengths are data, so one compile serves every shape of a bucket, as in serving.
  - decode: 1..256 sequences, KV lengths 1..512K: equal, log-uniform ragged, or mostly short with a few
@@ -43,6 +44,18 @@ from common import harness
 from common.tuning_collector import SMOKE, Collector, Plan, make_pools, slug
 
 
+def _heads(text: str) -> tuple[int, int, int]:
+    """'Q/KV/D' -> (q heads, kv heads, head_dim): KV heads dividing the query heads, all >= 1."""
+    try:
+        hq, hkv, d = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"head shape {text!r} is not Q/KV/D (three integers, e.g. 10/10/128)") \
+            from None
+    if min(hq, hkv, d) < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"head shape {text!r}: all >= 1 and the KV heads must divide the query heads")
+    return hq, hkv, d
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(harness.RESULTS_DIR), "tuning"))
@@ -60,6 +73,10 @@ def main(argv=None) -> int:
                              "run over short shapes only")
     parser.add_argument("--tag", default="", help="file name: <device>.<tag>.jsonl.gz (train_tuner reads every "
                                                   "<device>*.jsonl.gz)")
+    parser.add_argument("--heads", nargs="+", type=_heads, default=None, metavar="Q/KV/D",
+                        help="head shapes a device holds (default: Llama-2-7B's 32/32/128 and Llama-3-8B's 32/8/128); "
+                             "a tensor shard's, e.g. 10/10/128 (13B over 4 GPUs) or 16/2/128 (70B over 4): the learned "
+                             "tuner is used only at the head shapes its datasets measured")
     parser.add_argument("--timing", choices=("kernel", "wall"), default=None,
                         help="kernel: GPU kernel time from a profiler trace (default on a GPU); wall: host clock")
     args = parser.parse_args(argv)
@@ -78,6 +95,8 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, timing=args.timing)
     if args.max_len is not None:
         plan = dataclasses.replace(plan, max_draw=args.max_len)
+    if args.heads is not None:
+        plan = dataclasses.replace(plan, heads=tuple(args.heads))
     if args.decode_buckets is not None:
         plan = dataclasses.replace(plan, decode_buckets=tuple(args.decode_buckets))
     if args.prefill_buckets is not None:

@@ -13,6 +13,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
+import collect_tuning_data  # noqa: E402
 import train_tuner  # noqa: E402
 from common import tuning_collector as collect  # noqa: E402
 
@@ -100,6 +101,21 @@ def test_train_and_evaluate_on_held_out_shapes(tmp_path):
     assert result["summary"]["decode"]["tuned_avg"] > result["summary"]["decode"]["fixed_avg"]
     assert all(e["variants"][0] == ("default" if e["op"] == "decode" else "triton_default")
                for e in result["held_out"])
+    from jaxllm.tuner.cost_model import CostModel
+
+    assert CostModel.load(str(tmp_path / "m.npz")).meta["heads"] == [[32, 8, 128]]  # what load_tuner checks
+
+
+def test_collect_takes_a_tensor_shards_head_shapes():
+    import argparse
+
+    import pytest
+
+    assert collect_tuning_data._heads("10/10/128") == (10, 10, 128)
+    assert collect_tuning_data._heads("16/2/128") == (16, 2, 128)
+    for bad in ("16/3/128", "16x2x128", "0/1/128", "16/2"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            collect_tuning_data._heads(bad)
 
 
 def test_recheck_fractions_take_each_candidates_median_over_passes():

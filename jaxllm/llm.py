@@ -309,8 +309,8 @@ class LLM:
         tuner = load_tuner(base, device_kind=device_kind, config=config, kv_dtype=pool_dtype, block_size=block_size,
                            tensor_parallel=self.options.tensor_parallel, max_context=self.max_context)
         if isinstance(tuner, FixedTuner) and progress:
-            print(f"[jaxllm] tuner: no trained cost model for {device_kind!r} at these heads (or an int8 pool); every "
-                  f"step runs the default kernels", file=sys.stderr, flush=True)
+            print(f"[jaxllm] tuner: every step runs the default kernels on {device_kind!r}: {tuner.reason}",
+                  file=sys.stderr, flush=True)
         return tuner
 
     def _placed_model(self):

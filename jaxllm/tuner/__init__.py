@@ -31,7 +31,7 @@ def _fixed(base, device_kind: str, reason: str) -> FixedTuner:
     if (device_kind, reason) not in _said:
         _said.add((device_kind, reason))
         _log.info("tuner: fixed kernel schedules on %r: %s", device_kind, reason)
-    return FixedTuner(base)
+    return FixedTuner(base, reason=reason)
 
 
 def load_tuner(base, *, device_kind: str, config, kv_dtype, block_size: int | None = None,
@@ -53,8 +53,9 @@ def load_tuner(base, *, device_kind: str, config, kv_dtype, block_size: int | No
 
     path = model_path(device_kind, models_dir)
     if not os.path.exists(path):
-        return _fixed(base, device_kind, f"no trained model for this device ({os.path.basename(path)} not in "
-                                         f"{os.path.dirname(path)})")
+        where = models_dir or "jaxllm/tuner/models"
+        return _fixed(base, device_kind, f"no trained cost model for this device (no {os.path.basename(path)} in "
+                                         f"{where})")
     dtype = jnp.dtype(kv_dtype)
     if dtype == jnp.int8:
         return _fixed(base, device_kind, "int8 KV pools keep their measured int8 decode schedule")

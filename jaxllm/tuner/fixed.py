@@ -13,10 +13,12 @@ class FixedTuner:
     """A StepTuner (jaxllm.tuner.protocol) whose every bucket has one variant: `kernels`.
 
     kernels: already wrapped for the mesh when there is one (the runner does it). Choosing is free and
-    predicts nothing, so stats() reports zeros under the same names a learned tuner fills.
+    predicts nothing, so stats() reports zeros under the same names a learned tuner fills. reason: why the
+    defaults where a learned tuner was asked for (`load_tuner` fills it; the engine shows it), else empty.
     """
 
     kernels: Kernels
+    reason: str = ""
 
     def __post_init__(self):
         if not isinstance(self.kernels, Kernels):

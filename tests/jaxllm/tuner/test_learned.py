@@ -150,6 +150,7 @@ def test_load_tuner_falls_back_to_fixed_and_says_so_once(caplog):
     assert isinstance(a, FixedTuner) and isinstance(b, FixedTuner) and a.variants(True, 8) == (HOPPER,)
     said = [r.getMessage() for r in caplog.records if r.name == "jaxllm.tuner"]
     assert len(said) == 1 and "Imaginary GPU 9000" in said[0]
+    assert a.reason == b.reason and "no imaginary-gpu-9000.npz in jaxllm/tuner/models" in a.reason, a.reason
 
 
 def test_load_tuner_finds_the_shipped_model():
@@ -158,6 +159,10 @@ def test_load_tuner_finds_the_shipped_model():
     tuner = load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="bfloat16", block_size=256)
     assert isinstance(tuner, LearnedTuner) and tuner.variants(True, 8)[0] is HOPPER
     assert isinstance(load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="int8"), FixedTuner)
+
+
+def _device_heads(config, tp):
+    return config.num_heads // tp, config.num_kv_heads // tp, config.head_dim
 
 
 @pytest.mark.parametrize("device", [H100, "NVIDIA H200"])
@@ -170,6 +175,7 @@ def test_load_tuner_keeps_the_defaults_at_heads_its_model_never_measured(device,
         with caplog.at_level(logging.INFO, logger="jaxllm.tuner"):
             got = load_tuner(HOPPER, device_kind=device, config=config, kv_dtype="bfloat16", tensor_parallel=tp)
         assert isinstance(got, FixedTuner), (config.name, tp)
+        assert f"not this device's {_device_heads(config, tp)}" in got.reason, got.reason
         anyway = load_tuner(HOPPER, device_kind=device, config=config, kv_dtype="bfloat16", tensor_parallel=tp,
                             trained_heads_only=False)
         assert isinstance(anyway, LearnedTuner) and anyway.heads[1] == config.num_kv_heads // tp

@@ -81,20 +81,20 @@ def tensor_parallel_attention(attention: Callable, mesh: Mesh) -> Callable:
 def tensor_parallel_rope_write_kv(rope_write_kv: Callable, mesh: Mesh) -> Callable:
     """Wrap a single-device RoPE + KV write over the per-KV-head q/k/v layout to run per shard.
 
-    qkv [T, Hkv, G + 2, hd] (or [S, T, Hkv, G + 2, hd] split-K partials: pass `partials=True`), the
+    qkv [T, Hkv, G + 2, hd] (never split-K partials: on a mesh dispatch.matmul_unreduced is XLA's matmul), the
     pools and scales split on KV heads, cos/sin and slot_mapping whole. `rope_write_kv(k_pool, v_pool,
     qkv, cos, sin, slot_mapping, k_scale, v_scale, **kwargs)` returns (q, k_pool, v_pool, k_scale, v_scale)
     with q [T, Hkv, ...] per KV head; all outputs stay split on their KV-head axis.
     """
 
-    def wrapped(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, *, partials: bool = False,
-                **kwargs):
-        qkv_spec = P(None, None, TENSOR) if partials else _HEADS
+    def wrapped(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale=None, v_scale=None, **kwargs):
+        if qkv.ndim != 4:
+            raise ValueError(f"tensor parallel RoPE + KV write takes qkv [T, Hkv, G + 2, hd], got {qkv.shape}")
 
         def local(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale):
             return rope_write_kv(k_pool, v_pool, qkv, cos, sin, slot_mapping, k_scale, v_scale, **kwargs)
 
-        in_specs = (_HEADS, _HEADS, qkv_spec, _WHOLE, _WHOLE, _WHOLE, _HEADS, _HEADS)
+        in_specs = (_HEADS, _HEADS, _HEADS, _WHOLE, _WHOLE, _WHOLE, _HEADS, _HEADS)
         out_specs = (_HEADS, _HEADS, _HEADS, _HEADS, _HEADS)
         return per_tensor_shard(local, mesh, in_specs, out_specs)(k_pool, v_pool, qkv, cos, sin, slot_mapping,
                                                                   k_scale, v_scale)
@@ -132,13 +132,7 @@ class TensorShards:
         return tensor_parallel_attention(attention, self.mesh)
 
     def rope_write_kv(self, rope_write_kv: Callable) -> Callable:
-        wrapped = tensor_parallel_rope_write_kv(rope_write_kv, self.mesh)
-
-        def call(k_pool, v_pool, qkv, *args, **kwargs):
-            # [S, T, Hkv, G + 2, hd]: the skinny matmul's split-K partials (KV heads on axis 2)
-            return wrapped(k_pool, v_pool, qkv, *args, partials=qkv.ndim == 5, **kwargs)
-
-        return call
+        return tensor_parallel_rope_write_kv(rope_write_kv, self.mesh)
 
     def add_rms_norm(self, add_rms_norm: Callable) -> Callable:
         return replicated_add_rms_norm(add_rms_norm, self.mesh)

@@ -39,7 +39,7 @@ COLS = 1024  # the prefetch views W as [rows, COLS]
 BLOCK_ROWS = 16  # 32 KB of bf16 a program
 
 
-def prefetch_kernel_call(w, rows: int, dep=None):
+def prefetch_kernel_call(w, rows: int, dep=None, start_row: int = 0):
     """Loads W's first `rows` x COLS elements (flat) into L2; returns a [programs] float32 of sums (nothing reads
     them but the barrier that orders this before the matmul)."""
     import jax
@@ -53,7 +53,8 @@ def prefetch_kernel_call(w, rows: int, dep=None):
     def kernel(*refs):
         w_ref, out_ref = refs[0], refs[-1]
         i = pl.program_id(0)
-        tile = plt.load(w_ref.at[pl.ds(i * BLOCK_ROWS, BLOCK_ROWS), pl.ds(0, COLS)], eviction_policy="evict_last")
+        tile = plt.load(w_ref.at[pl.ds(start_row + i * BLOCK_ROWS, BLOCK_ROWS), pl.ds(0, COLS)],
+                        eviction_policy="evict_last")
         out_ref[i] = jnp.sum(tile.astype(jnp.float32))
 
     operands = (flat,) if dep is None else (flat, dep)
@@ -131,7 +132,69 @@ def part_a(reps: int) -> dict:
     return results
 
 
+def part_a2(reps: int) -> dict:
+    """What the prefetch before a matmul buys: L2 data, or a warm-up of some other kind."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from common import device_trace
+    from pallas_kernels import rms_norm
+
+    key = jax.random.PRNGKey(0)
+    flush = jnp.ones((256 << 20,), jnp.bfloat16)
+    other = jnp.ones((64 << 20,), jnp.bfloat16)  # 128 MB, unrelated to W
+    results = {}
+    mb_rows = lambda mb: int(mb * 2**20 / 2) // COLS // BLOCK_ROWS * BLOCK_ROWS  # noqa: E731
+    for name in ("70b_tp4_qkv", "70b_tp4_o", "13b_tp4_down", "13b_tp4_gate_up", "7b_o"):
+        k, n = SHAPES[name]
+        w = jax.random.normal(key, (k, n), jnp.bfloat16)
+        x = jax.random.normal(key, (1, k), jnp.bfloat16)
+        norm_w = jnp.ones((k,), jnp.bfloat16)
+        total_rows = k * n // COLS
+        variants = {
+            "cold": lambda w, x: (w, x, None),
+            "w_head_0.25MB": lambda w, x: (w, x, prefetch_kernel_call(w, BLOCK_ROWS * 8)),
+            "w_head_1MB": lambda w, x: (w, x, prefetch_kernel_call(w, mb_rows(1))),
+            "w_head_8MB": lambda w, x: (w, x, prefetch_kernel_call(w, mb_rows(8))),
+            "w_tail_8MB": lambda w, x: (w, x, prefetch_kernel_call(w, mb_rows(8), start_row=total_rows - mb_rows(8))),
+            "other_8MB": lambda w, x: (w, x, prefetch_kernel_call(other, mb_rows(8))),
+            "norm_before": lambda w, x: (w, rms_norm.add_rms_norm(x, x, norm_w, eps=1e-5)[0], None),
+        }
+        row = {}
+        for label, pre in variants.items():
+            for flushed in (True, False):
+                def f(x, w, flush, pre=pre, flushed=flushed):
+                    if flushed:
+                        s = jnp.sum(flush.astype(jnp.float32))
+                        w, x, s = jax.lax.optimization_barrier((w, x, s))
+                    w, x, pf = pre(w, x)
+                    if pf is not None:
+                        w, x, pf = jax.lax.optimization_barrier((w, x, pf))
+                    return x @ w
+
+                g = jax.jit(f)
+                key_label = label + ("" if flushed else "_noflush")
+                try:
+                    jax.block_until_ready(g(x, w, flush))
+
+                    def run(g=g):
+                        for _ in range(reps):
+                            out = g(x, w, flush)
+                        jax.block_until_ready(out)
+
+                    events = kernels_of(device_trace.traced(run))
+                    mm = [d for nm, _, d, _ in events if device_trace.kernel_kind(nm) == "matmul"]
+                    row[key_label] = float(np.median(mm)) / 1e3 if mm else None
+                except Exception as e:  # noqa: BLE001
+                    row[key_label] = f"{type(e).__name__}: {e}"[-800:]
+                print(name, key_label, row[key_label], flush=True)
+        results[name] = row
+    return results
+
+
 def part_b(reps: int, layers: int, section_kernels: int) -> dict:
+    import inspect
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -148,10 +211,14 @@ def part_b(reps: int, layers: int, section_kernels: int) -> dict:
         norm_w = jnp.ones((k,), jnp.bfloat16)
         rows = min(k * n, 40 << 19) // COLS // BLOCK_ROWS * BLOCK_ROWS  # up to 40 MB
 
-        @compute_on("gpu_stream:1")
-        @jax.jit
-        def side_prefetch(w, dep):
+        def side_fn(w, dep):
             return prefetch_kernel_call(w, rows, dep)
+
+        if "compute_type" in inspect.signature(compute_on).parameters:  # 0.11: compute_on(f, *, compute_type, ..)
+            side_prefetch = compute_on(jax.jit(side_fn), compute_type="gpu_stream:1",
+                                       out_memory_spaces=jax.memory.Space.Device)
+        else:
+            side_prefetch = compute_on("gpu_stream:1")(jax.jit(side_fn))
 
         def chain(x, ws, prefetch: bool):
             h = x
@@ -211,6 +278,8 @@ def worker(args) -> dict:
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if "a" in args.parts:
         out["serial_l2"] = part_a(args.reps)
+    if "w" in args.parts:
+        out["warmup"] = part_a2(args.reps)
     if "b" in args.parts:
         out["concurrent"] = part_b(args.reps, args.layers, args.section_kernels)
     return out
@@ -219,7 +288,8 @@ def worker(args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--parts", default="ab")
+    parser.add_argument("--parts", default="wb", help="a: serial L2 fractions, w: what the prefetch buys, "
+                        "b: a prefetch on a second stream")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--section-kernels", type=int, default=4)

@@ -192,6 +192,75 @@ def part_a2(reps: int) -> dict:
     return results
 
 
+def part_m(reps: int) -> dict:
+    """Why a matmul in a chain runs slower than the same matmul alone: same weight or distinct ones, one call a
+    jit or a chain in one jit, separate arrays or one stacked array."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from common import device_trace
+
+    results = {}
+    for name in ("13b_tp4_qkv", "13b_tp4_down", "70b_tp4_qkv", "70b_tp4_o"):
+        k, n = SHAPES[name]
+        key = jax.random.PRNGKey(2)
+        layers = 16
+        stacked = jax.random.normal(key, (layers, k, n), jnp.bfloat16) * 0.02
+        ws = [jnp.array(stacked[i]) for i in range(layers)]  # separate buffers
+        x = jax.random.normal(key, (1, k), jnp.bfloat16)
+
+        def step(h, w):  # one layer: matmul, then back to [1, k] as the next input
+            y = h @ w
+            return (y[:, :k] if n >= k else jnp.tile(y, (1, k // n + 1))[:, :k]).astype(jnp.bfloat16)
+
+        def chain_separate(x, ws):
+            for w in ws:
+                x = step(x, w)
+            return x
+
+        def chain_same(x, w):
+            for _ in range(layers):
+                x = step(x, w)
+            return x
+
+        def chain_stacked(x, st):
+            for i in range(layers):
+                x = step(x, st[i])
+            return x
+
+        one = jax.jit(step)
+        cases = {
+            "alone_same_w": lambda: [one(x, ws[0]) for _ in range(layers)][-1],
+            "alone_rotating_w": lambda: [one(x, w) for w in ws][-1],
+            "chain_same_w": lambda f=jax.jit(chain_same): f(x, ws[0]),
+            "chain_separate_w": lambda f=jax.jit(chain_separate): f(x, ws),
+            "chain_stacked_w": lambda f=jax.jit(chain_stacked): f(x, stacked),
+        }
+        row = {}
+        for label, fn in cases.items():
+            try:
+                jax.block_until_ready(fn())
+
+                def run(fn=fn):
+                    for _ in range(reps):
+                        out = fn()
+                    jax.block_until_ready(out)
+
+                events = kernels_of(device_trace.traced(run))
+                mm = [(nm, d) for nm, _, d, _ in events if device_trace.kernel_kind(nm) == "matmul"]
+                other = [d for nm, _, d, _ in events if device_trace.kernel_kind(nm) != "matmul"]
+                row[label] = {"matmul_us": float(np.median([d for _, d in mm])) / 1e3 if mm else None,
+                              "matmul_p10_p90_us": [float(np.percentile([d for _, d in mm], q)) / 1e3
+                                                    for q in (10, 90)] if mm else None,
+                              "other_us_per_layer": float(np.sum(other)) / 1e3 / reps / layers,
+                              "matmul_kernels": sorted({nm[:60] for nm, _ in mm})}
+            except Exception as e:  # noqa: BLE001
+                row[label] = {"error": f"{type(e).__name__}: {e}"[-800:]}
+            print(name, label, row[label], flush=True)
+        results[name] = row
+    return results
+
+
 def part_b(reps: int, layers: int, section_kernels: int) -> dict:
     import inspect
 
@@ -278,6 +347,8 @@ def worker(args) -> dict:
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if "a" in args.parts:
         out["serial_l2"] = part_a(args.reps)
+    if "m" in args.parts:
+        out["matmul_context"] = part_m(args.reps)
     if "w" in args.parts:
         out["warmup"] = part_a2(args.reps)
     if "b" in args.parts:
@@ -300,6 +371,8 @@ def main() -> int:
         return 0
     runs = {"default": (os.environ.get("XLA_FLAGS", ""), args.parts),
             "lhs": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_latency_hiding_scheduler=true", "b")}
+    if "b" not in args.parts:
+        del runs["lhs"]
     results = {}
     for label, (flags, parts) in runs.items():
         env = dict(os.environ, XLA_FLAGS=flags.strip())

@@ -261,6 +261,61 @@ def part_m(reps: int) -> dict:
     return results
 
 
+def part_p(reps: int) -> dict:
+    """Serial prefetch in a chain of distinct weights (nothing hot in L2 from the call before): per layer, a
+    prefetch of the first X MB of that layer's weight, then its matmul. Does the matmul read the prefetched part
+    from L2?"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from common import device_trace
+
+    results = {}
+    layers = 16
+    for name in ("13b_tp4_qkv", "13b_tp4_down", "13b_tp4_gate_up", "70b_tp4_qkv", "70b_tp4_o"):
+        k, n = SHAPES[name]
+        key = jax.random.PRNGKey(3)
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * 0.02 for i in range(layers)]
+        x = jax.random.normal(key, (1, k), jnp.bfloat16)
+        row = {}
+        for mb in (0, 8, 16, 24, 32, 40):
+            rows = min(int(mb * 2**20 / 2), k * n) // COLS // BLOCK_ROWS * BLOCK_ROWS
+            if mb and rows * COLS * 2 < (mb - 8) * 2**20:
+                continue  # past the whole weight
+
+            def chain(x, ws, rows=rows):
+                sums = []
+                for w in ws:
+                    if rows:
+                        pf = prefetch_kernel_call(w, rows)
+                        w, x, pf = jax.lax.optimization_barrier((w, x, pf))
+                        sums.append(pf[0])
+                    y = x @ w
+                    x = (y[:, :k] if n >= k else jnp.tile(y, (1, k // n + 1))[:, :k]).astype(jnp.bfloat16)
+                return x, (jnp.stack(sums).sum() if sums else jnp.float32(0))
+
+            f = jax.jit(chain)
+            label = f"{rows * COLS * 2 / 2**20:.1f}MB"
+            try:
+                jax.block_until_ready(f(x, ws))
+
+                def run(f=f):
+                    for _ in range(reps):
+                        out = f(x, ws)
+                    jax.block_until_ready(out)
+
+                events = kernels_of(device_trace.traced(run))
+                mm = [d for nm, _, d, _ in events if device_trace.kernel_kind(nm) == "matmul"]
+                pf = [d for nm, _, d, _ in events if "l2_prefetch" in nm]
+                row[label] = {"matmul_us": float(np.median(mm)) / 1e3 if mm else None,
+                              "prefetch_us": float(np.median(pf)) / 1e3 if pf else None}
+            except Exception as e:  # noqa: BLE001
+                row[label] = {"error": f"{type(e).__name__}: {e}"[-800:]}
+            print(name, label, row[label], flush=True)
+        results[name] = {"weight_mb": k * n * 2 / 2**20, "prefetched": row}
+    return results
+
+
 def part_b(reps: int, layers: int, section_kernels: int) -> dict:
     import inspect
 
@@ -283,24 +338,25 @@ def part_b(reps: int, layers: int, section_kernels: int) -> dict:
         def side_fn(w, dep):
             return prefetch_kernel_call(w, rows, dep)
 
-        if "compute_type" in inspect.signature(compute_on).parameters:  # 0.11: compute_on(f, *, compute_type, ..)
+        if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # 0.11: compute_on(f, *, compute_type, ..)
             side_prefetch = compute_on(jax.jit(side_fn), compute_type="gpu_stream:1",
                                        out_memory_spaces=jax.memory.Space.Device)
         else:
             side_prefetch = compute_on("gpu_stream:1")(jax.jit(side_fn))
 
         def chain(x, ws, prefetch: bool):
-            h = x
+            h, sums = x, []
             for w in ws:
                 if prefetch:
                     pf = side_prefetch(w, h)
                 for _ in range(section_kernels):  # the latency-bound section
                     h, _ = rms_norm.add_rms_norm(h, h, norm_w, eps=1e-5)
                 if prefetch:
-                    h, w, _ = jax.lax.optimization_barrier((h, w, pf))
+                    h, w, pf = jax.lax.optimization_barrier((h, w, pf))
+                    sums.append(pf[0])  # an output, so the prefetch is not dead code
                 y = h @ w  # [1, n]
                 h = (y[:, :k] if n >= k else jnp.tile(y, (1, k // n + 1))[:, :k]).astype(jnp.bfloat16)
-            return h
+            return h, (jnp.stack(sums).sum() if sums else jnp.float32(0))
 
         row = {}
         for variant in (False, True):
@@ -347,6 +403,8 @@ def worker(args) -> dict:
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if "a" in args.parts:
         out["serial_l2"] = part_a(args.reps)
+    if "p" in args.parts:
+        out["serial_prefetch_distinct_weights"] = part_p(args.reps)
     if "m" in args.parts:
         out["matmul_context"] = part_m(args.reps)
     if "w" in args.parts:

@@ -135,6 +135,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--members", type=int, default=3, help="ensemble members (merged into one MLP)")
     parser.add_argument("--listwise", type=float, default=0.0, help="weight of a listwise (soft choice) loss term")
+    parser.add_argument("--decode-datasets", nargs="*", default=None,
+                        help="train decode on these datasets only: the others' decode rows (measured on an older "
+                             "decode kernel) are left out, their prefill rows kept; default: every dataset's")
     parser.add_argument("--cv", type=int, default=0, help="also train and evaluate on this many other random splits "
                                                           "(seeds after --seed; their models are not saved)")
     args = parser.parse_args(argv)
@@ -147,11 +150,16 @@ def main(argv=None) -> int:
     paths = [p for p in paths if ".smoke." not in p]
     if not paths:
         parser.error(f"no dataset for {args.device!r} under benchmarks/tuning/")
+    decode_from = None if args.decode_datasets is None else {os.path.realpath(p) for p in args.decode_datasets}
+    if decode_from is not None and not decode_from <= {os.path.realpath(p) for p in paths}:
+        parser.error(f"--decode-datasets {sorted(decode_from)} are not all among the datasets read {paths}")
     headers, rows = [], []
     for p in paths:
         h, r = read_dataset(p)
+        if decode_from is not None and os.path.realpath(p) not in decode_from:
+            r = [row for row in r if row["op"] != "decode"]
         headers.append(dict(path=os.path.relpath(p, ROOT), device=h["device"], date=h["date"], shapes=len(r),
-                            jax=h["jax"]))
+                            jax=h["jax"], ops=sorted({row["op"] for row in r})))
         rows += r
     device = headers[0]["device"]
     t0 = time.time()
@@ -183,6 +191,9 @@ def main(argv=None) -> int:
         summary[op] = summarize([e for e in ev if e["op"] == op])
         for b in sorted({e["bucket"] for e in ev if e["op"] == op}):
             summary[f"{op} bucket {b}"] = summarize([e for e in ev if e["op"] == op and e["bucket"] == b])
+        for hs in sorted({tuple(e["heads"]) for e in ev if e["op"] == op}):
+            summary[f"{op} heads {'/'.join(map(str, hs))}"] = summarize(
+                [e for e in ev if e["op"] == op and tuple(e["heads"]) == hs])
     summary = {k: v for k, v in summary.items() if v}
     md = table(summary)
     if splits:
@@ -194,7 +205,7 @@ def main(argv=None) -> int:
                                           ("decode", "tuned_avg"), ("decode", "tuned_worst"),
                                           ("prefill", "tuned_avg"), ("prefill", "tuned_worst"))] for sp in splits])
     print(md, flush=True)
-    date = headers[-1]["date"]
+    date = max(h["date"] for h in headers)  # the newest measurement trained on
     stem = harness.result_stem(device, "tuner", date)
     result = dict(script="scripts/train_tuner.py", argv=sys.argv[1:], device=device, date=date,
                   command="PYTHONPATH=$PWD python scripts/train_tuner.py " + " ".join(sys.argv[1:]),

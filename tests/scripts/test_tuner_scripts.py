@@ -106,6 +106,28 @@ def test_train_and_evaluate_on_held_out_shapes(tmp_path):
     assert CostModel.load(str(tmp_path / "m.npz")).meta["heads"] == [[32, 8, 128]]  # what load_tuner checks
 
 
+def test_train_takes_decode_only_from_the_datasets_named(tmp_path):
+    """--decode-datasets: the other datasets' decode rows (an older decode kernel's) are left out, their prefill
+    rows kept; a path that is not among the datasets read is an error."""
+    import pytest
+
+    old, new = tmp_path / "test-gpu.jsonl.gz", tmp_path / "test-gpu.shards.jsonl.gz"
+    _synthetic_dataset(old)
+    header, *rows = [json.loads(line) for line in gzip.open(old, "rt")]
+    with gzip.open(new, "wt") as f:  # the decode rows again, at a tensor shard's heads
+        for line in [header] + [dict(r, heads=[10, 10, 128]) for r in rows if r["op"] == "decode"]:
+            f.write(json.dumps(line) + "\n")
+    args = ["--device", "test-gpu", "--datasets", str(old), str(new), "--model-out", str(tmp_path / "m.npz"),
+            "--out", str(tmp_path), "--steps", "200", "--members", "1"]
+    assert train_tuner.main(args + ["--decode-datasets", str(new)]) == 0
+    result = json.load(open(next(tmp_path.glob("test-gpu-*-tuner.json"))))
+    assert {tuple(e["heads"]) for e in result["held_out"] if e["op"] == "decode"} == {(10, 10, 128)}
+    assert {tuple(e["heads"]) for e in result["held_out"] if e["op"] == "prefill"} == {(32, 8, 128)}
+    assert [d["ops"] for d in result["datasets"]] == [["prefill"], ["decode"]]
+    with pytest.raises(SystemExit):
+        train_tuner.main(args + ["--decode-datasets", str(tmp_path / "elsewhere.jsonl.gz")])
+
+
 def test_collect_takes_a_tensor_shards_head_shapes():
     import argparse
 

@@ -2,7 +2,8 @@
 
   PYTHONPATH=$PWD python scripts/train_tuner.py --device nvidia-h100-80gb-hbm3
 
-Reads every `benchmarks/tuning/<device>*.jsonl.gz` (scripts/collect_tuning_data.py), splits the measured
+Reads every `benchmarks/tuning/<device>*.jsonl.gz` (scripts/collect_tuning_data.py; with --decode-datasets, decode
+rows only from the files it names, when the others' were measured on an older decode kernel), splits the measured
 shapes of each op at random into training and held-out shapes (a held-out shape is never trained on),
 trains the per-op MLP (jaxllm.tuner.train: optax, a few seconds) on the training shapes and writes it to
 `jaxllm/tuner/models/<device>.npz`, the model that ships (the one evaluated). On each held-out shape the

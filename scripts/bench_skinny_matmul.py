@@ -207,7 +207,13 @@ def summarize(result: dict) -> str:
 
 def _shape(text: str) -> tuple[int, int]:
     """'KxN' -> (K, N), both positive."""
-    return harness.positive_ints(text, "x", 2, "shape", "1280x5120")
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not KxN (two integers, e.g. 1280x5120)") from None
+    if k < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r} needs K and N >= 1")
+    return k, n
 
 
 def main(argv=None) -> int:

@@ -46,9 +46,13 @@ from common.tuning_collector import SMOKE, Collector, Plan, make_pools, slug
 
 def _heads(text: str) -> tuple[int, int, int]:
     """'Q/KV/D' -> (q heads, kv heads, head_dim): KV heads dividing the query heads, all >= 1."""
-    hq, hkv, d = harness.positive_ints(text, "/", 3, "head shape", "10/10/128")
-    if hq % hkv:
-        raise argparse.ArgumentTypeError(f"head shape {text!r}: the KV heads must divide the query heads")
+    try:
+        hq, hkv, d = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"head shape {text!r} is not Q/KV/D (three integers, e.g. 10/10/128)") \
+            from None
+    if min(hq, hkv, d) < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"head shape {text!r}: all >= 1 and the KV heads must divide the query heads")
     return hq, hkv, d
 
 

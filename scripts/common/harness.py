@@ -27,22 +27,6 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pa
                            "results")
 
 
-def positive_ints(text: str, sep: str, count: int, what: str, example: str) -> tuple[int, ...]:
-    """A command-line value of `count` integers >= 1 joined by `sep` (e.g. 'KxN', 'Q/KV/D') as a tuple; anything
-    else raises argparse.ArgumentTypeError naming the value (argparse prints it as the argument's error)."""
-    import argparse
-
-    try:
-        values = tuple(int(v) for v in text.lower().split(sep))
-    except ValueError:
-        values = ()
-    if len(values) != count:
-        raise argparse.ArgumentTypeError(f"{what} {text!r} is not {count} integers joined by {sep!r} (e.g. {example})")
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{what} {text!r}: every value must be >= 1")
-    return values
-
-
 def device_kind() -> str:
     """The first device's kind, e.g. `NVIDIA H200` (`cpu` on a CPU machine)."""
     import jax  # here, so that importing the harness stays cheap for --help

@@ -128,13 +128,3 @@ def test_results_go_to_the_repositorys_benchmarks_results():
     """Every script's default --out: the directory BENCHMARKS.md's JSON lives in (it once pointed at a
     scripts/benchmarks/results/ that nothing reads)."""
     assert harness.RESULTS_DIR == os.path.join(ROOT, "benchmarks", "results")
-
-
-def test_positive_ints_parses_a_joined_argument_and_names_a_bad_one():
-    import argparse
-
-    assert harness.positive_ints("1280X5120", "x", 2, "shape", "1280x5120") == (1280, 5120)
-    assert harness.positive_ints("16/2/128", "/", 3, "head shape", "10/10/128") == (16, 2, 128)
-    for bad, why in (("12x", "2 integers"), ("5x5x5", "2 integers"), ("0x5", ">= 1"), ("ax5", "2 integers")):
-        with pytest.raises(argparse.ArgumentTypeError, match=f"{bad!r}.*{why}"):
-            harness.positive_ints(bad, "x", 2, "shape", "1280x5120")

@@ -6,7 +6,8 @@ Public names load lazily, so `import jaxllm.model.config` (or `--help` of a comm
 import importlib
 
 _EXPORTS = {
-    "LLM": "jaxllm.llm", "Completion": "jaxllm.llm", "EngineOptions": "jaxllm.llm",
+    "LLM": "jaxllm.llm", "Completion": "jaxllm.llm", "EngineOptions": "jaxllm.engine_config",
+    "EngineConfig": "jaxllm.engine_config", "build_engine": "jaxllm.builder",
     "LlamaConfig": "jaxllm.model.config", "RopeScaling": "jaxllm.model.config", "preset": "jaxllm.model.config",
     "SamplingParams": "jaxllm.contract", "add_tensor_parallel_flags": "sharding.xla_flags",
 }

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM and SIGINT unwind like an error (once: a second one must not cut that unwinding short), so
         # the finally below still stops the other processes.
         handlers = {signum: signal.signal(signum, _terminate) for signum in (signal.SIGTERM, signal.SIGINT)}
-    from jaxllm import EngineOptions, LLM  # after argument parsing, so --help is instant
+    from jaxllm import EngineConfig, EngineOptions, LLM, build_engine  # after argument parsing: --help is instant
     from sharding import multihost
 
     llm = None
@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
                                 kv_memory_fraction=args.kv_memory_fraction,
                                 tuner=args.tuner, compile_cache_dir=args.compile_cache,
                                 host_kv_bytes=host_kv_bytes(args))
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
-                  allow_long_context=args.allow_long_context, options=options, progress=is_leader())
+        config = EngineConfig(args.model, dtype=args.dtype, max_context=args.max_context,
+                              allow_long_context=args.allow_long_context, options=options)
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
-            llm.executor.follow()
+            build_engine(config, progress=False).follow()
             return 0
+        llm = LLM(config)
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=args.stop)
         start = time.perf_counter()

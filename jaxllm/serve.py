@@ -32,7 +32,8 @@ import time
 from jaxllm import console
 from jaxllm.engine.threaded import Engine
 from jaxllm.model.kv_cache import KV_DTYPES
-from jaxllm.llm import LLM, EngineOptions
+from jaxllm.builder import BuiltEngine, build_engine
+from jaxllm.engine_config import EngineConfig, EngineOptions
 from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, host_kv_bytes, is_leader,
                                start_processes)
 from jaxllm.model.checkpoints import MODEL_DTYPES
@@ -119,6 +120,12 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          max_stop_length=args.max_stop_length)
 
 
+def engine_config(args: argparse.Namespace, options: EngineOptions) -> EngineConfig:
+    """The engine to build: the model flags and the options (engine_options)."""
+    return EngineConfig(args.model, dtype=args.dtype, max_context=args.max_context,
+                        allow_long_context=args.allow_long_context, options=options)
+
+
 def main(argv: list[str] | None = None) -> int:
     console.guard()  # a closed stdout or stderr never raises from here on (a launcher that died, a pipe closed)
     parser = build_parser()
@@ -200,41 +207,40 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     if http and server:
         where += f"; OpenAI API on {http.url}"
-    llm = None
+    built: BuiltEngine | None = None
     try:
         started = time.monotonic()
         if not args.quiet:
             print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
-                  allow_long_context=args.allow_long_context, options=options, progress=not args.quiet)
+        built = build_engine(engine_config(args, options), progress=not args.quiet)
         if not args.quiet:
-            print(f"loaded {llm.config.name} ({llm.config.num_layers} layers, max_context {llm.max_context}, "
-                  f"{llm.num_blocks} rBlocks of {llm.executor.block_size} tokens) in "
+            print(f"loaded {built.model_config.name} ({built.model_config.num_layers} layers, max_context "
+                  f"{built.max_context}, {built.num_blocks} rBlocks of {built.executor.block_size} tokens) in "
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-            if llm.host_blocks:
-                print(f"host tier: {llm.host_blocks} rBlocks ({llm.host_blocks * llm.executor.block_bytes / 2**30:.1f} "
-                      f"GiB of pinned host memory) an instance: preempted sequences swap, the prefix cache spills",
+            if built.host_blocks:
+                host_gib = built.host_blocks * built.executor.block_bytes / 2**30
+                print(f"host tier: {built.host_blocks} rBlocks ({host_gib:.1f} GiB of pinned host memory) an instance: preempted sequences swap, the prefix cache spills",
                       file=sys.stderr, flush=True)
         if not args.no_warm_up:
             # Every bucket of the runner: after this, serving compiles nothing (jaxllm_compiles_total stays flat).
-            llm.warm_up(progress=not args.quiet)
-        engine = Engine(llm.core, llm.tokenizer, llm.info(), max_waiting=args.max_queue, step_error=_step_error)
+            built.warm_up(progress=not args.quiet)
+        engine = Engine(built.core, built.tokenizer, built.info(), max_waiting=args.max_queue, step_error=_step_error)
         for front in (server, http):
             if front is not None:
                 front.attach(engine, args.model)
         loading = False
     except ValueError as e:  # unknown model, bad checkpoint, bad option: the user's to fix
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        if llm is not None:
-            llm.close()
+        if built is not None:
+            built.close()
         if server:
             server.shutdown(0.0)
         if http:
             http.shutdown(1.0)
         return 2
     except BaseException:
-        if llm is not None:
-            llm.close()  # a multi-process run: the other processes stop and exit too
+        if built is not None:
+            built.close()  # a multi-process run: the other processes stop and exit too
         raise
     print(f"jaxllm serving {args.model} on {where}", flush=True)
     stop.wait()
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if http:
             http.shutdown()
     finally:
-        llm.close()  # no step runs any more: the other processes of a multi-process run stop following and exit
+        built.close()  # no step runs any more: the other processes of a multi-process run stop following and exit
     print("jaxllm: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -266,12 +272,11 @@ def _follow(args, options: EngineOptions) -> int:
     import jax
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, max_context=args.max_context,
-                  allow_long_context=args.allow_long_context, options=options, progress=False)
+        built = build_engine(engine_config(args, options), progress=False)
     except ValueError as e:
         print(f"python -m jaxllm.serve: error: {e}", file=sys.stderr)
         return 2
-    calls = llm.executor.follow()
+    calls = built.follow()
     if not args.quiet:
         print(f"jaxllm process {jax.process_index()}: process 0 stopped after {calls} steps; exiting",
               file=sys.stderr, flush=True)

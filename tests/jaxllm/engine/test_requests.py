@@ -145,7 +145,7 @@ def test_options_refuse_a_request_limit_below_one(name):
 
 
 def test_request_limits_are_built_in_one_place():
-    """LLM builds the one RequestLimits from its options; front ends read it (Engine.limits), never build their own."""
+    """The builder builds the one RequestLimits from its options; front ends read it (Engine.limits), never build their own."""
     root = pathlib.Path(__file__).resolve().parents[3]
     built = []
     for package in ("jaxllm", "serve", "scripts"):
@@ -153,7 +153,7 @@ def test_request_limits_are_built_in_one_place():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "RequestLimits":
                     built.append(path.relative_to(root).as_posix())
-    assert built == ["jaxllm/llm.py"]
+    assert built == ["jaxllm/builder.py"]
 
 
 def test_every_entry_point_takes_a_prompt_of_exactly_the_allowance(llm):

@@ -7,10 +7,11 @@ import functools
 import jax
 from flax import nnx
 
-import jaxllm.llm as llm_module
+import jaxllm.builder as builder_module
+import jaxllm.memory_plan as memory_plan_module
 from jaxllm import LLM, EngineOptions
 from jaxllm.executor.executor import Executor
-from jaxllm.llm import _MEMORY_MARGIN_MIN, HOST_COPY_BYTES, plan_memory
+from jaxllm.memory_plan import _MEMORY_MARGIN_MIN, HOST_COPY_BYTES, plan_memory
 from jaxllm.model.checkpoints import load_model
 from jaxllm.model.kv_cache import init_kv_cache, kv_bytes_per_block
 from sharding.mesh import make_mesh
@@ -59,8 +60,8 @@ def test_step_memory_compiles_over_an_abstract_pool_and_borrowing_needs_do_not_g
 def test_an_engine_plans_its_pool_from_the_free_memory(monkeypatch, capsys):
     # A CPU host keeps no allocator limit; given one, the engine plans as on a GPU.
     free = 256 << 20
-    monkeypatch.setattr(llm_module, "device_free_bytes", lambda devices: free)
-    monkeypatch.setattr(llm_module, "_MEMORY_MARGIN_MIN", 4 << 20)  # a GPU's 1 GiB floor is over this whole host
+    monkeypatch.setattr(builder_module, "device_free_bytes", lambda devices: free)
+    monkeypatch.setattr(memory_plan_module, "_MEMORY_MARGIN_MIN", 4 << 20)  # a GPU's 1 GiB floor is over this whole host
     llm = LLM("tiny", options=EngineOptions(max_seqs=4, max_tokens_per_step=64, penalties=False))
     try:
         plan = llm.memory_plan

@@ -27,7 +27,8 @@ from jaxllm.engine.requests import RequestLimits
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.scheduling import StepScheduler
 from jaxllm.engine_config import EngineConfig, EngineOptions
-from jaxllm.executor.executor import Executor
+from jaxllm.executor.executor import build_executor
+from jaxllm.executor.model_runner import ModelRunner
 from jaxllm.memory_plan import MemoryPlan, host_tier_blocks, pool_blocks
 from jaxllm.model.checkpoints import load_model
 from jaxllm.model.config import LlamaConfig
@@ -71,7 +72,7 @@ class BuiltEngine:
     host_blocks: int
     memory_plan: MemoryPlan | None
     compile_cache_dir: str | None
-    executor: Executor
+    executor: ModelRunner
     scheduler: StepScheduler
     limits: RequestLimits
     core: EngineCore
@@ -101,12 +102,12 @@ class BuiltEngine:
         """A process other than 0 of a multi-process run: run every step process 0 sends, on this process's
         devices, until process 0 closes; returns the number of calls run. ValueError on process 0 or on one
         process."""
-        return self.executor.follow()
+        return self.executor.worker.follow()
 
     def close(self) -> None:
         """Process 0 at the end of a multi-process run: the other processes stop following and exit. Idempotent;
         nothing to do on one process."""
-        self.executor.stop_followers()
+        self.executor.worker.stop_followers()
 
 
 def build_engine(config: EngineConfig, *, progress: bool = True) -> BuiltEngine:
@@ -142,11 +143,11 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> BuiltEngine:
     host_blocks = host_tier_blocks(options.host_kv_bytes or 0, per_block, instances)
     reach = instances if options.lending else 1  # pools one sequence may fill (the whole mesh's when lending)
 
-    def executor(num_blocks: int, tuner: StepTuner | None, host_tier: int, *, abstract: bool = False) -> Executor:
+    def executor(num_blocks: int, tuner: StepTuner | None, host_tier: int, *, abstract: bool = False) -> ModelRunner:
         pool = _kv_pool(mesh, step_model.config, num_blocks * instances, block_size, kv_dtype(pool_dtype),
                         abstract=abstract)
         longest = min(max_context + 1, num_blocks * reach * block_size)  # the table holds the longest sequence
-        return Executor(step_model, pool, max_seqs=options.max_seqs, max_tokens_per_step=max_step,
+        return build_executor(step_model, pool, max_seqs=options.max_seqs, max_tokens_per_step=max_step,
                         table_width=-(-longest // block_size), kernels=base, mesh=mesh, instances=instances,
                         borrowing=options.lending and instances > 1, max_logprobs=options.max_logprobs, tuner=tuner,
                         penalties=options.penalties, max_logit_bias=options.max_logit_bias, host_tier=host_tier)

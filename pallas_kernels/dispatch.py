@@ -101,8 +101,8 @@ class AttentionBatch:
 
     block_tables [num_seqs, max_blocks] int32, kv_lens [num_seqs] int32 (after this step's tokens are
     written), cu_q_lens [num_seqs + 1] int32 (packed query tokens per sequence), slot_mapping [num_tokens]
-    int32 (block * block_size + row; -1 for padding tokens). `decode` (static) marks steps where every
-    sequence has exactly one query token. parts: None, or the arrays of a step whose rBlocks lie on several
+    int32 (block * block_size + row; -1 for padding tokens). `single_query` (static) marks steps where every
+    sequence has exactly one query token (a decode step). parts: None, or the arrays of a step whose rBlocks lie on several
     instances, read only by `Kernels.distributed` (sharding.dist_attention.DistParts).
     """
 
@@ -111,7 +111,7 @@ class AttentionBatch:
     cu_q_lens: jax.Array
     slot_mapping: jax.Array
     parts: Any = None
-    decode: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    single_query: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def default_kernels(backend: Backend | None = "auto", *, head_dim: int | None = None, on_gpu: bool | None = None,
@@ -169,7 +169,7 @@ def ragged_attention(
     kv_lens: jax.Array,
     cu_q_lens: jax.Array,
     *,
-    decode: bool,
+    single_query: bool,
     kernels: Kernels = REFERENCE,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
@@ -181,7 +181,7 @@ def ragged_attention(
 
     q: [T, Hq, D], or grouped per KV head [T, Hkv, Gh, D] of which the first num_q_heads // Hkv of each
     group are the queries (rope_write_kv's q: the decode kernel reads them in place, the others get a
-    slice). `decode` (static) promises one query token per sequence (T == num_seqs, cu_q_lens ==
+    slice). `single_query` (static) promises one query token per sequence (T == num_seqs, cu_q_lens ==
     arange), which lets the decode kernel split long KV across programs. query_starts: optional [num_seqs],
     where each row's first query sits relative to its first key (a part of a sequence: DistAttention's
     prefill rows); return_residuals: also return (row max, row sum of exponentials) [T, Hq] float32, for
@@ -192,11 +192,11 @@ def ragged_attention(
     if kernels.per_shard is not None:
         local = dataclasses.replace(kernels, per_shard=None)
         return kernels.per_shard.attention(functools.partial(ragged_attention, kernels=local))(
-            q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, decode=decode, k_scale=k_scale, v_scale=v_scale,
+            q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, single_query=single_query, k_scale=k_scale, v_scale=v_scale,
             num_q_heads=num_q_heads, **extra)
-    if decode and query_starts is not None:
+    if single_query and query_starts is not None:
         raise ValueError("query_starts places prefill rows; a decode step's one query token sees every key")
-    if decode and kernels.decode_attention == "triton":
+    if single_query and kernels.decode_attention == "triton":
         from pallas_kernels.ragged_decode import ragged_decode
 
         return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
@@ -208,7 +208,7 @@ def ragged_attention(
     elif num_q_heads is not None and num_q_heads != q.shape[1]:
         raise ValueError(f"num_q_heads {num_q_heads} != the {q.shape[1]} heads of q {q.shape}")
     parts = query_starts is not None or return_residuals
-    impl = "reference" if decode else prefill_kernel(q, k_pool, kernels, parts=parts)
+    impl = "reference" if single_query else prefill_kernel(q, k_pool, kernels, parts=parts)
     if impl == "mosaic":
         from pallas_kernels.ragged_prefill_mgpu import ragged_prefill_mgpu
 
@@ -242,7 +242,8 @@ def paged_attention(k_pool, v_pool, k_scale, v_scale, qkv, cos, sin, batch: Atte
                                              num_q_heads=num_q_heads, dtype=dtype, kernels=local)
     q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(k_pool, v_pool, qkv, cos, sin, batch.slot_mapping, k_scale,
                                                         v_scale, dtype=dtype, kernels=kernels)
-    out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens, decode=batch.decode,
+    out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
+                           single_query=batch.single_query,
                            k_scale=k_scale, v_scale=v_scale, num_q_heads=num_q_heads, kernels=kernels)
     return out, k_pool, v_pool, k_scale, v_scale
 

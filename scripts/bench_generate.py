@@ -142,7 +142,7 @@ def _drive(llm, requests) -> tuple[dict, dict]:
     def on_step(_outputs) -> None:
         nonlocal last
         now = time.perf_counter()
-        times["decode" if llm.core.last_plan.is_decode else "prefill"].append(now - last)
+        times[llm.core.last_plan.kind.label].append(now - last)
         last = now
 
     outputs = llm.run(requests, on_step=on_step)
@@ -263,7 +263,7 @@ def _weight_bytes(llm) -> int:
     """Bytes of the model's weights on the device (what a decode step reads besides the KV)."""
     import jax
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.executor.state))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(llm.executor.worker.state))
 
 
 def build_llm(model: str, kv_dtype: str, max_context: int, fraction: float, max_seqs: int = 256,

@@ -69,18 +69,18 @@ def _engine_copy_rates(llm, count: int, reps: int) -> tuple[float, float]:
 
     from jaxllm.contract import HostCopies, StepPlan
 
-    executor, store = llm.executor, llm.executor.host_store
+    executor, store = llm.executor, llm.executor.worker.host_store
     ids, none = np.arange(count, dtype=np.int32), np.zeros(0, np.int32)
     outs, ins = [], []
     for _ in range(reps):
         t = time.perf_counter()
         executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(ids, ids, none, none, none, none)))
-        executor.launcher.drain()
+        executor.worker.launcher.drain()
         store.sync()
         outs.append(time.perf_counter() - t)
         t = time.perf_counter()
         executor.dispatch(StepPlan.copies_only(host_copies=HostCopies(none, none, ids, ids, none, ids)))
-        jax.block_until_ready(executor.kv_cache)
+        jax.block_until_ready(executor.worker.kv_cache)
         ins.append(time.perf_counter() - t)
     nbytes = count * store.block_bytes
     return _median_rate(outs, nbytes), _median_rate(ins, nbytes)
@@ -109,12 +109,12 @@ def link(args, llm) -> dict:
         to_device.append(time.perf_counter() - t)
     link_out, link_in = _median_rate(to_host, x.nbytes), _median_rate(to_device, x.nbytes)
     del x, h
-    executor, store = llm.executor, llm.executor.host_store
+    executor, store = llm.executor, llm.executor.worker.host_store
     run = store.max_run  # the longest run the tier copies, alone
     out_rate, in_rate = _engine_copy_rates(llm, run, args.reps)
     # A stream: --link-stream-gib of rBlocks in one plan each way, as a conversation's history comes back: runs
     # queued back to back, two in flight each way (jaxllm.executor.host_store).
-    count = max(1, min(int(args.link_stream_gib * (1 << 30)) // store.block_bytes, executor.kv_cache.num_blocks))
+    count = max(1, min(int(args.link_stream_gib * (1 << 30)) // store.block_bytes, executor.worker.kv_cache.num_blocks))
     s_out, s_in = _engine_copy_rates(llm, count, args.reps)
     return dict(memory_kind=kind, link_gb_s={"to_host": link_out, "to_device": link_in},
                 run_rblocks=run, run_bytes=run * store.block_bytes,
@@ -203,7 +203,7 @@ def decode(args, llm) -> dict:
 
         def on_step(_outputs) -> None:
             now = time.perf_counter()
-            if llm.core.last_plan is not None and llm.core.last_plan.is_decode:
+            if llm.core.last_plan is not None and llm.core.last_plan.kind.label == "decode":
                 gaps.append(now - last[0])
             last[0] = now
 

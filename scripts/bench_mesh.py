@@ -47,7 +47,7 @@ def _log(msg: str) -> None:
 def _weight_bytes(llm) -> int:
     import jax
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.executor.state))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.executor.worker.state))
 
 
 def _drive(llm, requests, on_decode=None) -> tuple[dict, list[float], list[float]]:
@@ -60,9 +60,9 @@ def _drive(llm, requests, on_decode=None) -> tuple[dict, list[float], list[float
     def on_step(_outputs) -> None:
         nonlocal last
         now = time.perf_counter()
-        (decode if llm.core.last_plan.is_decode else prefill).append(now - last)
+        (decode if llm.core.last_plan.kind.label == "decode" else prefill).append(now - last)
         last = now
-        if on_decode is not None and llm.core.last_plan.is_decode:
+        if on_decode is not None and llm.core.last_plan.kind.label == "decode":
             on_decode(len(decode))
 
     outputs = llm.run(requests, on_step=on_step)
@@ -103,7 +103,7 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     from common.device_trace import TraceWindow, device_summary, events_by_device
     from jaxllm.engine.core import Request
     from jaxllm.model.kv_cache import kv_bytes_per_block
-    from jaxllm.contract import SamplingParams
+    from jaxllm.contract import SamplingParams, StepKind
 
     tp = args.longest_tp
     if devices % tp:
@@ -138,14 +138,14 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     traced_steps = range(_TRACE_AFTER, _TRACE_AFTER + args.trace_decode + 1) if args.trace_decode else range(0)
     ms = ([1e3 * t for n, t in enumerate(decode) if n >= 2 and n not in traced_steps]
           or [1e3 * t for t in decode])
-    kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
+    kv_token = kv_bytes_per_block(llm.executor.worker.config, info.block_size, info.kv_dtype) / info.block_size
     context = length + args.new_tokens
     # The device holding the most KV sets the step: its home pool is full, the rest is spread by lending; each
     # device of an instance holds 1/tp of its weights and KV heads.
     most_kv = min(context, per_instance_tokens) * kv_token
     weights = _weight_bytes(llm)
     floor_ms = 1e3 * (weights + most_kv) / tp / (floor_tb_s * 1e12) if floor_tb_s else None
-    borrowed = llm.executor.kernels_for(True, llm.executor.padded_sizes(True, 1)[1], borrowed=True)
+    borrowed = llm.executor.variants.kernels_for(StepKind.DECODE, 1, borrowed=True)  # the batch-1 decode bucket
     result = dict(instances=instances, tensor_parallel=tp, kv_dtype=info.kv_dtype, block_size=info.block_size,
                   per_instance_pool_tokens=per_instance_tokens, context_tokens=context, prompt_tokens=length,
                   ratio_to_one_pool=context / per_instance_tokens, prefill_s=sum(prefill), wall_s=wall,
@@ -213,7 +213,7 @@ def _tp_decode(args, model: str, tp: int, contexts: list[int], floor_tb_s: float
                   max_tokens_per_step=args.chunk, max_seqs=args.tp_mixed_requests if mixed else 1,
                   prefix_caching=not mixed, block_size=args.block_size, num_blocks=args.tp_num_blocks)
     info = llm.info()
-    kv_token = kv_bytes_per_block(llm.executor.config, info.block_size, info.kv_dtype) / info.block_size
+    kv_token = kv_bytes_per_block(llm.executor.worker.config, info.block_size, info.kv_dtype) / info.block_size
     rows = []
     for context in contexts:
         prompt = np.random.default_rng(1).integers(3, 259, size=context).tolist()

@@ -89,7 +89,8 @@ def profile(llm, context: int, reps: int) -> dict:
     import jax.numpy as jnp
 
     from jaxllm.engine.core import Request
-    from jaxllm.contract import SamplingParams
+    from jaxllm.contract import SamplingParams, StepKind
+    from jaxllm.executor.calls import Op, StepCall
     from pallas_kernels.ragged_decode import ragged_decode
 
     runner, scheduler = llm.executor, llm.scheduler
@@ -118,13 +119,14 @@ def profile(llm, context: int, reps: int) -> dict:
     sampled = runner.step(plan)
     row["scheduler_ms"] = _median_ms(lambda: (scheduler.update(plan, sampled, eos_id=-1), scheduler.plan()), 1)
     # Re-run one fixed decode step (it rewrites the same KV slot each time: fine for timing).
-    decode = plan.is_decode
-    inputs = jax.device_put(runner.step_inputs(plan))  # the sequence is greedy: so are its sampling arrays
+    runner.worker.launcher.drain()  # the worker's calls below run on this thread, with nothing else in flight
+    inputs = runner.worker.place(runner.layout.build(plan).inputs)  # greedy: so are its sampling arrays
     s_pad = inputs.num_seqs
+    # The sequence is greedy, so the engine runs the argmax-only decode variant: time that one.
+    step_call = StepCall(Op.STEP, plan.kind, greedy=plan.kind is StepKind.DECODE)
 
     def call():
-        # The sequence is greedy, so the engine runs the argmax-only decode variant: time that one.
-        return runner.run_step(decode, inputs, greedy=decode)
+        return runner.worker.run(step_call, inputs)
 
     call().block_until_ready()
     t = time.perf_counter()
@@ -135,7 +137,7 @@ def profile(llm, context: int, reps: int) -> dict:
     row["synced_ms"] = _median_ms(lambda: np.asarray(call()), reps)
     row["trace"] = device_kernels(call, reps)
 
-    layer = runner.kv_cache.layers[0]
+    layer = runner.worker.kv_cache.layers[0]
     q = jnp.asarray(np.random.default_rng(0).standard_normal((s_pad, llm.config.num_heads, llm.config.head_dim)),
                     jnp.bfloat16)
 

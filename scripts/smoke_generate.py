@@ -38,7 +38,7 @@ def run_one(llm, context: int, new_tokens: int):
         nonlocal last, first_token_at
         now = time.perf_counter()
         step_times.append(now - last)
-        kinds.append("decode" if llm.core.last_plan.is_decode else "prefill")
+        kinds.append(llm.core.last_plan.kind.label)
         last = now
         if first_token_at is None and any(out.token_ids for out in outputs):
             first_token_at = now - t0

@@ -14,7 +14,7 @@ and, from a jax.profiler trace of --reps bare steps, per GPU: kernels a step, th
 collectives by NCCL kernel, and the largest idle gaps by the kernel that follows them; and what the host threads
 did meanwhile (time a step per thread, the heaviest event names). A launch thread's time includes waiting on busy
 GPUs (cuGraphLaunch blocks then), so read it beside the GPUs' busy time, not as host work. From XLA's optimized HLO of
-the step (Executor.compiled_step_text), every collective with its shape and the jax operation it comes from
+the step (ModelRunner.compiled_step_text), every collective with its shape and the jax operation it comes from
 (op_name), and the resharding the partitioner inserted (all-gathers, all-to-alls, collective-permutes).
 The product's tensor-parallel XLA flags (sharding.xla_flags) are set before JAX starts unless --no-xla-flags, as
 `python -m jaxllm.generate --tensor-parallel N` sets them (for the whole process: a TP 1 row runs with them too).
@@ -68,7 +68,7 @@ def hlo_collectives(text: str) -> dict:
 def _weight_bytes(llm) -> int:
     import jax
 
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.executor.state))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(llm.executor.worker.state))
 
 
 def trace_engine(args, tp: int, floor_tb_s: float | None, on_row=lambda row: None) -> list[dict]:
@@ -129,7 +129,7 @@ def trace_one(args, llm, tp: int, context: int, floor_tb_s: float | None) -> dic
     bare(args.reps)
     row["bare_ms"] = (time.perf_counter() - start) / args.reps * 1e3
     info = llm.info()
-    kv_token = kv_bytes_per_block(executor.config, info.block_size, info.kv_dtype) / info.block_size
+    kv_token = kv_bytes_per_block(executor.worker.config, info.block_size, info.kv_dtype) / info.block_size
     weights = _weight_bytes(llm)
     row["weight_bytes"] = weights
     row["floor_ms"] = (1e3 * (weights + context * kv_token) / tp / (floor_tb_s * 1e12)) if floor_tb_s else None

@@ -118,21 +118,21 @@ class DistAttention:
         cos, sin: its RoPE tables [T, ...]; the pool and scales: this instance's; batch: this instance's step, its
         DistParts in batch.parts (a prefill's chunk rows are packed as batch.cu_q_lens); kernels: the step's
         Kernels without this hook. Returns (out [T, Hq, hd] in dtype, k_pool, v_pool, k_scale, v_scale)."""
-        parts, decode = batch.parts, batch.decode
+        parts = batch.parts
         token_axis = 1 if qkv.ndim == 5 else 0
         q, k_pool, v_pool, k_scale, v_scale = dispatch.rope_write_kv(
             k_pool, v_pool, _gather(qkv, token_axis), _gather(cos), _gather(sin), parts.write_slots, k_scale,
             v_scale, dtype=dtype, kernels=kernels)  # q: every instance's rotated queries [I*T, Hkv, Gh, hd]
         attend = dict(k_scale=k_scale, v_scale=v_scale, num_q_heads=num_q_heads, kernels=kernels,
                       return_residuals=True)
-        if decode:
+        if batch.single_query:
             rows = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)  # one query token a row
             out, (row_max, row_sum) = dispatch.ragged_attention(q, k_pool, v_pool, parts.row_tables, parts.row_lens,
-                                                                rows, decode=True, **attend)
+                                                                rows, single_query=True, **attend)
         else:
             q_rows = q[parts.row_tokens]  # [Q, ...]: each part row's queries
             out, (row_max, row_sum) = dispatch.ragged_attention(
-                q_rows, k_pool, v_pool, parts.row_tables, parts.row_lens, parts.row_cu_q_lens, decode=False,
+                q_rows, k_pool, v_pool, parts.row_tables, parts.row_lens, parts.row_cu_q_lens, single_query=False,
                 query_starts=parts.row_query_starts, **attend)
             # Per gathered token its one past partial here, by a gather: a scatter-add would start from zeros of
             # [I*T, Hq, hd] float32 a layer, which XLA fuses across layers into one broadcast, all live at once.
@@ -170,6 +170,6 @@ class DistAttention:
             k, v = k.astype(k_pool.dtype), v.astype(k_pool.dtype)
         lens = cu_q_lens[1:] - cu_q_lens[:-1]  # a sequence's chunk is its query tokens
         out, (row_max, row_sum) = dispatch.ragged_attention(q, as_pool(k), as_pool(v), parts.chunk_tables, lens,
-                                                            cu_q_lens, decode=False, **attend)
+                                                            cu_q_lens, single_query=False, **attend)
         real = jnp.arange(q.shape[0]) < cu_q_lens[-1]
         return out, row_max, jnp.where(real[:, None], row_sum, 0.0)  # padding tokens: no keys

@@ -184,3 +184,66 @@ def test_the_layer_checker_sees_what_it_must():
 @pytest.mark.parametrize("rel", _jaxllm_files())
 def test_jaxllm_layers_import_one_way(rel):
     assert not layering_violations(rel, (ROOT / rel).read_text())
+
+
+# Inside the executor and the front: which part may not import which (what the split keeps apart). The worker runs
+# calls and knows no plan's layout, bucket counters or tuner choice; the model runner reaches the devices only
+# through its worker; the front's entry points assemble nothing themselves (jaxllm.builder does).
+FORBIDDEN_IMPORTS = {
+    "jaxllm/executor/worker.py": {"jaxllm.executor.model_runner", "jaxllm.executor.inputs", "jaxllm.executor.executor"},
+    "jaxllm/executor/variants.py": {"jaxllm.executor.worker", "jaxllm.executor.model_runner"},
+    "jaxllm/executor/model_runner.py": {"jaxllm.executor.programs", "jaxllm.executor.host_store",
+                                        "jaxllm.executor.launcher", "jaxllm.executor.penalties", "sharding",
+                                        "flax"},
+    "jaxllm/llm.py": {"jaxllm.executor", "sharding", "jaxllm.model.checkpoints", "jaxllm.tuner"},
+    "jaxllm/serve.py": {"jaxllm.executor", "sharding.mesh", "jaxllm.tuner", "jaxllm.llm"},
+    "jaxllm/generate.py": {"jaxllm.executor", "sharding.mesh", "jaxllm.tuner"},
+}
+
+
+def forbidden_imports(rel: str, source: str) -> list[str]:
+    """What `source` (the file `rel`) imports of the modules FORBIDDEN_IMPORTS keeps from it (a module or any
+    module under it)."""
+    banned = FORBIDDEN_IMPORTS.get(rel, set())
+    return [f"{rel}:{line}: imports {module}" for line, _, module in imported_packages(source)
+            if any(module == b or module.startswith(b + ".") for b in banned)]
+
+
+def test_the_part_checker_sees_what_it_must():
+    assert forbidden_imports("jaxllm/executor/worker.py", "from jaxllm.executor.inputs import InputLayout\n")
+    assert forbidden_imports("jaxllm/llm.py", "from jaxllm.executor.executor import build_executor\n")
+    assert forbidden_imports("jaxllm/executor/model_runner.py", "from sharding.mesh import INSTANCE\n")
+    assert not forbidden_imports("jaxllm/executor/model_runner.py", "from jaxllm.executor.worker import Worker\n")
+
+
+@pytest.mark.parametrize("rel", sorted(FORBIDDEN_IMPORTS))
+def test_parts_keep_apart(rel):
+    assert not forbidden_imports(rel, (ROOT / rel).read_text())
+
+
+def step_kind_booleans(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every step kind carried as a boolean: a parameter or field `decode: bool`, a `decode=`
+    keyword, or an `is_decode` attribute (the step's kind is jaxllm.contract.StepKind)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg) and node.arg == "decode":
+            found.append((node.lineno, "parameter decode"))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "decode":
+            found.append((node.lineno, "field decode"))
+        elif isinstance(node, ast.keyword) and node.arg == "decode":
+            found.append((node.lineno, "keyword decode="))
+        elif isinstance(node, ast.Attribute) and node.attr == "is_decode":
+            found.append((node.lineno, "attribute is_decode"))
+    return found
+
+
+def test_the_step_kind_checker_sees_what_it_must():
+    src = ("def f(plan, decode: bool): pass\nclass S:\n    decode: bool = False\nf(x, decode=True)\nplan.is_decode\n"
+           "def g(kind: StepKind): pass\n")
+    assert sorted(what for _, what in step_kind_booleans(src)) == ["attribute is_decode", "field decode",
+                                                                   "keyword decode=", "parameter decode"]
+
+
+@pytest.mark.parametrize("rel", [r for r in _files() if not r.startswith("scripts/")])
+def test_no_step_kind_is_a_boolean(rel):
+    assert not step_kind_booleans((ROOT / rel).read_text())

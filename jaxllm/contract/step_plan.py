@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from jaxllm.contract.host_copies import HostCopies
+from jaxllm.contract.step_kind import StepKind
 
 # token_ids of a continuation step (the scheduler's plan_continuation): the real ids are still on the device.
 PENDING_TOKEN = -1
@@ -114,6 +115,8 @@ class StepPlan:
     kv_extent: (total, longest) of kv_lens as Python ints; computed here unless given (the scheduler gives a
     continuation its source's, grown by one token a sequence: the tuner's per-step key reads it, so a steady
     decode step costs no reduction over the batch).
+    kind: the step's StepKind; derived here unless given: DECODE when every sequence has one token (T == S),
+    else PREFILL. A DECODE plan must have one token a sequence.
     """
 
     seq_ids: np.ndarray
@@ -136,6 +139,7 @@ class StepPlan:
     logit_bias: LogitBias | None = None
     kv_extent: tuple[int, int] | None = None
     host_copies: HostCopies | None = None
+    kind: StepKind | None = None
 
     def __post_init__(self):
         s, t = len(self.seq_ids), len(self.token_ids)
@@ -163,6 +167,10 @@ class StepPlan:
                              f"{self.block_copies.shape}")
         if self.kv_extent is None:  # a derived field: frozen, so set once here
             object.__setattr__(self, "kv_extent", kv_extent_of(self.kv_lens))
+        if self.kind is None:
+            object.__setattr__(self, "kind", StepKind.DECODE if t == s else StepKind.PREFILL)
+        elif self.kind is StepKind.DECODE and t != s:
+            raise ValueError(f"a decode StepPlan has one token a sequence; this one has {t} tokens for {s} sequences")
 
     @property
     def num_seqs(self) -> int:
@@ -174,10 +182,6 @@ class StepPlan:
 
     def __len__(self) -> int:
         return len(self.seq_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == len(self.seq_ids)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -224,4 +228,4 @@ class StepPlan:
             penalties=None if self.penalties is None else self.penalties.rows(first, last),
             logit_bias=None if self.logit_bias is None else LogitBias(self.logit_bias.ids[first:last],
                                                                       self.logit_bias.values[first:last]),
-            kv_extent=kv_extent)
+            kv_extent=kv_extent, kind=self.kind)

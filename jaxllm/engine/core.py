@@ -411,8 +411,7 @@ class EngineCore:
                            prefix_cache_hit_tokens=queue.cached_tokens, prefix_cache_blocks=queue.cached_blocks,
                            preemptions_total=queue.preemptions, compile_count=executor.compile_count,
                            xla_compiles=executor.xla_compiles, persistent_cache_hits=executor.persistent_cache_hits,
-                           bucket_steps=tuple(("decode" if decode else "prefill", size, n)
-                                              for (decode, size), n in steps),
+                           bucket_steps=tuple((kind.label, size, n) for (kind, size), n in steps),
                            padding_tokens_total=executor.padding_tokens,
                            tuner=tuple(sorted((str(k), int(v)) for k, v in executor.tuner_stats().items())),
                            **lending)

@@ -30,7 +30,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from jaxllm.contract import HostCopies, LogitBias, RowPenalties, SamplingParams, StepPlan
+from jaxllm.contract import HostCopies, LogitBias, RowPenalties, SamplingParams, StepKind, StepPlan
 from jaxllm.engine.distkv import GManager, InstanceSpec, RManager
 from jaxllm.engine.host_tier import HostTier, HostTierStats
 from jaxllm.engine.lending import LendingAllocator
@@ -155,7 +155,7 @@ class InstanceSchedulers:
     def plan_continuation(self, prev: StepPlan) -> StepPlan | None:
         """The decode step after `prev` (see Scheduler.plan_continuation) when every instance that ran in prev
         can continue and no other instance has work waiting; otherwise None."""
-        if prev.instances is None or not prev.is_decode or prev.block_copies is not None:
+        if prev.instances is None or prev.kind is not StepKind.DECODE or prev.block_copies is not None:
             return None
         if self._last is not None and self._last[0] is prev:
             parts = self._last[1]  # the plans prev was joined from

@@ -34,7 +34,7 @@ from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from jaxllm.contract import PENDING_TOKEN, LogitBias, RowPenalties, SamplingParams, StepPlan
+from jaxllm.contract import PENDING_TOKEN, LogitBias, RowPenalties, SamplingParams, StepKind, StepPlan
 from jaxllm.engine.allocator import BlockPool, OutOfBlocks
 from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.scheduling import SchedulerStats
@@ -167,7 +167,7 @@ class Scheduler:
         tokens and counters change in `update` alone, so dropping the returned step unrecorded
         leaves the scheduler consistent (plan() would then recompute the token).
         """
-        if self.waiting or not len(prev) or not prev.is_decode or not bool(np.all(prev.sample)) \
+        if self.waiting or not len(prev) or prev.kind is not StepKind.DECODE or not bool(np.all(prev.sample)) \
                 or len(prev) != len(self.running):
             return None
         seqs = [self.sequence(i) for i in prev.seq_ids]

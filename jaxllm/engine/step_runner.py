@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxllm.contract import StepPlan
+from jaxllm.contract import StepKind, StepPlan
 
 __all__ = ["DispatchedStep", "StepRunner"]
 
@@ -40,7 +40,7 @@ class StepRunner(Protocol):
     compile_count: int  # programs traced (each a compile)
     xla_compiles: int  # the XLA compiles behind them (a persistent-cache read is not one)
     persistent_cache_hits: int
-    bucket_steps: dict[tuple[bool, int], int]  # (decode, padded size) -> served steps
+    bucket_steps: dict[tuple[StepKind, int], int]  # (kind, padded size) -> served steps
     padding_tokens: int  # padded minus real tokens over those steps
     borrowed_steps: int  # steps that ran DistAttention (some sequence had rBlocks on another instance)
     block_bytes: int  # one rBlock's bytes, all layers (the pool's rBlocks are all alike)

@@ -15,16 +15,16 @@ import enum
 import jax
 import numpy as np
 
+from jaxllm.contract import StepKind
 from sharding import multihost
 
 __all__ = ["BlockCopies", "CallChannel", "Op", "StepCall", "TokenSource"]
 
 
 class Op(enum.IntEnum):
-    DECODE = 0
-    PREFILL = 1
-    LOGITS = 2
-    COPY = 3  # rBlocks copied between instances' pools (recalls)
+    STEP = 0  # a step of the call's StepKind: its program (decode_step, prefill_step) samples a token a sequence
+    LOGITS = 1  # a prefill's teacher-forced logits of every token (logits_step)
+    COPY = 2  # rBlocks copied between instances' pools (recalls)
 
 
 class TokenSource(enum.IntEnum):
@@ -34,10 +34,11 @@ class TokenSource(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class StepCall:
-    """One program call: its op, and the statics that pick the compiled variant (every process must run the
-    same one). variant: the index of the bucket's tuner variant; borrowed: the DistAttention variant."""
+    """One program call: its op, its step's kind, and the statics that pick the compiled variant (every process must
+    run the same one). variant: the index of the bucket's tuner variant; borrowed: the DistAttention variant."""
 
     op: Op
+    kind: StepKind = StepKind.PREFILL
     greedy: bool = False
     logprobs: bool = False
     variant: int = 0
@@ -45,12 +46,18 @@ class StepCall:
     source: TokenSource = TokenSource.FRESH
 
     def to_wire(self) -> np.ndarray:
-        return np.array([self.op, self.greedy, self.logprobs, self.variant, self.borrowed, self.source], np.int32)
+        return np.array([self.op, self.kind, self.greedy, self.logprobs, self.variant, self.borrowed, self.source],
+                        np.int32)
 
     @classmethod
     def from_wire(cls, words: np.ndarray) -> StepCall:
-        op, greedy, logprobs, variant, borrowed, source = (int(w) for w in words)
-        return cls(Op(op), bool(greedy), bool(logprobs), variant, bool(borrowed), TokenSource(source))
+        op, kind, greedy, logprobs, variant, borrowed, source = (int(w) for w in words)
+        return cls(Op(op), StepKind(kind), bool(greedy), bool(logprobs), variant, bool(borrowed), TokenSource(source))
+
+    @property
+    def program(self) -> str:
+        """The name of the program it runs (jaxllm.executor.programs): its kind's for a step, else its op's."""
+        return self.kind.label if self.op is Op.STEP else self.op.name.lower()
 
 
 @jax.tree_util.register_dataclass

@@ -2,8 +2,8 @@
 
 The step runs per instance (jaxllm.executor.programs), so every leaf of its StepInputs has a leading axis
 [I, ...]: instance i's rows, padded to one bucket shared by all (the largest instance's), in local rBlock
-ids (a plan's ids are global: instance * blocks_per_instance + local). One instance is the I = 1 case: its
-plan padded, with a leading axis of one (views, no copy). A step in which every sequence's rBlocks are at
+ids (a plan's ids are global: instance * blocks_per_instance + local). One instance is the I = 1 case of the
+same function (decision 11: one GPU is no separate path). A step in which every sequence's rBlocks are at
 home needs nothing more. Otherwise it carries `DistParts` (sharding.dist_attention) for every instance:
 where each gathered token's K/V is written, and the rows of attention each instance computes over the
 rBlocks it holds. Host-side NumPy only.
@@ -17,13 +17,14 @@ import functools
 import jax
 import numpy as np
 
-from jaxllm.contract import StepPlan
+from jaxllm.contract import StepKind, StepPlan
 from jaxllm.executor import penalties
-from jaxllm.executor.step import StepInputs, inert_step_inputs, make_step_inputs, padded_sizes
+from jaxllm.executor.step import StepInputs, inert_step_inputs
+from jaxllm.tuner.buckets import Buckets
 from sharding.dist_attention import DistParts
 from sharding.prefill_parts import chunk_block_size, prefill_parts_from_global
 
-__all__ = ["InputLayout", "StepBatch", "inert_inputs", "is_borrowed", "token_rows"]
+__all__ = ["InputLayout", "StepBatch", "inert_inputs", "is_borrowed", "lent_entries", "token_rows", "used_entries"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +32,9 @@ class StepBatch:
     """A plan's stacked inputs, and what the executor needs beside them.
 
     inputs: StepInputs [I, ...] (host arrays). rows: per plan row, its flat index in the step's [I * S]
-    outputs. size: the bucket (sequences for decode, tokens for prefill). borrowed: some sequence has rBlocks
-    on another instance (inputs.parts set). plan, busiest: the plan and the instance with the most work.
+    outputs. size: the bucket (StepKind.size_unit: sequences for decode, tokens for prefill). borrowed: some
+    sequence has rBlocks on another instance (inputs.parts set). plan, busiest: the plan and the instance with the
+    most work.
     """
 
     inputs: StepInputs
@@ -54,46 +56,41 @@ class StepBatch:
 
 @dataclasses.dataclass(frozen=True)
 class InputLayout:
-    """How plans become inputs: the mesh's instances, each one's pool, and the bucket rule's parameters;
-    bias_width: the engine's max_logit_bias with penalties on (StepInputs.penalties), None with them off."""
+    """How plans become inputs: the mesh's instances, each one's pool, and the buckets (the one padding rule,
+    jaxllm.tuner.buckets); bias_width: the engine's max_logit_bias with penalties on (StepInputs.penalties), None
+    with them off."""
 
     instances: int
     blocks_per_instance: int
     block_size: int
-    min_tokens: int
-    seq_cap: int
-    table_width: int
+    buckets: Buckets
     bias_width: int | None = None
 
-    def build(self, plan: StepPlan) -> StepBatch:
-        """The plan padded and stacked (see the module docstring); ValueError when it exceeds the limits."""
-        if self.instances == 1:
-            inputs = make_step_inputs(plan, min_tokens=self.min_tokens, seq_cap=self.seq_cap,
-                                      table_width=self.table_width, bias_width=self.bias_width)
-            size = inputs.num_seqs if plan.is_decode else inputs.num_tokens
-            stacked = jax.tree.map(lambda x: x[None], inputs)
-            return StepBatch(stacked, np.arange(plan.num_seqs), size, False, plan)
-        return self._build_instances(plan)
+    @property
+    def table_width(self) -> int:
+        return self.buckets.table_width
 
-    def _build_instances(self, plan: StepPlan) -> StepBatch:
-        """Every instance's rows scattered into its slice of the stacked arrays at once (no loop over instances:
-        this runs on the host for every step, in the time the devices run the previous one)."""
-        decode, bs, nb, n = plan.is_decode, self.block_size, self.blocks_per_instance, self.instances
+    def build(self, plan: StepPlan) -> StepBatch:
+        """The plan padded and stacked (see the module docstring), for one instance or many alike: every instance's
+        rows scattered into its slice of the stacked arrays at once (no loop over instances: this runs on the host
+        for every step, in the time the devices run the previous one). ValueError when it exceeds the limits."""
+        kind, bs, nb, n = plan.kind, self.block_size, self.blocks_per_instance, self.instances
+        decode = kind is StepKind.DECODE
         bounds = plan.instance_bounds(n)
         first_token = plan.cu_q_lens[bounds].astype(np.int64)
         counts, token_counts = np.diff(bounds), np.diff(first_token)
         size = int(counts.max() if decode else token_counts.max())
-        t_pad, s_pad = padded_sizes(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
+        t_pad, s_pad = self.buckets.padded(kind, size)
         width = plan.block_tables.shape[1]
         if int(counts.max()) > s_pad or width > self.table_width:
             raise ValueError(f"an instance's {int(counts.max())} sequences x {width} rBlocks exceed the executor's "
                              f"limits ({s_pad} x {self.table_width})")
-        homes = plan.instances.astype(np.int64)
+        homes = _homes(plan)
         local_row = np.arange(plan.num_seqs) - bounds[homes]  # each row's place in its instance's rows
         q_lens = np.diff(plan.cu_q_lens)
         token_home = homes if decode else np.repeat(homes, q_lens)
         local_token = np.arange(plan.num_tokens) - first_token[token_home]
-        out = inert_inputs(decode, t_pad, s_pad, self.table_width, n, borrowed=False, bias_width=self.bias_width)
+        out = inert_inputs(kind, t_pad, s_pad, self.table_width, n, borrowed=False, bias_width=self.bias_width)
         out.tokens[token_home, local_token] = plan.token_ids
         out.positions[token_home, local_token] = plan.positions
         if plan.targets is not None:
@@ -106,11 +103,13 @@ class InputLayout:
             for f in dataclasses.fields(rows):
                 getattr(out.penalties, f.name)[homes, local_row] = getattr(rows, f.name)
         if not decode:
-            out.cu_q_lens[:] = token_counts[:, None]  # padding rows hold no query token
+            # Padding sequences have no query tokens; a decode step keeps cu == arange for the decode kernel's
+            # contract (each padding sequence one padding token, kv_len 0: it attends to nothing).
+            out.cu_q_lens[:] = token_counts[:, None]
             out.cu_q_lens[:, 0] = 0
             out.cu_q_lens[homes, local_row + 1] = plan.cu_q_lens[1:] - first_token[homes]
-        used = _used_entries(plan, bs)
-        borrowed = bool(np.any(used & (plan.block_tables // nb != homes[:, None])))
+        used = used_entries(plan, bs)
+        borrowed = bool(np.any(lent_entries(plan, nb, used)))
         if borrowed:
             # A borrowed step writes and attends through its parts: the ordinary tables and slots stay inert.
             out = dataclasses.replace(out, parts=_dist_parts(plan, used, n, nb, bs, t_pad, s_pad, self.table_width,
@@ -123,11 +122,11 @@ class InputLayout:
         busiest = int(np.argmax(np.bincount(homes, weights=work, minlength=n)))
         return StepBatch(out, rows, s_pad if decode else t_pad, borrowed, plan, busiest)
 
-    def inert(self, decode: bool, size: int, borrowed: bool = False) -> StepInputs:
+    def inert(self, kind: StepKind, size: int, borrowed: bool = False) -> StepInputs:
         """Warm-up inputs of one bucket (`size`: sequences for decode, tokens for prefill): real shapes,
         nothing written, nothing attended."""
-        t_pad, s_pad = padded_sizes(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
-        return inert_inputs(decode, t_pad, s_pad, self.table_width, self.instances, borrowed, self.bias_width,
+        t_pad, s_pad = self.buckets.padded(kind, size)
+        return inert_inputs(kind, t_pad, s_pad, self.table_width, self.instances, borrowed, self.bias_width,
                             self.block_size)
 
 
@@ -142,18 +141,31 @@ def token_rows(plan: StepPlan, instances: int, num_tokens: int) -> np.ndarray:
 
 
 def is_borrowed(plan: StepPlan, blocks_per_instance: int, block_size: int) -> bool:
-    """Whether some sequence of the plan has rBlocks on an instance other than its home (table entries past
-    a sequence's kv_len are padding and point nowhere)."""
-    if plan.instances is None:
-        return False
-    used = _used_entries(plan, block_size)
-    return bool(np.any(used & (plan.block_tables // blocks_per_instance != plan.instances[:, None])))
+    """Whether some sequence of the plan has rBlocks on an instance other than its home: what InputLayout.build
+    decides a step by (the same `lent_entries`)."""
+    return bool(np.any(lent_entries(plan, blocks_per_instance, used_entries(plan, block_size))))
 
 
-def _used_entries(plan: StepPlan, block_size: int) -> np.ndarray:
-    """[S, W] bool: the table entries each sequence's kv_len reaches."""
+def used_entries(plan: StepPlan, block_size: int) -> np.ndarray:
+    """[S, W] bool: the table entries each sequence's kv_len reaches (those past it are padding and point
+    nowhere)."""
     needed = -(-plan.kv_lens.astype(np.int64) // block_size)
     return np.arange(plan.block_tables.shape[1])[None, :] < needed[:, None]
+
+
+def lent_entries(plan: StepPlan, blocks_per_instance: int, used: np.ndarray) -> np.ndarray:
+    """[S, W] bool: the used table entries (`used_entries`) whose rBlock lies on another instance than the row's
+    home: the one borrowed mask. A plan of one instance (instances None) has none."""
+    if plan.instances is None:
+        return np.zeros(used.shape, bool)
+    return used & (plan.block_tables // blocks_per_instance != plan.instances[:, None])
+
+
+def _homes(plan: StepPlan) -> np.ndarray:
+    """[S] int64: each row's home instance (0 for every row of a one-instance plan)."""
+    if plan.instances is None:
+        return np.zeros(plan.num_seqs, np.int64)
+    return plan.instances.astype(np.int64)
 
 
 def _stack(per_instance: list[StepInputs]) -> StepInputs:
@@ -175,7 +187,7 @@ def _dist_parts(plan: StepPlan, used, instances: int, nb: int, bs: int, t_pad: i
         here = slot_block // nb == h
         write_slots[h, token_gathered[here]] = plan.slot_mapping[here] - h * nb * bs
     holder = np.where(used, plan.block_tables // nb, -1)
-    if plan.is_decode:
+    if plan.kind is StepKind.DECODE:
         # Per holder, each sequence's rBlocks there in table order (the partial last one stays last): no loop
         # over sequences, one over instances.
         tables = np.zeros((instances, instances * s_pad, width), np.int32)
@@ -225,19 +237,19 @@ def _chunk_fields(q_lens, homes, first_row, instances: int, chunk_bs: int, t_pad
     return dict(chunk_tokens=tokens, chunk_tables=tables)
 
 
-def inert_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int, instances: int,
+def inert_inputs(kind: StepKind, num_tokens: int, num_seqs: int, table_width: int, instances: int,
                  borrowed: bool, bias_width: int | None = None, block_size: int | None = None) -> StepInputs:
     """Warm-up inputs of one bucket, stacked for `instances`: real shapes, nothing written, nothing attended, no
     penalties (bias_width as InputLayout's; block_size: the pool's, which sizes a borrowed prefill's chunk
     tables)."""
-    stacked = _stack([inert_step_inputs(decode, num_tokens, num_seqs, table_width, bias_width)] * instances)
+    stacked = _stack([inert_step_inputs(kind, num_tokens, num_seqs, table_width, bias_width)] * instances)
     if not borrowed:
         return stacked
     rows, queries = instances * num_seqs, instances * num_tokens
     parts = DistParts(write_slots=np.full((instances, instances * num_tokens), -1, np.int32),
                       row_tables=np.zeros((instances, rows, table_width), np.int32),
                       row_lens=np.zeros((instances, rows), np.int32))
-    if not decode:
+    if kind is StepKind.PREFILL:
         if block_size is None:
             raise ValueError("a borrowed prefill step's inputs need the pool's block_size (its chunk tables)")
         none = np.zeros(0, np.int64)

@@ -1,10 +1,12 @@
-"""One engine step as plain values: `StepInputs` (one pytree of arrays) and the step as free functions.
+"""One engine step as plain values: `StepInputs` (one pytree of arrays) and the step as free functions, one per
+StepKind (`decode_step`, `prefill_step`) beside the teacher-forced `logits_step`.
 
 A step is `(graphdef, state, kv_pool, inputs, penalty_state, *, kernels)`: `inputs` is what a mesh shards
 (in_specs) and what process 0 broadcasts each step on a multi-host run; `kernels` (pallas_kernels.dispatch.Kernels)
 is the static description of each op's implementation and schedule that a tuner supplies. The executor
 jits these functions with the KV pool and the penalty state donated (jaxllm.executor.programs, per instance on a
-mesh of several); nothing here reads a live Sequence or queries a device.
+mesh of several); a plan becomes StepInputs in jaxllm.executor.inputs. Nothing here reads a live Sequence or
+queries a device.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.contract import StepPlan
+from jaxllm.contract import StepKind
 from jaxllm.executor import penalties
 from jaxllm.executor.penalties import PenaltyInputs, PenaltyState
 from jaxllm.executor.sampler import greedy_tokens, sample_tokens, token_logprobs
 from jaxllm.model.kv_cache import KVCache
-from jaxllm.tuner.buckets import pad_to_bucket, pow2_at_least
 from pallas_kernels.dispatch import AttentionBatch, Kernels
 
 
@@ -66,24 +67,17 @@ class StepInputs:
         return self.temperature.shape[-1]
 
 
-def bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum) (jaxllm.tuner.buckets owns the rule)."""
-    return pow2_at_least(n, minimum)
-
-
-def padded_sizes(decode: bool, size: int, *, min_tokens: int, seq_cap: int) -> tuple[int, int]:
-    """(tokens, sequences) a step is padded to: jaxllm.tuner.buckets.pad_to_bucket, the one bucket rule."""
-    return pad_to_bucket(decode, size, min_tokens=min_tokens, seq_cap=seq_cap)
-
-
-def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width: int,
+def inert_step_inputs(kind: StepKind, num_tokens: int, num_seqs: int, table_width: int,
                       bias_width: int | None = None) -> StepInputs:
-    """Real shapes, inert values (warm-up): every token's slot is -1 (nothing written), every kv_len 0,
-    every row greedy and without penalties. bias_width: the engine's max_logit_bias, None with penalties off."""
+    """Real shapes, inert values (warm-up, and the canvas jaxllm.executor.inputs fills in): every token's slot is
+    -1 (nothing written), every kv_len 0, every row greedy and without penalties; a decode step's cu_q_lens ==
+    arange (each padding sequence one padding token), a prefill step's zeros (padding sequences own no token).
+    bias_width: the engine's max_logit_bias, None with penalties off."""
     return StepInputs(
         tokens=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32),
         block_tables=np.zeros((num_seqs, table_width), np.int32), kv_lens=np.zeros(num_seqs, np.int32),
-        cu_q_lens=np.arange(num_seqs + 1, dtype=np.int32) if decode else np.zeros(num_seqs + 1, np.int32),
+        cu_q_lens=(np.arange(num_seqs + 1, dtype=np.int32) if kind is StepKind.DECODE
+                   else np.zeros(num_seqs + 1, np.int32)),
         slot_mapping=np.full(num_tokens, -1, np.int32),
         temperature=np.zeros(num_seqs, np.float32), top_k=np.zeros(num_seqs, np.int32),
         top_p=np.ones(num_seqs, np.float32), seed=np.zeros(num_seqs, np.int32),
@@ -91,40 +85,10 @@ def inert_step_inputs(decode: bool, num_tokens: int, num_seqs: int, table_width:
         penalties=None if bias_width is None else penalties.inert_penalty_inputs(num_seqs, bias_width))
 
 
-def make_step_inputs(plan: StepPlan, *, min_tokens: int, seq_cap: int, table_width: int,
-                     bias_width: int | None = None) -> StepInputs:
-    """The plan padded to its bucket (`padded_sizes`), as host arrays; with bias_width (penalties on: the engine's
-    max_logit_bias) its penalty inputs too. Raises ValueError when the plan exceeds the limits (more sequences
-    than its bucket holds, a wider rBlock table than table_width, more logit_bias entries than bias_width)."""
-    num_seqs, num_tokens, decode = plan.num_seqs, plan.num_tokens, plan.is_decode
-    t_pad, s_pad = padded_sizes(decode, num_seqs if decode else num_tokens, min_tokens=min_tokens, seq_cap=seq_cap)
-    if plan.block_tables.shape[1] > table_width or num_seqs > s_pad:
-        raise ValueError(f"step plan of {num_seqs} sequences x {plan.block_tables.shape[1]} rBlocks exceeds the "
-                         f"executor's limits ({s_pad} x {table_width})")
-    out = inert_step_inputs(decode, t_pad, s_pad, table_width, bias_width)
-    if bias_width is not None and (plan.penalties is not None or plan.logit_bias is not None):
-        out = dataclasses.replace(out, penalties=penalties.penalty_inputs(plan, s_pad, bias_width))
-    out.tokens[:num_tokens] = plan.token_ids
-    out.positions[:num_tokens] = plan.positions
-    out.slot_mapping[:num_tokens] = plan.slot_mapping
-    out.block_tables[:num_seqs, :plan.block_tables.shape[1]] = plan.block_tables
-    out.kv_lens[:num_seqs] = plan.kv_lens
-    if not decode:
-        # Padding sequences have no query tokens; a decode step keeps cu == arange for the decode
-        # kernel's contract (each padding sequence one padding token, kv_len 0: it attends to nothing).
-        out.cu_q_lens[:] = num_tokens
-        out.cu_q_lens[:num_seqs + 1] = plan.cu_q_lens
-    for name in ("temperature", "top_k", "top_p", "seed"):
-        getattr(out, name)[:num_seqs] = getattr(plan, name)
-    if plan.targets is not None:
-        out.targets[:num_tokens] = plan.targets
-    return out
-
-
-def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, decode: bool, kernels: Kernels):
+def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, kind: StepKind, kernels: Kernels):
     model = nnx.merge(graphdef, state)
     batch = AttentionBatch(inputs.block_tables, inputs.kv_lens, inputs.cu_q_lens, inputs.slot_mapping, inputs.parts,
-                           decode=decode)
+                           single_query=kind.queries_per_seq == 1)
     hidden, kv_pool = model(inputs.tokens, inputs.positions, kv_pool, batch, kernels=kernels)
     return model, hidden, kv_pool
 
@@ -162,7 +126,7 @@ def decode_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_s
     logits) and prompt the same for each token's target (StepInputs.targets; a one-token chunk of a prompt can be
     a decode-shaped step); the plain variants compute no log-probabilities. penalty_state: None with penalties
     off (jaxllm.executor.penalties)."""
-    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, True, kernels)
+    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, StepKind.DECODE, kernels)
     logits = model.logits(hidden[_last_tokens(inputs)])  # [S, vocab]; S == T on a decode step
     if not greedy:
         penalty_state = _read_tokens(penalty_state, inputs)
@@ -178,7 +142,7 @@ def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_
     """Packed chunks of any lengths -> (a token sampled after each sequence's last one [S] int32, KV pool, penalty
     state); logprobs (static) as decode_step's, the prompt part over every token of the step [T] (the whole
     chunk's logits are computed only in this variant)."""
-    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
+    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, StepKind.PREFILL, kernels)
     penalty_state = _read_tokens(penalty_state, inputs)
     if logprobs is None:
         logits = model.logits(hidden[_last_tokens(inputs)])  # [S, vocab]
@@ -195,5 +159,5 @@ def logits_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_s
                 kernels: Kernels) -> tuple[jax.Array, KVCache, PenaltyState | None]:
     """A prefill step's teacher-forced logits of every token -> ([T, vocab] float32, KV pool, the penalty state
     as it was: no sequence of a teacher-forced step has penalties)."""
-    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, False, kernels)
+    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, StepKind.PREFILL, kernels)
     return model.logits(hidden), kv_pool, penalty_state

@@ -30,6 +30,9 @@ log2(max_tokens_per_step / min_tokens) + 1 prefill buckets.
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+from jaxllm.contract import StepKind
 
 
 def pow2_at_least(n: int, minimum: int = 1) -> int:
@@ -38,14 +41,14 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def pad_to_bucket(decode: bool, size: int, *, min_tokens: int, seq_cap: int) -> tuple[int, int]:
-    """(tokens, sequences) a step is padded to: `size` is its sequence count (decode) or token count.
+def pad_to_bucket(kind: StepKind, size: int, *, min_tokens: int, seq_cap: int) -> tuple[int, int]:
+    """(tokens, sequences) a step of `kind` is padded to: `size` is its sequence count (decode) or token count.
 
     The one bucket rule: a decode step is shaped by its sequence count alone (a power of two), a
     prefill step by its token count alone (a power of two >= min_tokens; its sequence axis padded to
     the same size, capped at seq_cap).
     """
-    if decode:
+    if kind is StepKind.DECODE:
         s_pad = pow2_at_least(size)
         return s_pad, s_pad
     t_pad = pow2_at_least(size, min_tokens)
@@ -54,17 +57,17 @@ def pad_to_bucket(decode: bool, size: int, *, min_tokens: int, seq_cap: int) -> 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One compiled step shape: tokens [T], sequences [S], rBlock-table width [W]; `size` is the bucket's
-    key (S for decode, T for prefill)."""
+    """One compiled step shape: its kind, tokens [T], sequences [S], rBlock-table width [W]; `size` is the
+    bucket's key (S for decode, T for prefill)."""
 
-    decode: bool
+    kind: StepKind
     tokens: int
     seqs: int
     table_width: int
 
     @property
     def size(self) -> int:
-        return self.seqs if self.decode else self.tokens
+        return self.seqs if self.kind is StepKind.DECODE else self.tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +94,12 @@ class Buckets:
         """The largest decode bucket, and the cap on a prefill step's sequence axis."""
         return pow2_at_least(self.max_seqs)
 
-    @property
+    @functools.cached_property
     def decode_sizes(self) -> tuple[int, ...]:
         """Decode buckets (sequences), ascending: 1, 2, 4, ..., seq_cap."""
         return tuple(1 << i for i in range(self.seq_cap.bit_length()))
 
-    @property
+    @functools.cached_property
     def prefill_sizes(self) -> tuple[int, ...]:
         """Prefill buckets (tokens), ascending: pow2(min_tokens), ..., the first >= max_tokens_per_step."""
         sizes = [pow2_at_least(self.min_tokens)]
@@ -104,41 +107,44 @@ class Buckets:
             sizes.append(sizes[-1] * 2)
         return tuple(sizes)
 
-    def sizes(self, decode: bool) -> tuple[int, ...]:
-        return self.decode_sizes if decode else self.prefill_sizes
+    def sizes(self, kind: StepKind) -> tuple[int, ...]:
+        """The buckets of a kind, ascending (decode_sizes or prefill_sizes)."""
+        return self.decode_sizes if kind is StepKind.DECODE else self.prefill_sizes
 
-    def padded(self, decode: bool, size: int) -> tuple[int, int]:
+    def padded(self, kind: StepKind, size: int) -> tuple[int, int]:
         """(tokens, sequences) a step of `size` (sequences for decode, tokens for prefill) is padded to.
-        Raises ValueError past the largest bucket: that shape was never compiled."""
-        limit = self.sizes(decode)[-1]
+        Raises ValueError past the largest bucket: that shape was never compiled; TypeError for a kind that is no
+        StepKind (a boolean from before the kinds would pad by the wrong rule)."""
+        if not isinstance(kind, StepKind):
+            raise TypeError(f"a step's kind is a StepKind, got {kind!r}")
+        limit = self.sizes(kind)[-1]
         if not 0 < size <= limit:
-            raise ValueError(f"a {'decode' if decode else 'prefill'} step of {size} "
-                             f"{'sequences' if decode else 'tokens'} is outside the buckets (1..{limit})")
-        return pad_to_bucket(decode, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
+            raise ValueError(f"a {kind.label} step of {size} {kind.size_unit} is outside the buckets (1..{limit})")
+        return pad_to_bucket(kind, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
 
-    def shape(self, decode: bool, size: int) -> Shape:
+    def shape(self, kind: StepKind, size: int) -> Shape:
         """The compiled shape a step of `size` runs at."""
-        tokens, seqs = self.padded(decode, size)
-        return Shape(decode, tokens, seqs, self.table_width)
+        tokens, seqs = self.padded(kind, size)
+        return Shape(kind, tokens, seqs, self.table_width)
 
     def shapes(self) -> tuple[Shape, ...]:
         """Every shape warm-up compiles: decode buckets ascending, then prefill buckets ascending."""
-        return tuple(self.shape(decode, size) for decode in (True, False) for size in self.sizes(decode))
+        return tuple(self.shape(kind, size) for kind in StepKind for size in self.sizes(kind))
 
-    def waste_bound(self, decode: bool, bucket: int) -> float:
+    def waste_bound(self, kind: StepKind, bucket: int) -> float:
         """The worst-case fraction of a bucket's rows (decode) or tokens (prefill) that are padding: the
         smallest size that pads to it is one more than the bucket below (1 for the smallest)."""
-        sizes = self.sizes(decode)
+        sizes = self.sizes(kind)
         if bucket not in sizes:
-            raise ValueError(f"{bucket} is not a {'decode' if decode else 'prefill'} bucket {sizes}")
+            raise ValueError(f"{bucket} is not a {kind.label} bucket {sizes}")
         i = sizes.index(bucket)
         smallest = sizes[i - 1] + 1 if i else 1
         return (bucket - smallest) / bucket
 
-    def max_waste(self, decode: bool, *, above_smallest: bool = True) -> float:
+    def max_waste(self, kind: StepKind, *, above_smallest: bool = True) -> float:
         """The largest waste_bound over the buckets (0.0 if none); above_smallest leaves out the smallest
         prefill bucket (whose floor min_tokens is a choice, not the rounding)."""
-        sizes = self.sizes(decode)
-        if above_smallest and not decode:
+        sizes = self.sizes(kind)
+        if above_smallest and kind is StepKind.PREFILL:
             sizes = sizes[1:]
-        return max((self.waste_bound(decode, b) for b in sizes), default=0.0)
+        return max((self.waste_bound(kind, b) for b in sizes), default=0.0)

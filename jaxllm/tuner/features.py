@@ -17,6 +17,8 @@ import re
 
 import numpy as np
 
+from jaxllm.contract import StepKind
+
 # Quantisation of the cache key: steps of 2**(1/KEY_STEPS) in total and longest KV length.
 KEY_STEPS = 4
 NUM_SHAPE_FEATURES = 13
@@ -34,12 +36,13 @@ def device_slug(device_kind: str) -> str:
 class StepFeatures:
     """What the cost model knows of one attention call of a step (one layer; every layer is alike).
 
-    decode: one query token per sequence. bucket: padded sequences (decode) or tokens (prefill).
+    kind: the step's StepKind (DECODE: one query token per sequence). bucket: padded sequences (decode) or tokens
+    (prefill).
     kv_lens, q_lens: [num_seqs] int arrays of the real sequences (KV lengths include this step's
     tokens). heads: (q heads, kv heads, head_dim) on one device. dtype_bytes: bytes per KV element.
     """
 
-    decode: bool
+    kind: StepKind
     bucket: int
     kv_lens: np.ndarray
     q_lens: np.ndarray
@@ -56,25 +59,25 @@ class StepFeatures:
             raise ValueError(f"StepFeatures.heads {self.heads} must be (q heads, kv heads, head_dim), all >= 1")
 
     @classmethod
-    def from_plan(cls, plan, decode: bool, padded_size: int, *, heads: tuple[int, int, int],
+    def from_plan(cls, plan, kind: StepKind, padded_size: int, *, heads: tuple[int, int, int],
                   dtype_bytes: int = 2) -> "StepFeatures":
         """The features of a jaxllm.engine.scheduler.StepPlan in a bucket of padded_size."""
-        return cls(decode, padded_size, np.asarray(plan.kv_lens), np.diff(np.asarray(plan.cu_q_lens)), heads,
+        return cls(kind, padded_size, np.asarray(plan.kv_lens), np.diff(np.asarray(plan.cu_q_lens)), heads,
                    dtype_bytes)
 
     def stats(self) -> tuple:
         """length_stats of this step's lengths."""
-        return length_stats(self.kv_lens, None if self.decode else self.q_lens)
+        return length_stats(self.kv_lens, None if self.kind is StepKind.DECODE else self.q_lens)
 
     def key(self) -> tuple:
         """The cache key: op, bucket, sequences, and quarter-octave total KV, longest KV and (prefill) query
         tokens: near-equal steps share one cached choice."""
         st = self.stats()
-        return stats_key(self.decode, self.bucket, st[0], st[1], st[2], st[5])
+        return stats_key(self.kind, self.bucket, st[0], st[1], st[2], st[5])
 
     def vector(self) -> np.ndarray:
         """[NUM_SHAPE_FEATURES] float32 shape features (log2 scale where a length)."""
-        return shape_vector(self.decode, self.bucket, self.heads, self.dtype_bytes, self.stats())
+        return shape_vector(self.kind, self.bucket, self.heads, self.dtype_bytes, self.stats())
 
 
 # Up to this many sequences, the stats are summed in Python over lists: NumPy's per-call cost (~1 us a
@@ -115,12 +118,12 @@ def _stats_small(kv: list[int], q: list[int] | None) -> tuple:
             float(sum(a * b for a, b in zip(q, kv))), float(sum(b * b for b in q)))
 
 
-def shape_vector(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple) -> np.ndarray:
+def shape_vector(kind: StepKind, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple) -> np.ndarray:
     """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers)."""
-    return np.array(shape_features(decode, bucket, heads, dtype_bytes, stats), np.float32)
+    return np.array(shape_features(kind, bucket, heads, dtype_bytes, stats), np.float32)
 
 
-def shape_features(decode: bool, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple
+def shape_features(kind: StepKind, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple
                    ) -> list[float]:
     """shape_vector as a Python list (OpRanker.best's input: it builds one array of these and the
     interaction features)."""
@@ -131,7 +134,7 @@ def shape_features(decode: bool, bucket: int, heads: tuple[int, int, int], dtype
     pairs = qk - qq + (qq + qs) / 2
     hq, hkv, d = heads
     log2 = math.log2
-    return [1.0 if decode else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s), log2(1 + m),
+    return [1.0 if kind is StepKind.DECODE else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s), log2(1 + m),
             log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes), log2(1 + mn)]
 
 
@@ -139,21 +142,21 @@ def _q(x: float) -> int:
     return round(KEY_STEPS * math.log2(1 + x))
 
 
-def stats_key(decode: bool, bucket: int, n: int, kv_sum: float, kv_max: float, q_sum: float = 0.0) -> tuple:
+def stats_key(kind: StepKind, bucket: int, n: int, kv_sum: float, kv_max: float, q_sum: float = 0.0) -> tuple:
     """The cache key: near-equal steps (within a quarter octave of total and longest KV, and of query
     tokens for prefill) share it."""
-    if decode:
-        return (True, bucket, n, _q(kv_sum), _q(kv_max))
-    return (False, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum))
+    if kind is StepKind.DECODE:
+        return (kind, bucket, n, _q(kv_sum), _q(kv_max))
+    return (kind, bucket, n, _q(kv_sum), _q(kv_max), _q(q_sum))
 
 
-def plan_key(plan, decode: bool, bucket: int) -> tuple:
+def plan_key(plan, kind: StepKind, bucket: int) -> tuple:
     """stats_key of a StepPlan (the per-step path): its kv_extent and, for prefill, its token count; no pass
     over its arrays, and stats_key's arithmetic written out (a call costs as much as the rest)."""
     kv_sum, kv_max = plan.kv_extent
     log2 = math.log2
-    if decode:
-        return (True, bucket, len(plan.kv_lens), round(KEY_STEPS * log2(1 + kv_sum)),
+    if kind is StepKind.DECODE:
+        return (kind, bucket, len(plan.kv_lens), round(KEY_STEPS * log2(1 + kv_sum)),
                 round(KEY_STEPS * log2(1 + kv_max)))
-    return (False, bucket, len(plan.kv_lens), round(KEY_STEPS * log2(1 + kv_sum)), round(KEY_STEPS * log2(1 + kv_max)),
+    return (kind, bucket, len(plan.kv_lens), round(KEY_STEPS * log2(1 + kv_sum)), round(KEY_STEPS * log2(1 + kv_max)),
             round(KEY_STEPS * log2(1 + plan.num_tokens)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxllm.contract import StepPlan
+from jaxllm.contract import StepKind, StepPlan
 from pallas_kernels.dispatch import Kernels
 
 
@@ -24,14 +24,14 @@ class FixedTuner:
         if not isinstance(self.kernels, Kernels):
             raise ValueError(f"FixedTuner needs a pallas_kernels.dispatch.Kernels, got {type(self.kernels).__name__}")
 
-    def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
+    def variants(self, kind: StepKind, padded_size: int) -> tuple[Kernels, ...]:
         """(kernels,) for every bucket."""
-        del decode, padded_size
+        del kind, padded_size
         return (self.kernels,)
 
-    def choose(self, plan: StepPlan, decode: bool, padded_size: int) -> int:
+    def choose(self, plan: StepPlan, kind: StepKind, padded_size: int) -> int:
         """Always 0: the one variant."""
-        del plan, decode, padded_size
+        del plan, kind, padded_size
         return 0
 
     def stats(self) -> dict[str, int]:

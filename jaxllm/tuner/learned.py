@@ -1,6 +1,6 @@
 """`LearnedTuner`: per bucket the candidate schedules the cost model says can win, per step the predicted fastest.
 
-A StepTuner (jaxllm/tuner/protocol.py). `variants(decode, padded_size)` is the base Kernels first (the
+A StepTuner (jaxllm/tuner/protocol.py). `variants(kind, padded_size)` is the base Kernels first (the
 fallback, today's schedule), then the candidates of the op (jaxllm/tuner/candidates.py) that the model
 says the bucket needs (`keep_variants`): over shapes the bucket can hold (sampled over its range: sequence
 counts, lengths equal, ragged or few-long up to max_context), each added candidate is the one that most
@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from jaxllm.contract import StepKind
 from jaxllm.tuner.candidates import NUM_INTERACTIONS, all_schedules, candidates, interaction_features
 from jaxllm.tuner.cost_model import CostModel, OpRanker
 from jaxllm.tuner.features import NUM_SHAPE_FEATURES, StepFeatures, length_stats, plan_key, shape_features
@@ -43,21 +44,21 @@ class _Bucket:
     ranker: OpRanker | None
 
 
-def sample_shapes(decode: bool, bucket: int, *, heads: tuple[int, int, int], max_context: int, count: int,
+def sample_shapes(kind: StepKind, bucket: int, *, heads: tuple[int, int, int], max_context: int, count: int,
                   seed: int = 0, dtype_bytes: int = 2) -> list[StepFeatures]:
     """count StepFeatures a bucket can hold, spread as the tuning data is (scripts/collect_tuning_data.py):
     decode: bucket / 2 + 1 .. bucket sequences, lengths equal, log-uniform or few-long up to max_context;
     prefill: bucket / 2 + 1 .. bucket tokens from 1..8 sequences, half after a cached prefix."""
-    rng = np.random.default_rng(seed + bucket * 2 + int(decode))
+    rng = np.random.default_rng(seed + bucket * 2 + int(kind is StepKind.DECODE))
     out = []
     for _ in range(count):
         lo = 1 if bucket == 1 else bucket // 2 + 1
-        if decode:
+        if kind is StepKind.DECODE:
             n = int(rng.integers(lo, bucket + 1))
             top = int(np.exp(rng.uniform(0, math.log(max_context))))
-            kind = rng.integers(3)
-            lens = (np.full(n, top) if kind == 0 else np.exp(rng.uniform(0, math.log(top), n)))
-            if kind == 2:
+            spread = rng.integers(3)  # equal lengths, log-uniform, or few long beside short ones
+            lens = (np.full(n, top) if spread == 0 else np.exp(rng.uniform(0, math.log(top), n)))
+            if spread == 2:
                 lens = np.exp(rng.uniform(0, math.log(min(top, 2048)), n))
             lens[0] = top
             kv = np.maximum(lens.astype(np.int64), 1)
@@ -70,7 +71,7 @@ def sample_shapes(decode: bool, bucket: int, *, heads: tuple[int, int, int], max
             prefix = np.where(rng.random(n) < 0.5, 0, np.exp(rng.uniform(0, math.log(max_context), n)))
             kv = np.minimum(q + prefix.astype(np.int64), max_context)
             q = np.minimum(q, kv)
-        out.append(StepFeatures(decode, bucket, kv, q, heads, dtype_bytes))
+        out.append(StepFeatures(kind, bucket, kv, q, heads, dtype_bytes))
     return out
 
 
@@ -121,30 +122,30 @@ class LearnedTuner:
         self.base, self.model, self.heads = base, model, tuple(heads)
         self.dtype_bytes, self.block_size, self.max_context = dtype_bytes, block_size, max_context
         self.prune, self.max_variants = prune, max_variants
-        self._buckets: dict[tuple[bool, int], _Bucket] = {}
+        self._buckets: dict[tuple[StepKind, int], _Bucket] = {}
         self._cache: dict[tuple, int] = {}
         self._predictions = 0
         self._hits = 0
 
     # ---- StepTuner ----
 
-    def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
+    def variants(self, kind: StepKind, padded_size: int) -> tuple[Kernels, ...]:
         """The base Kernels, then the candidates the model says can win in this bucket (at most max_variants)."""
-        return self._bucket(decode, padded_size).kernels
+        return self._bucket(kind, padded_size).kernels
 
-    def choose(self, plan, decode: bool, padded_size: int) -> int:
-        """Index into variants(decode, padded_size): the cached choice for the step's key, else the model's."""
-        b = self._buckets.get((decode, padded_size)) or self._bucket(decode, padded_size)
+    def choose(self, plan, kind: StepKind, padded_size: int) -> int:
+        """Index into variants(kind, padded_size): the cached choice for the step's key, else the model's."""
+        b = self._buckets.get((kind, padded_size)) or self._bucket(kind, padded_size)
         if b.ranker is None:
             return 0
-        key = plan_key(plan, decode, padded_size)
+        key = plan_key(plan, kind, padded_size)
         index = self._cache.get(key)
         if index is not None:
             self._hits += 1
             return index
         cu = plan.cu_q_lens
-        stats = length_stats(plan.kv_lens, None if decode else cu[1:] - cu[:-1], plan.kv_extent)  # np.diff: 3x
-        index = b.ranker.best(shape_features(decode, padded_size, self.heads, self.dtype_bytes, stats), stats)
+        stats = length_stats(plan.kv_lens, None if kind is StepKind.DECODE else cu[1:] - cu[:-1], plan.kv_extent)  # np.diff: 3x
+        index = b.ranker.best(shape_features(kind, padded_size, self.heads, self.dtype_bytes, stats), stats)
         self._predictions += 1
         if len(self._cache) >= MAX_CACHE:
             self._cache.clear()
@@ -157,20 +158,20 @@ class LearnedTuner:
 
     # ---- buckets ----
 
-    def variant_names(self, decode: bool, padded_size: int) -> tuple[str, ...]:
-        """Candidate names of variants(decode, padded_size), in the same order."""
-        return self._bucket(decode, padded_size).names
+    def variant_names(self, kind: StepKind, padded_size: int) -> tuple[str, ...]:
+        """Candidate names of variants(kind, padded_size), in the same order."""
+        return self._bucket(kind, padded_size).names
 
-    def _bucket(self, decode: bool, padded_size: int) -> _Bucket:
+    def _bucket(self, kind: StepKind, padded_size: int) -> _Bucket:
         if padded_size < 1:
             raise ValueError(f"padded_size {padded_size} must be >= 1")
-        key = (decode, padded_size)
+        key = (kind, padded_size)
         if key not in self._buckets:
-            self._buckets[key] = self._build(decode, padded_size)
+            self._buckets[key] = self._build(kind, padded_size)
         return self._buckets[key]
 
-    def _build(self, decode: bool, padded_size: int) -> _Bucket:
-        op = "decode" if decode else "prefill"
+    def _build(self, kind: StepKind, padded_size: int) -> _Bucket:
+        op = kind.label
         known = set(self.model.names.get(op, ()))
         scheds = [s for s in candidates(op, self.base, padded_size, block_size=self.block_size) if s.name in known]
         default = candidates(op, self.base, padded_size, block_size=self.block_size)[0]
@@ -180,7 +181,7 @@ class LearnedTuner:
         if self.prune and len(scheds) > 1:
             ranker = self._ranker(op, names)
             pred = [ranker.predict(f.vector(), f.stats())
-                    for f in sample_shapes(decode, padded_size, heads=self.heads, max_context=self.max_context,
+                    for f in sample_shapes(kind, padded_size, heads=self.heads, max_context=self.max_context,
                                            count=PRUNE_SAMPLES, dtype_bytes=self.dtype_bytes)]
             scheds = [scheds[i] for i in keep_variants(np.stack(pred), self.max_variants)]
         names = tuple(s.name for s in scheds)

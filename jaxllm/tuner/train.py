@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 
+from jaxllm.contract import StepKind
 from jaxllm.tuner.candidates import all_schedules, interaction_features
 from jaxllm.tuner.cost_model import MlpWeights, forward_jnp
 from jaxllm.tuner.features import StepFeatures, shape_vector
@@ -33,9 +34,9 @@ def read_dataset(path: str) -> tuple[dict, list[dict]]:
 def row_features(row: dict) -> StepFeatures:
     """A dataset row's StepFeatures (what a StepPlan of that shape would give)."""
     kv = np.asarray(row["kv_lens"], np.int64)
-    decode = row["op"] == "decode"
-    q = np.ones(len(kv), np.int64) if decode else np.asarray(row["q_lens"], np.int64)
-    return StepFeatures(decode, int(row["bucket"]), kv, q, tuple(row["heads"]), _DTYPE_BYTES[row["dtype"]])
+    kind = StepKind.from_label(row["op"])
+    q = np.ones(len(kv), np.int64) if kind is StepKind.DECODE else np.asarray(row["q_lens"], np.int64)
+    return StepFeatures(kind, int(row["bucket"]), kv, q, tuple(row["heads"]), _DTYPE_BYTES[row["dtype"]])
 
 
 def schedule_matrix(op: str, names) -> np.ndarray:
@@ -72,7 +73,7 @@ def op_arrays(rows: list[dict], op: str) -> tuple[np.ndarray, np.ndarray, np.nda
     sched = schedule_matrix(op, names)
     feats = [row_features(r) for r in rows]
     stats = [f.stats() for f in feats]
-    shape = np.stack([shape_vector(f.decode, f.bucket, f.heads, f.dtype_bytes, st) for f, st in zip(feats, stats)])
+    shape = np.stack([shape_vector(f.kind, f.bucket, f.heads, f.dtype_bytes, st) for f, st in zip(feats, stats)])
     x = np.concatenate([np.repeat(shape[:, None], len(names), 1), np.repeat(sched[None], len(rows), 0),
                         row_interactions(rows, op, names, stats)], axis=2).astype(np.float32)  # [S, C, F]
     y = np.zeros((len(rows), len(names)), np.float32)

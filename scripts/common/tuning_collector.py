@@ -242,7 +242,7 @@ class Collector:
             kernels = sched.apply(self.base)
 
             def fn(q, kp, vp, tables, lens, cu, kernels=kernels):
-                return ragged_attention(q, kp, vp, tables, lens, cu, decode=decode, kernels=kernels)
+                return ragged_attention(q, kp, vp, tables, lens, cu, single_query=decode, kernels=kernels)
 
             fn.__name__ = f"tune_{op}_{sched.name}"  # its hlo module's name: how the trace tells candidates apart
             fns.append(jax.jit(fn))

@@ -46,8 +46,8 @@ def test_greedy_step_variant_changes_no_token(llm, monkeypatch):
     from jaxllm.contract import SamplingParams
 
     calls = []
-    run = llm.executor._run
-    monkeypatch.setattr(llm.executor, "_run", lambda call, inputs: calls.append(call.greedy) or run(call, inputs))
+    run = llm.executor.worker.run
+    monkeypatch.setattr(llm.executor.worker, "run", lambda call, inputs: calls.append(call.greedy) or run(call, inputs))
     try:
         alone = llm.generate([PROMPTS[1]], max_new_tokens=8)[0].token_ids
         assert True in calls  # the greedy variant ran

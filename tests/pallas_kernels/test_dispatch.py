@@ -92,7 +92,7 @@ def test_dispatch_queries_no_device_inside_a_trace(monkeypatch):
     args = (pool, pool, jnp.zeros((2, 2), jnp.int32), jnp.asarray([3, 5], jnp.int32))
     q = jnp.ones((2, 2, 3, 64), jnp.float32)
     for decode in (True, False):
-        jax.eval_shape(lambda q: dispatch.ragged_attention(q, *args, jnp.arange(3, dtype=jnp.int32), decode=decode,
+        jax.eval_shape(lambda q: dispatch.ragged_attention(q, *args, jnp.arange(3, dtype=jnp.int32), single_query=decode,
                                                            num_q_heads=4, kernels=kernels), q)
     w = jnp.ones((64, 64), jnp.float32)
     jax.eval_shape(lambda x: dispatch.add_rms_norm(x, dispatch.matmul_unreduced(x, w, kernels=kernels), x[0],
@@ -115,9 +115,9 @@ def test_num_q_heads_attends_with_the_first_heads_of_each_group_only(backend, de
     grouped = q.reshape(sum(lens), 2, 2, 64)  # [T, Hkv, G, D]: query head h is [h // G, h % G]
     wide = jnp.concatenate([grouped, jnp.full((sum(lens), 2, 1, 64), jnp.nan, jnp.float32)], axis=2)
     args = (pool, pool, tables, kv_lens, cu_q_lens)
-    got = dispatch.ragged_attention(wide, *args, decode=decode, num_q_heads=4,
+    got = dispatch.ragged_attention(wide, *args, single_query=decode, num_q_heads=4,
                                     kernels=dispatch.default_kernels(backend))
-    want = dispatch.ragged_attention(q, *args, decode=decode)
+    want = dispatch.ragged_attention(q, *args, single_query=decode)
     assert got.shape == q.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
 

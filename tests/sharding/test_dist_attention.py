@@ -29,9 +29,10 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.contract import StepPlan
+from jaxllm.contract import StepKind, StepPlan
 from jaxllm.executor.inputs import InputLayout, token_rows
 from jaxllm.executor.step import StepInputs
+from jaxllm.tuner.buckets import Buckets
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_prefill import PrefillBlockSizes
 from pallas_kernels.residuals import merge_partials
@@ -191,8 +192,8 @@ def _make_case(rng, instances: int, kv: str, decode: bool, *, split_k: int = 0) 
 
 
 def _layout(instances: int) -> InputLayout:
-    return InputLayout(instances=instances, blocks_per_instance=BLOCKS_PER_INSTANCE, block_size=BLOCK, min_tokens=8,
-                       seq_cap=8, table_width=TABLE_WIDTH)
+    buckets = Buckets(max_seqs=8, max_tokens_per_step=4096, table_width=TABLE_WIDTH, min_tokens=8)
+    return InputLayout(instances=instances, blocks_per_instance=BLOCKS_PER_INSTANCE, block_size=BLOCK, buckets=buckets)
 
 
 def _layout_kinds(plan: StepPlan, instances: int) -> set[str]:
@@ -222,7 +223,7 @@ def _dist_step(instances: int, decode: bool, dtype, kernels: dispatch.Kernels):
     def local(qkv, cos, sin, k, v, k_scale, v_scale, inputs):
         qkv, cos, sin, inputs = jax.tree.map(lambda x: x[0], (qkv, cos, sin, inputs))
         batch = dispatch.AttentionBatch(inputs.block_tables, inputs.kv_lens, inputs.cu_q_lens, inputs.slot_mapping,
-                                        inputs.parts, decode=decode)
+                                        inputs.parts, single_query=decode)
         out, *pools = dispatch.paged_attention(k, v, k_scale, v_scale, qkv, cos, sin, batch, num_q_heads=HQ,
                                                dtype=dtype, kernels=kernels)
         return out[None], *pools
@@ -236,7 +237,7 @@ def _reference_step(decode: bool, dtype):
     """paged_attention on one device over one pool (the jnp reference)."""
 
     def step(qkv, cos, sin, k, v, k_scale, v_scale, tables, kv_lens, cu_q_lens, slots):
-        batch = dispatch.AttentionBatch(tables, kv_lens, cu_q_lens, slots, decode=decode)
+        batch = dispatch.AttentionBatch(tables, kv_lens, cu_q_lens, slots, single_query=decode)
         return dispatch.paged_attention(k, v, k_scale, v_scale, qkv, cos, sin, batch, num_q_heads=HQ, dtype=dtype)
 
     return jax.jit(step)
@@ -255,7 +256,7 @@ def _as_pools(pools, kv: str):
 def _run_dist(case: _Case, instances: int, kv: str, kernels: dispatch.Kernels):
     """(out of each plan token [N, Hq, D] float32, the pools after the step as NumPy float32); the padding tokens'
     outputs are 0 (they have no keys)."""
-    decode = case.plan.is_decode
+    decode = case.plan.kind is StepKind.DECODE
     qkv = jnp.asarray(case.stacked_qkv, jnp.float32 if case.stacked_qkv.ndim == 6 else _dtype(kv))
     out, *pools = _dist_step(instances, decode, _dtype(kv), kernels)(
         qkv, case.stacked_cos, case.stacked_sin, *_as_pools(case.split, kv), case.inputs)
@@ -271,7 +272,7 @@ def _run_dist(case: _Case, instances: int, kv: str, kernels: dispatch.Kernels):
 def _run_reference(case: _Case, kv: str):
     plan = case.plan
     qkv = jnp.asarray(case.qkv, jnp.float32 if case.qkv.ndim == 5 else _dtype(kv))
-    out, *pools = _reference_step(plan.is_decode, _dtype(kv))(
+    out, *pools = _reference_step(plan.kind is StepKind.DECODE, _dtype(kv))(
         qkv, case.cos, case.sin, *_as_pools(case.ref, kv), case.ref_tables, plan.kv_lens, plan.cu_q_lens,
         case.ref_slots)
     return np.asarray(out, np.float32), [None if p is None else np.asarray(p, np.float32) for p in pools]
@@ -402,7 +403,7 @@ def test_inert_borrowed_step_reads_and_writes_nothing():
     rng = np.random.default_rng([SEED, 9])
     k = np.full((instances * BLOCKS_PER_INSTANCE, HKV, BLOCK, D), np.nan, np.float32)
     for decode, size in ((True, 4), (False, 8)):
-        inputs = layout.inert(decode, size, borrowed=True)
+        inputs = layout.inert(StepKind.DECODE if decode else StepKind.PREFILL, size, borrowed=True)
         t = inputs.num_tokens
         qkv = rng.standard_normal((instances, t, HKV, GROUP + 2, D)).astype(np.float32)
         cos, sin = _rope(np.zeros(instances * t, np.int32))
@@ -448,12 +449,12 @@ def test_errors():
     parts = DistParts(write_slots=jnp.full((2,), -1, jnp.int32), row_tables=jnp.zeros((2, 1), jnp.int32),
                       row_lens=jnp.zeros((2,), jnp.int32))
     batch = dispatch.AttentionBatch(jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32),
-                                    jnp.arange(3, dtype=jnp.int32), jnp.zeros((2,), jnp.int32), parts, decode=True)
+                                    jnp.arange(3, dtype=jnp.int32), jnp.zeros((2,), jnp.int32), parts, single_query=True)
     with pytest.raises(ValueError, match=r"needs Kernels\.distributed"):
         dispatch.paged_attention(pool, pool, None, None, q, cos, cos, batch, num_q_heads=HQ, dtype=jnp.float32,
                                  kernels=TRITON)
     with pytest.raises(ValueError, match="query_starts places prefill rows"):
-        dispatch.ragged_attention(q, pool, pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens, decode=True,
+        dispatch.ragged_attention(q, pool, pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens, single_query=True,
                                   query_starts=jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match=r"outs \(3, 2, 64\) must be row_max/row_sum \(3, 4\) plus head_dim"):
         merge_partials(jnp.zeros((3, 2, D)), jnp.zeros((3, 4)), jnp.zeros((3, 4)), parts=SpreadOverAxis(INSTANCE))

@@ -151,15 +151,15 @@ def _kernel_case(tensor_parallel):
     rng = np.random.default_rng(0)
     mesh = make_mesh(tensor_parallel)
     attention = jax.jit(tensor_parallel_attention(dispatch.ragged_attention, mesh),
-                        static_argnames=("decode", "num_q_heads", "kernels"))
+                        static_argnames=("single_query", "num_q_heads", "kernels"))
     triton = dispatch.Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
     errors = {}
     for decode, lens, cu in ((True, [37, 6], [0, 1, 2]), (False, [37, 6], [0, 5, 8])):
         k, v, tables, kv_lens = _pool_and_tables(rng, config, lens, block)
         q = jnp.asarray(rng.standard_normal((cu[-1], config.num_heads, config.head_dim)), jnp.float32)
         cu = jnp.array(cu, jnp.int32)
-        want = dispatch.ragged_attention(q, k, v, tables, kv_lens, cu, decode=decode)
-        got = attention(q, k, v, tables, kv_lens, cu, decode=decode, kernels=triton)
+        want = dispatch.ragged_attention(q, k, v, tables, kv_lens, cu, single_query=decode)
+        got = attention(q, k, v, tables, kv_lens, cu, single_query=decode, kernels=triton)
         errors["decode" if decode else "prefill"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         errors["out_spec_" + ("decode" if decode else "prefill")] = str(got.sharding.spec)
     return errors

@@ -27,7 +27,7 @@ def _engine(host_kv_bytes: int | None, *, num_blocks: int | None = POOL, prefix_
 
 
 def _block_bytes(llm: LLM) -> int:
-    return llm.executor.host_store.block_bytes
+    return llm.executor.worker.host_store.block_bytes
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +121,8 @@ def test_copies_in_flight_are_never_read_before_they_land(expected):
     """Every copy to the host lands 0.3 s late, with zeros until then: a swap-in that read its run before it
     landed would restore zeros and change the tokens."""
     tight = _engine(1 << 20, prefix_caching=False)
-    late = _LateTransfer(tight.executor.host_store.transfer, delay=0.3)
-    tight.executor.host_store.transfer = late
+    late = _LateTransfer(tight.executor.worker.host_store.transfer, delay=0.3)
+    tight.executor.worker.host_store.transfer = late
     got = [c.token_ids for c in tight.generate(PROMPTS, **SAMPLED)]
     assert tight.core.scheduler.stats().host.swap_ins_total > 0
     assert got == expected
@@ -161,7 +161,7 @@ def test_nothing_compiles_after_warm_up_with_the_tier_on():
               progress=False)
     llm.warm_up(progress=False)
     warm = llm.compile_count
-    assert warm == len(llm.executor.bucket_shapes()) + 2 * len(llm.executor.host_store.run_lengths())
+    assert warm == len(llm.executor.bucket_shapes()) + 2 * len(llm.executor.worker.host_store.run_lengths())
     before = compile_events()
     rng = np.random.default_rng(20261127)
     for _ in range(6):  # preemption-heavy batches of random lengths, greedy and sampled

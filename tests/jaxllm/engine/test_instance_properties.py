@@ -1,6 +1,6 @@
 """Properties of the instance set's host logic, through its public API only (constructors, add / plan / update /
-cancel, is_borrowed, grow / free, num_free): routing by load, lending off at the pool's edge, what counts as
-borrowed, and that an ended sequence leaves no record. Pure Python over fixed-seed random workloads, no device.
+cancel, is_borrowed and the input layout's borrowed step, grow / free, num_free): routing by load, lending off at the
+pool's edge, what counts as borrowed, and that an ended sequence leaves no record. Pure Python over fixed-seed random workloads, no device.
 """
 
 import dataclasses
@@ -14,7 +14,8 @@ from jaxllm.engine.distkv import GManager, InstanceSpec, RManager
 from jaxllm.engine.instances import InstanceSchedulers
 from jaxllm.engine.lending import LendingAllocator
 from jaxllm.engine.sequence import Status
-from jaxllm.executor.inputs import is_borrowed
+from jaxllm.executor.inputs import InputLayout, is_borrowed
+from jaxllm.tuner.buckets import Buckets
 
 EOS = 0
 BLOCK = 4
@@ -120,8 +121,17 @@ def _borrowing(scheds: InstanceSchedulers, plan) -> bool:
     return any(loan.request in planned for loan in scheds.gmanager.loans())
 
 
+def _layout(scheds: InstanceSchedulers, plan) -> InputLayout:
+    """The executor's input layout for this instance set, its buckets large enough for any of its plans."""
+    buckets = Buckets(max_seqs=scheds.max_seqs, max_tokens_per_step=scheds.max_tokens_per_step,
+                      table_width=max(plan.block_tables.shape[1], 1))
+    return InputLayout(instances=scheds.instances, blocks_per_instance=scheds.blocks_per_instance, block_size=BLOCK,
+                       buckets=buckets)
+
+
 def test_a_plan_is_borrowed_exactly_when_a_sequence_holds_a_lent_rblock():
-    """Property: is_borrowed(plan) says whether some planned sequence holds an rBlock of another instance (the
+    """Property: is_borrowed(plan), and the borrowed step the executor's input layout builds of it (the one that runs
+    DistAttention and its collectives), say whether some planned sequence holds an rBlock of another instance (the
     ledger's loans), whatever the table padding past each sequence's length holds: zeros (the joined plan's
     padding, which names instance 0's rBlock 0), any other instance's ids, or ids of no instance."""
     rng = np.random.default_rng(5)
@@ -138,6 +148,8 @@ def test_a_plan_is_borrowed_exactly_when_a_sequence_holds_a_lent_rblock():
                 continue
             want = _borrowing(scheds, plan)
             assert is_borrowed(plan, nb, BLOCK) == want
+            batch = _layout(scheds, plan).build(plan)
+            assert batch.borrowed == want and (batch.inputs.parts is not None) == want
             seen[want] += 1
             used = -(-plan.kv_lens.astype(np.int64) // BLOCK)
             past = np.arange(plan.block_tables.shape[1])[None, :] >= used[:, None]
@@ -145,7 +157,8 @@ def test_a_plan_is_borrowed_exactly_when_a_sequence_holds_a_lent_rblock():
             for _ in range(3):  # the padding rewritten to random ids of any instance, or of none (-1, past the mesh)
                 noise = rng.integers(-1, (scheds.instances + 1) * nb, size=plan.block_tables.shape).astype(np.int32)
                 tables = np.where(past, noise, plan.block_tables)
-                assert is_borrowed(dataclasses.replace(plan, block_tables=tables), nb, BLOCK) == want
+                noisy = dataclasses.replace(plan, block_tables=tables)
+                assert is_borrowed(noisy, nb, BLOCK) == want == _layout(scheds, noisy).build(noisy).borrowed
             scheds.update(plan, rng.integers(0, 50, size=plan.num_seqs), EOS)
     assert min(seen.values()) > 100 and padded_elsewhere > 100, (seen, padded_elsewhere)
 

@@ -36,7 +36,7 @@ def llms():
 def test_pool_dtypes_and_memory(llms):
     int8, f32 = llms
     config, bs = int8.config, int8.executor.block_size
-    for layer in int8.executor.kv_cache.layers:
+    for layer in int8.executor.worker.kv_cache.layers:
         assert layer.k.dtype == layer.v.dtype == jnp.int8
         assert layer.k_scale.dtype == layer.v_scale.dtype == jnp.float32
         assert layer.k_scale.shape == layer.v_scale.shape == layer.k.shape[:3]
@@ -48,7 +48,7 @@ def test_pool_dtypes_and_memory(llms):
     assert 0.25 < per_block["int8"] / per_block["float32"] <= 0.28
     # The accounting is what the pool really takes on the device.
     for llm, name in ((int8, "int8"), (f32, "float32")):
-        pool = llm.executor.kv_cache
+        pool = llm.executor.worker.kv_cache
         nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(pool))
         assert nbytes == per_block[name] * pool.num_blocks
 
@@ -73,7 +73,7 @@ def test_teacher_forced_logits_close_to_float32(llms):
     # the float32 pool's within half a quantisation step.
     bs = int8.executor.block_size
     used = -(-length // bs)  # logits() prefilled one sequence into rBlocks 0..used-1 of an empty pool
-    q_layer, f_layer = int8.executor.kv_cache.layers[0], f32.executor.kv_cache.layers[0]
+    q_layer, f_layer = int8.executor.worker.kv_cache.layers[0], f32.executor.worker.kv_cache.layers[0]
     pos = np.arange(length)
     for q, scale, ref in ((q_layer.k, q_layer.k_scale, f_layer.k), (q_layer.v, q_layer.v_scale, f_layer.v)):
         q, scale, ref = np.asarray(q[:used]), np.asarray(scale[:used]), np.asarray(ref[:used])

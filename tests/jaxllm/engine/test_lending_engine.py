@@ -124,7 +124,7 @@ def test_recall_copies_lent_rblocks_home_and_outputs_do_not_change(reference):
                  _tokens(reference["bfloat16"], requests))
     r = _stats(llm)
     assert recalled_while_running > 0, r
-    assert llm.executor.copied_blocks == r["recalled"] > 0, r
+    assert llm.executor.worker.copied_blocks == r["recalled"] > 0, r
     assert r["preemptions"] == 0 and _done(r), r
 
 

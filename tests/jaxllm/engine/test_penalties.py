@@ -141,7 +141,7 @@ def test_request_checks_name_the_value_and_the_limit(llm):
 def test_an_engine_without_penalties_refuses_them_and_keeps_no_state():
     llm = LLM("tiny", max_context=64, options=EngineOptions(block_size=4, max_seqs=2, penalties=False),
               progress=False)
-    assert llm.executor._penalty_state is None
+    assert not llm.executor.worker.has_penalties
     with pytest.raises(ValueError, match="frequency_penalty 1 is not served"):
         llm.generate("abc", max_new_tokens=2, frequency_penalty=1.0)
     assert len(llm.generate("abc", max_new_tokens=2)[0].token_ids) <= 2

@@ -9,6 +9,7 @@ Scheduler-level tests (no device) pin down when plan_continuation may and may no
 import numpy as np
 import pytest
 
+from jaxllm.contract import StepKind
 from jaxllm import LLM, EngineOptions
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.contract import SamplingParams
@@ -200,10 +201,10 @@ def _decode_plan(sched, prompts, rng, max_new_tokens=50):
     """Admit and prefill the prompts, then plan their first decode step."""
     seqs = [sched.add(p, SamplingParams(max_new_tokens=max_new_tokens), max_len=100) for p in prompts]
     plan = sched.plan()
-    assert not plan.is_decode and plan.sample.all()
+    assert plan.kind is StepKind.PREFILL and plan.sample.all()
     sched.update(plan, rng.integers(1, 100, size=len(seqs)), eos_id=0)
     plan = sched.plan()
-    assert plan.is_decode and plan.seq_ids.tolist() == [s.seq_id for s in seqs]
+    assert plan.kind is StepKind.DECODE and plan.seq_ids.tolist() == [s.seq_id for s in seqs]
     return seqs, plan
 
 
@@ -212,7 +213,7 @@ def test_continuation_plan_and_results():
     sched, alloc = _scheduler(num_blocks=16)
     seqs, prev = _decode_plan(sched, [[5, 6, 7], [8] * int(rng.integers(4, 9))], rng)
     cont = sched.plan_continuation(prev)
-    assert cont is not None and cont.is_decode and cont.seq_ids.tolist() == [s.seq_id for s in seqs]
+    assert cont is not None and cont.kind is StepKind.DECODE and cont.seq_ids.tolist() == [s.seq_id for s in seqs]
     assert cont.token_ids.tolist() == [PENDING_TOKEN] * 2 and cont.sample.all()
     assert cont.positions.tolist() == [s.num_tokens for s in seqs] == prev.kv_lens.tolist()
     assert cont.kv_lens.tolist() == [s.num_tokens + 1 for s in seqs]

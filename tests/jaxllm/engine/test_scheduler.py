@@ -12,6 +12,7 @@ import random
 import numpy as np
 import pytest
 
+from jaxllm.contract import StepKind
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.contract import SamplingParams
 from jaxllm.engine.scheduler import Scheduler
@@ -53,7 +54,7 @@ def _check_plan(plan, sched: Scheduler, alloc: BlockAllocator, ctx: str) -> None
     assert plan.block_tables.ndim == 2 and plan.block_tables.shape[0] == num_seqs
     cu = plan.cu_q_lens
     assert cu[0] == 0 and cu[-1] == num_tokens and np.all(np.diff(cu) >= 1), f"{ctx}: cu_q_lens {cu}"
-    assert plan.is_decode == bool(np.all(np.diff(cu) == 1))
+    assert (plan.kind is StepKind.DECODE) == bool(np.all(np.diff(cu) == 1))
     # Every rBlock owned by a sequence: all blocks in use are the running sequences', nothing leaks.
     owners = {k: v for k, v in alloc.owners().items() if v}
     assert set(owners) <= {s.seq_id for s in sched.running}, f"{ctx}: a non-running sequence owns rBlocks"

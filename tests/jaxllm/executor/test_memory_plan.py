@@ -9,8 +9,9 @@ from flax import nnx
 
 import jaxllm.builder as builder_module
 import jaxllm.memory_plan as memory_plan_module
+from jaxllm.contract import StepKind
 from jaxllm import LLM, EngineOptions
-from jaxllm.executor.executor import Executor
+from jaxllm.executor.executor import build_executor
 from jaxllm.memory_plan import _MEMORY_MARGIN_MIN, HOST_COPY_BYTES, plan_memory
 from jaxllm.model.checkpoints import load_model
 from jaxllm.model.kv_cache import init_kv_cache, kv_bytes_per_block
@@ -43,10 +44,10 @@ def test_step_memory_compiles_over_an_abstract_pool_and_borrowing_needs_do_not_g
     model = nnx.merge(graphdef, shard_params(state, mesh))
     needs = {}
     for width in (8, 64):  # rBlock-table widths: one sequence of 128 or 1,024 tokens over both pools
-        executor = Executor(model, _abstract_pool(model.config, 2 * 32, mesh), max_seqs=4, max_tokens_per_step=64,
+        executor = build_executor(model, _abstract_pool(model.config, 2 * 32, mesh), max_seqs=4, max_tokens_per_step=64,
                             table_width=width, mesh=mesh, instances=2, borrowing=True, backend="reference")
-        assert executor.abstract_pool
-        needs[width] = executor.step_memory(ops=("prefill",))
+        assert executor.worker.abstract_pool
+        needs[width] = executor.step_memory(kinds=(StepKind.PREFILL,))
     assert set(needs[8]) == {"prefill 64", "prefill 64 borrowed"}, needs[8]
     assert all(v > 0 for v in needs[8].values())
     extra = {w: needs[w]["prefill 64 borrowed"] - needs[w]["prefill 64"] for w in needs}

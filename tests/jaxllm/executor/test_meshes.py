@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxllm.contract import SamplingParams
+from jaxllm.contract import SamplingParams, StepKind
 from jaxllm.engine.core import Request
 from jaxllm.llm import LLM, EngineOptions
 from tests.devices import needs_host_devices
@@ -160,7 +160,7 @@ def test_a_borrowed_step_under_tensor_parallelism_runs_the_pallas_kernels_per_sh
     want = reference.generate([prompt], max_new_tokens=4, ignore_eos=True)[0].token_ids
     llm = LLM("tiny", options=EngineOptions(block_size=BLOCK, num_blocks=2, instances=2, tensor_parallel=2,
                                             attention_backend="triton", max_tokens_per_step=16), progress=False)
-    borrowed = llm.executor.kernels_for(True, 1, borrowed=True)
+    borrowed = llm.executor.variants.kernels_for(StepKind.DECODE, 1, borrowed=True)
     assert borrowed.distributed is not None and borrowed.decode_attention == "triton" and borrowed.per_shard is not None
     got = llm.generate([prompt], max_new_tokens=4, ignore_eos=True)[0].token_ids
     assert_same_greedy(reference, prompt, got, want)
@@ -179,7 +179,7 @@ def _decode_step_collectives(llm: LLM) -> collections.Counter:
         produced += sum(len(out.token_ids) for out in llm.core.step() if out.request_id == request_id)
     llm.core.drain()
     plan = llm.scheduler.plan()
-    assert plan.is_decode and plan.num_seqs == 1
+    assert plan.kind is StepKind.DECODE and plan.num_seqs == 1
     text = llm.executor.compiled_step_text(plan)
     llm.core.cancel(request_id)
     return collections.Counter(_COLLECTIVE.findall(text))

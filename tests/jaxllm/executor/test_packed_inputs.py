@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.contract import StepKind
 from jaxllm.executor.packed_inputs import PACKED_FIELDS, pack, unpack
 from jaxllm.executor.step import inert_step_inputs
 
@@ -17,7 +18,7 @@ def _stacked(instances: int, decode: bool, tokens: int, seqs: int, width: int, s
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(instances):
-        one = inert_step_inputs(decode, tokens, seqs, width)
+        one = inert_step_inputs(StepKind.DECODE if decode else StepKind.PREFILL, tokens, seqs, width)
         for name in PACKED_FIELDS + ("tokens", "top_k", "seed"):
             value = getattr(one, name)
             value[...] = rng.integers(-1, 1 << 20, value.shape, dtype=np.int32)

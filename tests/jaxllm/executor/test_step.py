@@ -1,4 +1,5 @@
-"""StepInputs built from a plain StepPlan (the runner's padding), and the step functions' signatures."""
+"""StepInputs built from a plain StepPlan on one instance (the input layout's padding: jaxllm.executor.inputs), and the
+step functions' signatures."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import pytest
 from jaxllm.executor import step
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.contract import SamplingParams
-from jaxllm.contract import StepPlan
+from jaxllm.contract import StepKind, StepPlan
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.executor.step import StepInputs, make_step_inputs, padded_sizes
+from jaxllm.executor.inputs import InputLayout
+from jaxllm.executor.step import StepInputs
+from jaxllm.tuner.buckets import Buckets
 
-LIMITS = dict(min_tokens=8, seq_cap=4, table_width=6)
+LIMITS = dict(min_tokens=8, max_seqs=4, max_tokens_per_step=16, table_width=6)
+
+
+def make_step_inputs(plan: StepPlan, **limits) -> StepInputs:
+    """The plan laid out on one instance of a pool of 32 rBlocks of 4 tokens, the instance axis dropped."""
+    layout = InputLayout(instances=1, blocks_per_instance=32, block_size=4, buckets=Buckets(**limits))
+    return jax.tree.map(lambda x: x[0], layout.build(plan).inputs)
 
 
 def _plans():
@@ -34,7 +43,7 @@ def test_plan_is_plain_arrays_and_ids():
     seqs, prefill, decode = _plans()
     assert prefill.seq_ids.tolist() == decode.seq_ids.tolist() == [s.seq_id for s in seqs]
     assert not hasattr(prefill, "seqs") and len(prefill) == prefill.num_seqs == 3
-    assert not prefill.is_decode and decode.is_decode and prefill.num_tokens == 11
+    assert prefill.kind is StepKind.PREFILL and decode.kind is StepKind.DECODE and prefill.num_tokens == 11
     np.testing.assert_array_equal(prefill.temperature, np.float32([0.5, 0.0, 1.5]))
     np.testing.assert_array_equal(prefill.top_k, [3, 0, 0])
     np.testing.assert_array_equal(prefill.top_p, np.float32([0.9, 1.0, 0.5]))
@@ -46,8 +55,7 @@ def test_plan_is_plain_arrays_and_ids():
 def test_prefill_inputs_pad_to_the_bucket_with_inert_rows():
     _, plan, _ = _plans()
     inputs = make_step_inputs(plan, **LIMITS)
-    t_pad, s_pad = padded_sizes(False, 11, min_tokens=8, seq_cap=4)
-    assert (t_pad, s_pad) == (16, 4) and (inputs.num_tokens, inputs.num_seqs) == (16, 4)
+    assert (inputs.num_tokens, inputs.num_seqs) == (16, 4)
     assert inputs.block_tables.shape == (4, 6) and inputs.cu_q_lens.shape == (5,)
     np.testing.assert_array_equal(inputs.tokens[:11], plan.token_ids)
     np.testing.assert_array_equal(inputs.positions[:11], plan.positions)
@@ -77,10 +85,12 @@ def test_decode_inputs_keep_cu_equal_to_arange():
 
 def test_plans_past_the_limits_raise():
     _, prefill, decode = _plans()
-    with pytest.raises(ValueError, match=r"3 sequences x 2 rBlocks exceeds the executor's limits \(4 x 1\)"):
+    with pytest.raises(ValueError, match=r"3 sequences x 2 rBlocks exceed the executor's limits \(4 x 1\)"):
         make_step_inputs(prefill, **{**LIMITS, "table_width": 1})
-    with pytest.raises(ValueError, match=r"exceeds the executor's limits \(2 x 6\)"):
-        make_step_inputs(prefill, **{**LIMITS, "seq_cap": 2})
+    with pytest.raises(ValueError, match=r"exceed the executor's limits \(2 x 6\)"):
+        make_step_inputs(prefill, **{**LIMITS, "max_seqs": 2})
+    with pytest.raises(ValueError, match="a decode step of 3 sequences is outside the buckets"):
+        make_step_inputs(decode, **{**LIMITS, "max_seqs": 2})  # never a shape warm-up did not compile
     assert make_step_inputs(decode, **{**LIMITS, "table_width": 2}).block_tables.shape == (4, 2)  # exactly fits
 
 

@@ -159,7 +159,7 @@ def test_kernel_backend_decode_step_matches_oracle(hidden, num_heads, num_kv_hea
                              jnp.asarray([0, T - 1], jnp.int32), jnp.asarray(slot(pos), jnp.int32))
     _, kv = model(jnp.asarray(ids[:-1], jnp.int32), jnp.asarray(pos, jnp.int32), kv, prefill, kernels=kernels)
     decode = AttentionBatch(jnp.asarray(blocks[None]), jnp.asarray([T], jnp.int32), jnp.asarray([0, 1], jnp.int32),
-                            jnp.asarray([slot(T - 1)], jnp.int32), decode=True)
+                            jnp.asarray([slot(T - 1)], jnp.int32), single_query=True)
     hidden, _ = model(jnp.asarray(ids[-1:], jnp.int32), jnp.asarray([T - 1], jnp.int32), kv, decode, kernels=kernels)
     ours = np.asarray(model.logits(hidden), np.float64)[-1]
     ref = numpy_llama_logits(tensors, config.to_hf(), ids)[-1]

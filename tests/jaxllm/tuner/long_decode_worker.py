@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.contract import StepPlan
-from jaxllm.executor.executor import Executor
+from jaxllm.executor.executor import build_executor
 from jaxllm.model.config import LlamaConfig
 from jaxllm.model.kv_cache import init_kv_cache
 from jaxllm.model.llama import Llama
@@ -43,7 +43,7 @@ def main() -> None:
     kernels = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
     # Decode steps of 1 and 2 sequences are what this measures; prefill has one bucket (8 tokens), compiled at warm-up
     # and counted like the others (each program a few seconds at XLA's default optimization, one layer).
-    executor = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32),
+    executor = build_executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, jnp.float32),
                         max_seqs=2, max_tokens_per_step=8, table_width=LONGEST // BLOCK_SIZE + 1, kernels=kernels)
     compiles = lambda: (executor.compile_count, executor.xla_compiles + executor.persistent_cache_hits)  # noqa: E731
     executor.warm_up(progress=False)

@@ -64,8 +64,8 @@ def test_every_triton_candidate_computes_the_same_attention(op):
     q_lens = [1, 1, 1] if op == "decode" else [9, 1, 6]
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     q = jax.random.normal(keys[2], (int(sum(q_lens)), hq, d), jnp.float32)
-    want = ragged_attention(q, k_pool, v_pool, tables, kv_lens, cu, decode=op == "decode", kernels=REFERENCE)
+    want = ragged_attention(q, k_pool, v_pool, tables, kv_lens, cu, single_query=op == "decode", kernels=REFERENCE)
     for sched in candidates(op, base, 16):
-        got = ragged_attention(q, k_pool, v_pool, tables, kv_lens, cu, decode=op == "decode",
+        got = ragged_attention(q, k_pool, v_pool, tables, kv_lens, cu, single_query=op == "decode",
                                kernels=sched.apply(base))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3, err_msg=sched.name)

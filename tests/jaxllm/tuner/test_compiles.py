@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, EngineOptions
-from jaxllm.executor.calls import Op
 from jaxllm.tuner.protocol import StepTuner
 from pallas_kernels.dispatch import Kernels
 from tests.workers import repository_env, run_json_worker
@@ -43,7 +42,7 @@ def _compiles(runner) -> tuple[int, int]:
 def test_generation_over_context_lengths_compiles_only_what_warm_up_announced():
     llm = LLM("tiny", max_context=1024, options=EngineOptions(block_size=16, max_seqs=4, max_tokens_per_step=32,
                                                               tuner="fixed"), progress=False)
-    tuner = _TwoVariants(llm.executor.kernels)
+    tuner = _TwoVariants(llm.executor.tuner.kernels)
     assert isinstance(tuner, StepTuner)
     llm.executor.tuner = tuner  # before anything asked it for variants
     plan = llm.executor.warm_up_plan()
@@ -62,8 +61,7 @@ def test_generation_over_context_lengths_compiles_only_what_warm_up_announced():
     stats = llm.core.stats()
     assert stats.compile_count == len(plan) and dict(stats.tuner)["predictions"] == len(tuner.chosen)
     assert sum(n for _, _, n in stats.bucket_steps) == len(tuner.chosen) == stats.steps_total
-    assert {(k, s) for k, s, _ in stats.bucket_steps} <= {("decode" if call.op == Op.DECODE else "prefill", size)
-                                                        for call, size in plan}
+    assert {(k, s) for k, s, _ in stats.bucket_steps} <= {(call.kind.label, size) for call, size in plan}
     assert stats.padding_tokens_total > 0
 
 

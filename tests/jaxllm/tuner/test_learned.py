@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxllm.tuner as tuner_pkg
+from jaxllm.contract import StepKind
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.contract import SamplingParams
 from jaxllm.contract import StepPlan
@@ -56,13 +57,13 @@ def _plan(kv_lens, q_lens) -> StepPlan:
 def test_learned_tuner_is_a_step_tuner_with_the_base_first():
     tuner = LearnedTuner(HOPPER, _model(), heads=HEADS, block_size=256)
     assert isinstance(tuner, StepTuner)
-    for decode, size in ((True, 1), (True, 64), (False, 16), (False, 2048)):
+    for decode, size in ((StepKind.DECODE, 1), (StepKind.DECODE, 64), (StepKind.PREFILL, 16), (StepKind.PREFILL, 2048)):
         variants = tuner.variants(decode, size)
         assert variants[0] is HOPPER and 1 <= len(variants) <= MAX_VARIANTS
         assert len(set(variants)) == len(variants) == len(tuner.variant_names(decode, size))
         assert tuner.variants(decode, size) is variants  # built once per bucket
     everything = LearnedTuner(HOPPER, _model(), heads=HEADS, block_size=256, prune=False, max_variants=99)
-    assert everything.variant_names(True, 4) == tuple(s.name for s in all_schedules("decode"))
+    assert everything.variant_names(StepKind.DECODE, 4) == tuple(s.name for s in all_schedules("decode"))
 
 
 def test_keep_variants_covers_the_worst_shortfall_before_frequent_small_wins():
@@ -84,18 +85,18 @@ def test_choose_ranks_with_the_model_and_caches_per_key():
     model = _model()
     tuner = LearnedTuner(HOPPER, model, heads=HEADS, block_size=256, prune=False, max_variants=99)
     plan = _plan([3000, 17, 250_000, 9], [1, 1, 1, 1])
-    index = tuner.choose(plan, True, 4)
-    names = tuner.variant_names(True, 4)
+    index = tuner.choose(plan, StepKind.DECODE, 4)
+    names = tuner.variant_names(StepKind.DECODE, 4)
     ranker = op_ranker(model, "decode", names, kv_heads=HEADS[1], block_size=256)
-    f = StepFeatures.from_plan(plan, True, 4, heads=HEADS)
+    f = StepFeatures.from_plan(plan, StepKind.DECODE, 4, heads=HEADS)
     want = int(np.argmin(ranker.predict(f.vector(), f.stats())))
     assert index == want
     assert tuner.stats() == {"predictions": 1, "cache_hits": 0, "cache_keys": 1}
     near = _plan([3001, 18, 250_001, 10], [1, 1, 1, 1])  # one decode step later: the same key
-    assert tuner.choose(near, True, 4) == tuner.choose(plan, True, 4) == index
+    assert tuner.choose(near, StepKind.DECODE, 4) == tuner.choose(plan, StepKind.DECODE, 4) == index
     assert tuner.stats() == {"predictions": 1, "cache_hits": 2, "cache_keys": 1}
     prefill = _plan([700, 64], [300, 64])
-    assert 0 <= tuner.choose(prefill, False, 512) < len(tuner.variants(False, 512))
+    assert 0 <= tuner.choose(prefill, StepKind.PREFILL, 512) < len(tuner.variants(StepKind.PREFILL, 512))
     assert tuner.stats()["predictions"] == 2
 
 
@@ -104,21 +105,21 @@ def test_features_of_a_scheduler_plan():
     for n in (2, 5, 4):
         sched.add(list(range(1, n + 1)), SamplingParams(max_new_tokens=5), max_len=64)
     prefill = sched.plan()
-    f = StepFeatures.from_plan(prefill, False, 16, heads=HEADS)
+    f = StepFeatures.from_plan(prefill, StepKind.PREFILL, 16, heads=HEADS)
     assert f.q_lens.tolist() == [2, 5, 4] and f.kv_lens.tolist() == [2, 5, 4]
     v = f.vector()
     assert v.shape == (NUM_SHAPE_FEATURES,) and np.all(np.isfinite(v))
     assert v[0] == 0 and v[1] == 4 and v[3] == pytest.approx(np.log2(12))  # prefill, bucket 2^4, 11 tokens
-    assert f.key() == plan_key(prefill, False, 16)
+    assert f.key() == plan_key(prefill, StepKind.PREFILL, 16)
     sched.update(prefill, np.array([9, 9, 9]), eos_id=0)
     decode = sched.plan()
-    d = StepFeatures.from_plan(decode, True, 4, heads=HEADS)
+    d = StepFeatures.from_plan(decode, StepKind.DECODE, 4, heads=HEADS)
     assert d.q_lens.tolist() == [1, 1, 1] and d.vector()[0] == 1
-    assert d.key() == plan_key(decode, True, 4)
-    far = StepFeatures(True, 4, d.kv_lens * 2, d.q_lens, HEADS)
+    assert d.key() == plan_key(decode, StepKind.DECODE, 4)
+    far = StepFeatures(StepKind.DECODE, 4, d.kv_lens * 2, d.q_lens, HEADS)
     assert far.key() != d.key()
     with pytest.raises(ValueError, match="heads"):
-        StepFeatures(True, 4, d.kv_lens, d.q_lens, (32, 8))
+        StepFeatures(StepKind.DECODE, 4, d.kv_lens, d.q_lens, (32, 8))
 
 
 @pytest.mark.parametrize("n", [1, 2, SMALL_STATS, SMALL_STATS + 1, 300])
@@ -147,7 +148,7 @@ def test_load_tuner_falls_back_to_fixed_and_says_so_once(caplog):
     with caplog.at_level(logging.INFO, logger="jaxllm.tuner"):
         a = load_tuner(HOPPER, device_kind="Imaginary GPU 9000", config=config, kv_dtype="bfloat16")
         b = load_tuner(HOPPER, device_kind="Imaginary GPU 9000", config=config, kv_dtype="bfloat16")
-    assert isinstance(a, FixedTuner) and isinstance(b, FixedTuner) and a.variants(True, 8) == (HOPPER,)
+    assert isinstance(a, FixedTuner) and isinstance(b, FixedTuner) and a.variants(StepKind.DECODE, 8) == (HOPPER,)
     said = [r.getMessage() for r in caplog.records if r.name == "jaxllm.tuner"]
     assert len(said) == 1 and "Imaginary GPU 9000" in said[0]
     assert a.reason == b.reason and "no imaginary-gpu-9000.npz in jaxllm/tuner/models" in a.reason, a.reason
@@ -157,7 +158,7 @@ def test_load_tuner_finds_the_shipped_model():
     config = LlamaConfig.llama2_7b()  # 32 / 32 heads of 128: measured in the shipped datasets
     assert tuner_pkg.model_path(H100).endswith("nvidia-h100-80gb-hbm3.npz")
     tuner = load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="bfloat16", block_size=256)
-    assert isinstance(tuner, LearnedTuner) and tuner.variants(True, 8)[0] is HOPPER
+    assert isinstance(tuner, LearnedTuner) and tuner.variants(StepKind.DECODE, 8)[0] is HOPPER
     assert isinstance(load_tuner(HOPPER, device_kind=H100, config=config, kv_dtype="int8"), FixedTuner)
 
 
@@ -212,12 +213,12 @@ def test_every_repeated_key_is_a_cache_hit_whatever_variant_it_chose():
             bucket = 8 if decode else 4096
             plan = _plan(kv, q)
             before = tuner.stats()
-            index = tuner.choose(plan, decode, bucket)
+            index = tuner.choose(plan, StepKind.DECODE if decode else StepKind.PREFILL, bucket)
             seen = before["cache_keys"] == tuner.stats()["cache_keys"]
             assert tuner.stats()["predictions"] == before["predictions"] + (not seen)
             assert tuner.stats()["cache_hits"] == before["cache_hits"] + seen
             before = tuner.stats()
-            assert tuner.choose(plan, decode, bucket) == index
+            assert tuner.choose(plan, StepKind.DECODE if decode else StepKind.PREFILL, bucket) == index
             assert tuner.stats() == {**before, "cache_hits": before["cache_hits"] + 1}, (index, before)
             chose_base += index == 0
     assert chose_base >= 10, chose_base
@@ -228,12 +229,12 @@ def test_shape_features_of_a_32_8_x_128_model_by_hand():
     32 query heads, 8 KV heads of 128 (bf16: 2 bytes)."""
     # Decode, bucket 4, two sequences of 3 and 12 keys: 15 keys, mean 7.5, variance 153/2 - 7.5^2 = 20.25,
     # cv 4.5 / 7.5 = 0.6; each query sees all its keys: 15 pairs.
-    decode = StepFeatures(True, 4, np.array([3, 12]), np.array([1, 1]), (32, 8, 128)).vector()
+    decode = StepFeatures(StepKind.DECODE, 4, np.array([3, 12]), np.array([1, 1]), (32, 8, 128)).vector()
     want = [1, 2, 1, np.log2(3), 1, 4, np.log2(13), np.log2(8.5), 0.6, 4, 2, 11, 2]
     np.testing.assert_allclose(decode, want, rtol=1e-6)
     # Prefill, bucket 16: 3 new tokens of a 3-token sequence (they see 1, 2, 3 keys) and 4 new tokens after 8
     # cached (they see 9..12): 6 + 42 = 48 pairs; 7 query tokens, the longest 4. int8 KV: 8 x 128 x 1 bytes.
-    prefill = StepFeatures(False, 16, np.array([3, 12]), np.array([3, 4]), (32, 8, 128), dtype_bytes=1).vector()
+    prefill = StepFeatures(StepKind.PREFILL, 16, np.array([3, 12]), np.array([3, 4]), (32, 8, 128), dtype_bytes=1).vector()
     want = [0, 4, 1, 3, np.log2(5), 4, np.log2(13), np.log2(8.5), 0.6, np.log2(49), 2, 10, 2]
     np.testing.assert_allclose(prefill, want, rtol=1e-6)
 
@@ -247,13 +248,13 @@ def test_shape_features_in_closed_form():
     for _ in range(200):
         heads = (32, 8, 128)
         n, length, bucket = int(rng.integers(1, 65)), int(rng.integers(1, 1 << 19)), 1 << int(rng.integers(0, 10))
-        f = StepFeatures(True, bucket, np.full(n, length), np.ones(n, np.int64), heads).vector()
+        f = StepFeatures(StepKind.DECODE, bucket, np.full(n, length), np.ones(n, np.int64), heads).vector()
         total = n * length
         want = [1, log2(bucket), log2(n), log2(1 + n), 1, log2(1 + total), log2(1 + length), log2(1 + length), 0,
                 log2(1 + total), 2, 11, log2(1 + length)]
         np.testing.assert_allclose(f, want, rtol=1e-6, atol=1e-6)
         q, p = int(rng.integers(1, 4097)), int(rng.integers(0, 1 << 18))
-        f = StepFeatures(False, bucket, np.array([p + q]), np.array([q]), heads).vector()
+        f = StepFeatures(StepKind.PREFILL, bucket, np.array([p + q]), np.array([q]), heads).vector()
         pairs = q * p + q * (q + 1) // 2
         want = [0, log2(bucket), 0, log2(1 + q), log2(1 + q), log2(1 + p + q), log2(1 + p + q), log2(1 + p + q), 0,
                 log2(1 + pairs), 2, 11, log2(1 + p + q)]

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from jaxllm.contract import StepKind
 from jaxllm.engine.allocator import BlockAllocator
 from jaxllm.model.kv_cache import init_kv_cache
-from jaxllm.executor.executor import Executor
+from jaxllm.executor.executor import build_executor
 from jaxllm.contract import SamplingParams
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.model.config import LlamaConfig
@@ -26,7 +27,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 def _generate(tuner_for, prompts):
     config = LlamaConfig.tiny(num_layers=1)
     base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
-    runner = Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 24, BLOCK, jnp.float32), max_seqs=4,
+    runner = build_executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 24, BLOCK, jnp.float32), max_seqs=4,
                     max_tokens_per_step=32, table_width=4, kernels=base, tuner=tuner_for(base, config))
     scheduler = Scheduler(BlockAllocator(24), BLOCK, max_tokens_per_step=32, max_seqs=4, prefix_caching=False)
     seqs = [scheduler.add(p, SamplingParams(max_new_tokens=n, ignore_eos=True), max_len=64) for p, n in prompts]
@@ -52,7 +53,7 @@ def test_the_learned_tuner_runs_its_variants_and_keeps_the_tokens():
     assert any(chosen) and len(chosen) == sum(runner.bucket_steps.values())  # steps ran non-default schedules
     assert isinstance(runner.tuner, LearnedTuner)
     assert runner.tuner.stats()["predictions"] > 0
-    listed = {size: runner.variants(True, size) for size in (1, 2, 4)}
+    listed = {size: runner.variants.variants(StepKind.DECODE, size) for size in (1, 2, 4)}
     assert any(len(v) > 1 for v in listed.values()), listed  # the model lists schedules beyond the default
     want, _ = _generate(lambda base, config: FixedTuner(base), prompts)
     assert tokens == want

@@ -8,8 +8,8 @@ from flax import nnx
 
 from jaxllm import EngineOptions
 from jaxllm.model.kv_cache import init_kv_cache
-from jaxllm.executor.calls import Op
-from jaxllm.executor.executor import Executor
+from jaxllm.contract import StepKind
+from jaxllm.executor.executor import build_executor
 from jaxllm.model.config import LlamaConfig
 from jaxllm.model.llama import Llama
 from jaxllm.tuner.compile_cache import ENV_VAR, CompileEvents, compile_events, resolve_cache_dir
@@ -22,9 +22,9 @@ def test_fixed_tuner_is_one_variant_everywhere():
     kernels = Kernels(decode_attention="triton", interpret=True)
     tuner = FixedTuner(kernels)
     assert isinstance(tuner, StepTuner)
-    for decode, size in ((True, 1), (True, 256), (False, 4096)):
-        assert tuner.variants(decode, size) == (kernels,)
-        assert tuner.choose(None, decode, size) == 0
+    for kind, size in ((StepKind.DECODE, 1), (StepKind.DECODE, 256), (StepKind.PREFILL, 4096)):
+        assert tuner.variants(kind, size) == (kernels,)
+        assert tuner.choose(None, kind, size) == 0
     assert tuner.stats() == {"predictions": 0, "cache_hits": 0}
     with pytest.raises(ValueError, match="Kernels"):
         FixedTuner("triton")
@@ -34,39 +34,42 @@ class _Listing:
     def __init__(self, listed, index=0):
         self.listed, self.index = listed, index
 
-    def variants(self, decode, padded_size):
+    def variants(self, kind, padded_size):
         return self.listed
 
-    def choose(self, plan, decode, padded_size):
+    def choose(self, plan, kind, padded_size):
         return self.index
 
     def stats(self):
         return {}
 
 
-def _runner(tuner=None) -> Executor:
+def _runner(tuner=None):
     config = LlamaConfig.tiny(num_layers=1)
-    return Executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 4, 8, jnp.float32), max_seqs=2,
+    return build_executor(Llama(config, rngs=nnx.Rngs(0)), init_kv_cache(config, 4, 8, jnp.float32), max_seqs=2,
                   max_tokens_per_step=8, table_width=2, tuner=tuner)
 
 
 def test_runner_defaults_to_its_kernels_and_checks_the_tuner():
     runner = _runner()
-    assert isinstance(runner.tuner, FixedTuner) and runner.kernels_for(True, 1) == runner.kernels
-    plan = [(call.op == Op.DECODE, size, call.greedy, call.logprobs, call.variant, call.borrowed)
+    D, P = StepKind.DECODE, StepKind.PREFILL
+    assert isinstance(runner.tuner, FixedTuner) and runner.variants.kernels_for(D, 1) == runner.tuner.kernels
+    plan = [(call.kind is D, size, call.greedy, call.logprobs, call.variant, call.borrowed)
             for call, size in runner.warm_up_plan()]
     assert plan == [(True, 1, False, False, 0, False), (True, 1, True, False, 0, False),
                     (True, 2, False, False, 0, False), (True, 2, True, False, 0, False),
                     (False, 8, False, False, 0, False)]
     with pytest.raises(ValueError, match="variant 1 of the decode bucket 1 does not exist"):
-        runner.kernels_for(True, 1, 1)
+        runner.variants.kernels_for(D, 1, 1)
     with pytest.raises(ValueError, match="lists no variant"):
-        _runner(_Listing(())).kernels_for(False, 8)
+        _runner(_Listing(())).variants.kernels_for(P, 8)
     a, b = Kernels(), Kernels(mosaic_min_tokens=256)
     listed = _runner(_Listing((a, b, a, b)))
-    assert listed.kernels_for(True, 2, 3) == b
+    assert listed.variants.kernels_for(D, 2, 3) == b
     # Decode bucket 2, sampled then greedy: the two distinct variants each, the repeats not again.
-    assert [call.variant for call, size in listed.warm_up_plan() if call.op == Op.DECODE and size == 2] == [0, 1, 0, 1]
+    assert [call.variant for call, size in listed.warm_up_plan() if call.kind is D and size == 2] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="replaced before warm-up"):
+        listed.tuner = FixedTuner(a)  # its buckets already listed _Listing's variants
 
 
 def test_options_and_cache_directory(monkeypatch):

@@ -333,6 +333,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, llm):
     for token, entry, (logprob, top) in zip(ids[1:], scored[1:], ref.prompt_logprobs[1:]):
         assert abs(entry[str(token)]["logprob"] - logprob) < 1e-4 and entry[str(token)]["decoded_token"] == text(token)
         assert {int(t) for t in entry} >= {top[0][0], token}
+        assert entry[str(top[0][0])]["rank"] == 1  # vLLM's ranks count from 1
+        assert sorted(v["rank"] for v in entry.values() if v["rank"] is not None) == [1, 2]  # the 2 most likely
 
 
 def test_chat_logprobs_agree_with_the_engine(client, llm):

@@ -1,6 +1,7 @@
-"""serve/http/logprobs.py: the engine's per-token entries in OpenAI's completions and chat shapes."""
+"""serve/http/logprobs.py: the engine's per-token entries in OpenAI's completions and chat shapes, and vLLM's
+prompt_logprobs."""
 
-from serve.http.logprobs import chat_logprobs, completion_logprobs, top_by_text
+from serve.http.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, top_by_text
 
 TEXT = {1: "a", 2: "bc", 3: "é"}
 ENTRIES = [(-0.5, ((1, -0.5), (2, -1.5))), (-2.0, ((3, -0.25), (2, -2.0)))]
@@ -26,3 +27,17 @@ def test_chat_shape_with_bytes():
                                                   {"token": "bc", "logprob": -1.5, "bytes": [98, 99]}]}
     assert out["content"][1]["top_logprobs"][0] == {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9]}
     assert chat_logprobs([], [], TEXT.get) == {"content": []}
+
+
+def test_prompt_logprobs_ranks_count_from_one():
+    """vLLM's convention: the most likely token's rank is 1, the k-th's k; a prompt token outside the k most likely
+    has no known rank (null)."""
+    text = {**TEXT, 4: "d"}
+    out = prompt_logprobs([4, 1, 2, 4], [None, *ENTRIES, (-3.0, ((3, -0.1), (1, -0.2), (2, -0.3)))], text.get)
+    assert out[0] is None
+    assert out[1] == {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+                      "2": {"logprob": -1.5, "rank": 2, "decoded_token": "bc"}}
+    assert out[2] == {"2": {"logprob": -2.0, "rank": 2, "decoded_token": "bc"},
+                      "3": {"logprob": -0.25, "rank": 1, "decoded_token": "é"}}
+    assert {t: v["rank"] for t, v in out[3].items()} == {"4": None, "3": 1, "1": 2, "2": 3}
+    assert out[3]["4"] == {"logprob": -3.0, "rank": None, "decoded_token": "d"}

@@ -35,7 +35,7 @@ from jaxllm.model.config import LlamaConfig
 from jaxllm.model.generation_config import GenerationDefaults, load_generation_defaults
 from jaxllm.model.kv_cache import init_kv_cache, kv_bytes_per_block, kv_dtype
 from jaxllm.model.llama import Llama, abstract_model
-from jaxllm.model.tokenizer import load_tokenizer
+from jaxllm.model.tokenizer_files import load_tokenizer
 from jaxllm.tuner.compile_cache import enable_persistent_cache, resolve_cache_dir
 from jaxllm.tuner.fixed import FixedTuner
 from jaxllm.tuner.protocol import StepTuner

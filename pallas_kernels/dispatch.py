@@ -102,8 +102,8 @@ class AttentionBatch:
     block_tables [num_seqs, max_blocks] int32, kv_lens [num_seqs] int32 (after this step's tokens are
     written), cu_q_lens [num_seqs + 1] int32 (packed query tokens per sequence), slot_mapping [num_tokens]
     int32 (block * block_size + row; -1 for padding tokens). `single_query` (static) marks steps where every
-    sequence has exactly one query token (a decode step). parts: None, or the arrays of a step whose rBlocks lie on several
-    instances, read only by `Kernels.distributed` (sharding.dist_attention.DistParts).
+    sequence has exactly one query token (a decode step). parts: None, or the arrays of a step whose rBlocks lie on
+    several instances, read only by `Kernels.distributed` (sharding.dist_attention.DistParts).
     """
 
     block_tables: jax.Array
@@ -192,8 +192,8 @@ def ragged_attention(
     if kernels.per_shard is not None:
         local = dataclasses.replace(kernels, per_shard=None)
         return kernels.per_shard.attention(functools.partial(ragged_attention, kernels=local))(
-            q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, single_query=single_query, k_scale=k_scale, v_scale=v_scale,
-            num_q_heads=num_q_heads, **extra)
+            q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, single_query=single_query, k_scale=k_scale,
+            v_scale=v_scale, num_q_heads=num_q_heads, **extra)
     if single_query and query_starts is not None:
         raise ValueError("query_starts places prefill rows; a decode step's one query token sees every key")
     if single_query and kernels.decode_attention == "triton":

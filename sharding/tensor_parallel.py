@@ -48,8 +48,8 @@ def tensor_parallel_attention(attention: Callable, mesh: Mesh) -> Callable:
     """
     n = tensor_size(mesh)
 
-    def wrapped(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *, single_query: bool, k_scale=None, v_scale=None,
-                num_q_heads: int | None = None, query_starts=None, return_residuals: bool = False, **kwargs):
+    def wrapped(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, *, single_query: bool, k_scale=None,
+                v_scale=None, num_q_heads: int | None = None, query_starts=None, return_residuals: bool = False, **kwargs):
         if q.ndim == 4:
             # Grouped per KV head [T, Hkv, Gh, hd] (the model's rope_write_kv output): the head axis is
             # the KV-head axis, so a split keeps whole groups; each device reads num_q_heads / N of them.
@@ -65,8 +65,8 @@ def tensor_parallel_attention(attention: Callable, mesh: Mesh) -> Callable:
         local_heads = hq // n
 
         def local(q, k_pool, v_pool, k_scale, v_scale, block_tables, kv_lens, cu_q_lens, query_starts):
-            return attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, single_query=single_query, k_scale=k_scale,
-                             v_scale=v_scale, num_q_heads=local_heads, query_starts=query_starts,
+            return attention(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, single_query=single_query,
+                             k_scale=k_scale, v_scale=v_scale, num_q_heads=local_heads, query_starts=query_starts,
                              return_residuals=return_residuals, **kwargs)
 
         specs = (_HEADS, _HEADS, _HEADS, _HEADS, _HEADS, _WHOLE, _WHOLE, _WHOLE, _WHOLE)

@@ -171,7 +171,7 @@ def test_the_layer_checker_sees_what_it_must():
     assert layering_violations("jaxllm/tuner/fixed.py", "from jaxllm.engine.scheduler import StepPlan\n")
     assert layering_violations("jaxllm/engine/threaded.py", "from jaxllm.llm import LLM\n")
     assert layering_violations("jaxllm/engine/core.py", "import jax.numpy as jnp\n")
-    assert layering_violations("jaxllm/engine/core.py", "from jaxllm.executor.executor import Executor\n")
+    assert layering_violations("jaxllm/engine/core.py", "from jaxllm.executor.executor import build_executor\n")
     assert layering_violations("jaxllm/contract/step_plan.py", "from jaxllm.model.config import LlamaConfig\n")
     assert layering_violations("jaxllm/executor/executor.py", "from jaxllm.engine.core import EngineCore\n")
     assert layering_violations("jaxllm/progress.py", "from jaxllm.model.config import LlamaConfig\n")
@@ -247,3 +247,61 @@ def test_the_step_kind_checker_sees_what_it_must():
 @pytest.mark.parametrize("rel", [r for r in _files() if not r.startswith("scripts/")])
 def test_no_step_kind_is_a_boolean(rel):
     assert not step_kind_booleans((ROOT / rel).read_text())
+
+
+def _module_of(rel: str) -> str:
+    return rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of a module import graph (module -> modules it imports): its strongly connected components of
+    more than one module (Tarjan's algorithm), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_checker_sees_what_it_must():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_two_modules_import_each_other():
+    """No import loop between our modules, lazy imports inside functions included (the tokenizer and its HF
+    implementation once imported each other). A package's __init__ re-exporting its modules is no loop."""
+    modules = {_module_of(rel): rel for rel in _files() if not rel.startswith("scripts/")}
+    graph = {}
+    for module, rel in modules.items():
+        edges = set()
+        for _, _, imported in imported_packages((ROOT / rel).read_text()):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != module and not rel.endswith("__init__.py") \
+                    and not module.startswith(imported + "."):
+                edges.add(imported)
+        graph[module] = edges
+    assert not import_cycles(graph)

@@ -221,7 +221,8 @@ class StepPlan:
         return StepPlan(
             seq_ids=self.seq_ids[first:last], token_ids=self.token_ids[t0:t1], positions=self.positions[t0:t1],
             slot_mapping=self.slot_mapping[t0:t1], cu_q_lens=self.cu_q_lens[first:last + 1] - t0,
-            kv_lens=self.kv_lens[first:last], block_tables=self.block_tables[first:last], sample=self.sample[first:last],
+            kv_lens=self.kv_lens[first:last], block_tables=self.block_tables[first:last],
+            sample=self.sample[first:last],
             temperature=self.temperature[first:last], top_k=self.top_k[first:last], top_p=self.top_p[first:last],
             seed=self.seed[first:last], logprobs=pick(self.logprobs), instances=pick(self.instances),
             targets=None if self.targets is None else self.targets[t0:t1],

@@ -206,7 +206,7 @@ class EngineCore:
 
     Args:
       scheduler: one instance's Scheduler, or the InstanceSchedulers of several (one StepScheduler contract).
-      executor: runs the steps on the devices (jaxllm.executor.Executor).
+      executor: runs the steps on the devices (a StepRunner: jaxllm.executor.model_runner.ModelRunner).
       tokenizer: encodes nothing here; decodes tokens and names EOS.
       limits: the request limits every `add` is checked against.
       pipeline: queue the next decode step before reading this one's tokens (same tokens either way).

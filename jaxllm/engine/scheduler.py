@@ -34,10 +34,11 @@ from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from jaxllm.contract import PENDING_TOKEN, LogitBias, RowPenalties, SamplingParams, StepKind, StepPlan
+from jaxllm.contract import PENDING_TOKEN, SamplingParams, StepKind, StepPlan
 from jaxllm.engine.allocator import BlockPool, OutOfBlocks
 from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.scheduling import SchedulerStats
+from jaxllm.engine.plan_rows import PlanRow, assemble_plan
 from jaxllm.engine.sequence import Sequence, Status
 
 
@@ -307,77 +308,11 @@ class Scheduler:
             rows.append((seq, start, seq.token_slice(start, start + n), start + n == seq.num_tokens))
         return self._assemble(rows, host_copies=host_copies)
 
-    def _assemble(self, rows: list[tuple[Sequence, int, list[int], bool]],
-                  kv_extent: tuple[int, int] | None = None, host_copies=None) -> StepPlan:
-        """rows: (sequence, first position, token ids from there, samples a new token); kv_extent: the plan's
-        (total, longest) KV where the caller knows it (else the plan computes it); host_copies: the host tier's
-        copies to run first."""
-        bs = self.block_size
+    def _assemble(self, rows: list[PlanRow], kv_extent: tuple[int, int] | None = None,
+                  host_copies=None) -> StepPlan:
+        """The plan of `rows` over their rBlock tables (plan_rows.assemble_plan)."""
         tables = [self.allocator.blocks(seq.seq_id) for seq, _, _, _ in rows]
-        block_tables = np.zeros((len(rows), max(len(t) for t in tables)), np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
-        # Every token's position and slot in one pass over the packed tokens (no per-row arrays).
-        q_lens = np.fromiter((len(ids) for _, _, ids, _ in rows), np.int64, len(rows))
-        starts = np.fromiter((start for _, start, _, _ in rows), np.int64, len(rows))
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
-        row = np.repeat(np.arange(len(rows)), q_lens)
-        positions = starts[row] + np.arange(cu[-1]) - cu[row]
-        slots = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        params = [r[0].params for r in rows]
-        return StepPlan(
-            seq_ids=np.fromiter((r[0].seq_id for r in rows), np.int64, len(rows)),
-            token_ids=np.fromiter((t for _, _, ids, _ in rows for t in ids), np.int32, int(cu[-1])),
-            positions=positions.astype(np.int32),
-            slot_mapping=slots.astype(np.int32),
-            cu_q_lens=cu.astype(np.int32),
-            kv_lens=(starts + q_lens).astype(np.int32),
-            block_tables=block_tables,
-            sample=np.fromiter((r[3] for r in rows), bool, len(rows)),
-            temperature=np.fromiter((p.temperature for p in params), np.float32, len(rows)),
-            top_k=np.fromiter((p.top_k for p in params), np.int32, len(rows)),
-            top_p=np.fromiter((p.top_p for p in params), np.float32, len(rows)),
-            seed=np.fromiter((p.seed for p in params), np.int32, len(rows)),
-            logprobs=np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int32, len(rows)),
-            targets=self._targets(rows, cu) if any(p.prompt_logprobs is not None for p in params) else None,
-            penalties=self._penalties(rows) if any(r[0].penalty_slot >= 0 for r in rows) else None,
-            logit_bias=self._logit_bias(params) if any(p.logit_bias for p in params) else None,
-            kv_extent=kv_extent,
-            host_copies=host_copies,
-        )
-
-    @staticmethod
-    def _penalties(rows: list[tuple[Sequence, int, list[int], bool]]) -> RowPenalties:
-        seqs = [r[0] for r in rows]
-        ints = lambda values: np.fromiter(values, np.int32, len(seqs))  # noqa: E731
-        floats = lambda name: np.fromiter((getattr(s.params, name) for s in seqs), np.float32, len(seqs))  # noqa: E731
-        held = [s.penalty_slot >= 0 for s in seqs]  # a row without penalties keeps the inert values
-        return RowPenalties(
-            slot=ints(s.penalty_slot for s in seqs), start=ints(s.penalty_start for s in seqs),
-            prompt_len=ints(len(s.prompt_ids) if h else 0 for s, h in zip(seqs, held)),
-            recount_end=ints(s.penalty_recount_end if h else 0 for s, h in zip(seqs, held)),
-            frequency=floats("frequency_penalty"), presence=floats("presence_penalty"),
-            repetition=floats("repetition_penalty"))
-
-    @staticmethod
-    def _logit_bias(params: list[SamplingParams]) -> LogitBias:
-        ids = np.full((len(params), max(len(p.logit_bias) for p in params)), -1, np.int32)
-        values = np.zeros(ids.shape, np.float32)
-        for i, p in enumerate(params):
-            for j, (token, bias) in enumerate(p.logit_bias):
-                ids[i, j], values[i, j] = token, bias
-        return LogitBias(ids, values)
-
-    @staticmethod
-    def _targets(rows: list[tuple[Sequence, int, list[int], bool]], cu: np.ndarray) -> np.ndarray:
-        """StepPlan.targets: for each token of a sequence scoring its prompt, the prompt token after it."""
-        targets = np.full(int(cu[-1]), -1, np.int32)
-        for (seq, start, ids, _), first in zip(rows, cu):
-            if seq.params.prompt_logprobs is None:
-                continue
-            following = seq.token_slice(start + 1, min(start + len(ids) + 1, len(seq.prompt_ids)))
-            targets[first:first + len(following)] = following
-        return targets
+        return assemble_plan(rows, tables, self.block_size, kv_extent=kv_extent, host_copies=host_copies)
 
     # ----- results -----
 

@@ -1,4 +1,5 @@
-"""What the engine core asks of the executor that runs its steps (jaxllm.executor.Executor implements it).
+"""What the engine core asks of the executor that runs its steps (jaxllm.executor.model_runner.ModelRunner implements
+it).
 
 Written down here so the engine (pure Python: schedulers, the core, the front ends' checks) imports nothing
 that runs jax: the front (jaxllm.llm) builds an executor and hands it to the core.

@@ -2,7 +2,7 @@
 
 Every process runs every program (docs/ARCHITECTURE.md, decision 7: one SPMD program over the mesh): process 0 plans, and
 before each call it sends a `StepCall` (which program, with which statics) and its host inputs through
-`CallChannel`; every other process receives them in `Executor.follow()` and runs the same call. The call's
+`CallChannel`; every other process receives them in `Worker.follow()` and runs the same call. The call's
 fields travel as a few int32 words beside the inputs (sharding.multihost.StepBroadcast, a JAX collective);
 their meaning is written here once.
 """

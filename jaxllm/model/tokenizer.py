@@ -1,5 +1,6 @@
-"""Tokenizers: Llama-2's SentencePiece model, the tiny model's byte tokenizer, HF `tokenizer.json`
-(hf_tokenizer.py: what Llama-3 ships), `load_tokenizer` over all three, and streaming detokenization.
+"""Tokenizers: the `Tokenizer` interface, Llama-2's SentencePiece model, the tiny model's byte tokenizer, and
+streaming detokenization (HF `tokenizer.json`, what Llama-3 ships, is hf_tokenizer.py; a model directory's
+tokenizer is loaded by tokenizer_files.load_tokenizer).
 
 Both tokenizers share Llama-2's id layout for specials and bytes: 0 = <unk> (also used as pad),
 1 = <s> (BOS), 2 = </s> (EOS), 3..258 = the byte pieces <0x00>..<0xFF>. `encode` prepends BOS and
@@ -307,58 +308,3 @@ class StreamDecoder:
         piece = text[len(self._emitted):]
         self._reset()
         return piece
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # tokenizer.json first: it is what transformers prefers
-
-
-def has_tokenizer(model_dir: str | os.PathLike) -> bool:
-    """Whether `model_dir` holds a tokenizer load_tokenizer can read."""
-    return any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES)
-
-
-def read_tokenizer_config(model_dir: str) -> dict:
-    """tokenizer_config.json as a dict ({} when absent); ValueError naming the file when malformed."""
-    import json
-
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is malformed: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-def load_tokenizer(model_dir: str | os.PathLike | None) -> Tokenizer:
-    """ByteTokenizer when `model_dir` is None; else `model_dir/tokenizer.json` (HF tokenizers, with its
-    tokenizer_config.json) or, without one, the SentencePiece `model_dir/tokenizer.model`. The chat
-    template comes from tokenizer_config.json, extra EOS ids from generation_config.json / config.json."""
-    from jaxllm.model.generation_config import load_generation_defaults
-
-    if model_dir is None:
-        return ByteTokenizer()
-    model_dir = os.fspath(model_dir)
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model directory not found: {model_dir!r}")
-    tokenizer_config = read_tokenizer_config(model_dir)
-    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        from jaxllm.model.hf_tokenizer import HFTokenizer
-
-        tokenizer: Tokenizer = HFTokenizer(os.path.join(model_dir, "tokenizer.json"), tokenizer_config)
-    else:
-        path = os.path.join(model_dir, "tokenizer.model")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"model directory {model_dir!r} has no tokenizer.json or tokenizer.model "
-                                    f"(looked for {path!r})")
-        tokenizer = SentencePieceTokenizer(path)
-    template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):  # several named templates: transformers uses "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    tokenizer.chat_template = template if isinstance(template, str) else None
-    tokenizer.add_eos_ids(load_generation_defaults(model_dir).eos_token_ids)
-    return tokenizer

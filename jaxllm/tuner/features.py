@@ -118,7 +118,8 @@ def _stats_small(kv: list[int], q: list[int] | None) -> tuple:
             float(sum(a * b for a, b in zip(q, kv))), float(sum(b * b for b in q)))
 
 
-def shape_vector(kind: StepKind, bucket: int, heads: tuple[int, int, int], dtype_bytes: int, stats: tuple) -> np.ndarray:
+def shape_vector(kind: StepKind, bucket: int, heads: tuple[int, int, int], dtype_bytes: int,
+                 stats: tuple) -> np.ndarray:
     """[NUM_SHAPE_FEATURES] float32 from length_stats (StepFeatures.vector's numbers)."""
     return np.array(shape_features(kind, bucket, heads, dtype_bytes, stats), np.float32)
 
@@ -134,8 +135,8 @@ def shape_features(kind: StepKind, bucket: int, heads: tuple[int, int, int], dty
     pairs = qk - qq + (qq + qs) / 2
     hq, hkv, d = heads
     log2 = math.log2
-    return [1.0 if kind is StepKind.DECODE else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s), log2(1 + m),
-            log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes), log2(1 + mn)]
+    return [1.0 if kind is StepKind.DECODE else 0.0, log2(bucket), log2(n), log2(1 + qs), log2(1 + qm), log2(1 + s),
+            log2(1 + m), log2(1 + mean), cv, log2(1 + pairs), log2(hq / hkv), log2(hkv * d * dtype_bytes), log2(1 + mn)]
 
 
 def _q(x: float) -> int:

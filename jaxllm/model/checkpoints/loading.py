@@ -11,7 +11,7 @@ from jaxllm.model.checkpoints.hf_safetensors import load_hf
 from jaxllm.model.checkpoints.orbax import ORBAX_MARKER, load_orbax
 from jaxllm.model.config import PRESETS, preset
 from jaxllm.model.llama import Llama, init_model
-from jaxllm.model.tokenizer import has_tokenizer
+from jaxllm.model.tokenizer_files import has_tokenizer
 
 
 def _tokenizer_dir(directory: str) -> str | None:

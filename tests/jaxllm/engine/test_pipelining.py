@@ -2,7 +2,7 @@
 
 Every LLM-level test runs the same request twice on one model, pipelined and with
 options.pipeline=False (each step waits for its tokens), and requires identical completions; a
-counter on Executor.dispatch proves the pipelined run really fed steps from device tokens.
+counter on ModelRunner.dispatch proves the pipelined run really fed steps from device tokens.
 Scheduler-level tests (no device) pin down when plan_continuation may and may not run ahead.
 """
 

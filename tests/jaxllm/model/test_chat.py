@@ -9,7 +9,8 @@ import pytest
 
 from jaxllm.model.chat import ChatError, chat_prompt, render_chat
 from jaxllm.model.config import LlamaConfig
-from jaxllm.model.tokenizer import ByteTokenizer, load_tokenizer
+from jaxllm.model.tokenizer import ByteTokenizer
+from jaxllm.model.tokenizer_files import load_tokenizer
 from tests.jaxllm.model.numpy_llama import random_hf_tensors
 from tests.jaxllm.model.test_hf_tokenizer import LLAMA3_TEMPLATE, _byte_level_bpe
 from tests.jaxllm.model.test_weights import _write_hf

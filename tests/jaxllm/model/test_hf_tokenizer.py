@@ -12,7 +12,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from jaxllm.model.generation_config import GenerationDefaults, load_generation_defaults
 from jaxllm.model.hf_tokenizer import HFTokenizer
-from jaxllm.model.tokenizer import StreamDecoder, load_tokenizer
+from jaxllm.model.tokenizer import StreamDecoder
+from jaxllm.model.tokenizer_files import load_tokenizer
 
 _CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokens", "long context llama models"] * 5
 TEXTS = ["hello world", "  two  spaces and a tab\there", "café naïve 日本語 🦙 ok", "🦙🦙", "x", "the <b> end\n"]

@@ -12,8 +12,8 @@ from jaxllm.model.tokenizer import (
     SentencePieceTokenizer,
     StreamDecoder,
     Tokenizer,
-    load_tokenizer,
 )
+from jaxllm.model.tokenizer_files import load_tokenizer
 
 _WORDS = ("the quick brown fox jumps over the lazy dog while hello world says café naïve résumé "
           "Ünïcödé 日本 東京 こんにちは 😀 🚀 👍🏽 ∑ ß 12345 don't").split()

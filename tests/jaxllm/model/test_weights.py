@@ -343,7 +343,8 @@ def test_cli_convert_a_preset_writes_a_huggingface_directory_offline(tmp_path, c
     tokenizer.json) that loads back as the same model, and whose tokenizer gives the preset's ids and text."""
     import random
 
-    from jaxllm.model.tokenizer import ByteTokenizer, load_tokenizer
+    from jaxllm.model.tokenizer import ByteTokenizer
+    from jaxllm.model.tokenizer_files import load_tokenizer
 
     dst = str(tmp_path / "tiny-hf")
     assert cli.main(["convert", "tiny", dst]) == 0

@@ -40,8 +40,8 @@ import platform
 import sys
 import time
 
-from common import harness
-from common.tuning_collector import SMOKE, Collector, Plan, make_pools, slug
+from scripts.common import harness
+from scripts.common.tuning_collector import SMOKE, Collector, Plan, make_pools, slug
 
 
 def _heads(text: str) -> tuple[int, int, int]:

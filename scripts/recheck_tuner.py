@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from common import harness
-from common import tuning_collector as collect
+from scripts.common import harness
+from scripts.common import tuning_collector as collect
 
 
 def selected(evaluation: dict, below: float) -> list[dict]:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from common import device_trace
+from scripts.common import device_trace
 
 K = 1024
 

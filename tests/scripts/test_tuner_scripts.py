@@ -6,16 +6,11 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-
-import collect_tuning_data  # noqa: E402
-import train_tuner  # noqa: E402
-from common import tuning_collector as collect  # noqa: E402
+from scripts import collect_tuning_data, train_tuner
+from scripts.common import tuning_collector as collect
 
 
 def test_shapes_stay_inside_the_bucket_and_the_pool():
@@ -53,7 +48,7 @@ def test_one_group_is_timed_in_interpret_mode():
 
 
 def test_kernels_are_assigned_to_the_window_they_start_in():
-    from common import device_trace
+    from scripts.common import device_trace
 
     kernels = [(100, 5, "jit_a"), (104, 3, "jit_a"), (150, 7, "jit_b"), (151, 2, "jit_x"), (99, 9, "jit_a"),
                (205, 4, "jit_a"), (300, 1, "jit_b")]
@@ -141,7 +136,7 @@ def test_collect_takes_a_tensor_shards_head_shapes():
 
 
 def test_recheck_fractions_take_each_candidates_median_over_passes():
-    import recheck_tuner
+    from scripts import recheck_tuner
 
     passes = [{"a": 10.0, "b": 8.0}, {"a": 10.0, "b": 14.0}, {"a": 11.0, "b": 9.0}]
     per_pass, median, best = recheck_tuner.fractions(passes, "a")
@@ -150,7 +145,7 @@ def test_recheck_fractions_take_each_candidates_median_over_passes():
 
 
 def test_recheck_re_measures_only_the_shapes_under_the_threshold(tmp_path):
-    import recheck_tuner
+    from scripts import recheck_tuner
 
     shape = dict(op="decode", bucket=2, heads=[4, 2, 128], kind="ragged", q_lens=None, block=64,
                  variants=["default", "bk128"], default_us=8.0, best_us=8.0)

@@ -3,7 +3,8 @@
 - no module reads another object's underscore member (`x._name` where x is not self/cls; dunders
   are fine; a short allow-list names the few stdlib/jax hooks that have no public spelling);
 - imports point one way between top-level packages: pallas_kernels imports nothing of ours, sharding no
-  jaxllm/serve, jaxllm nothing from serve except its entry point jaxllm/serve.py;
+  jaxllm/serve, jaxllm nothing from serve except its entry point jaxllm/serve.py, the product neither scripts/
+  nor tests/, scripts/ no tests/; and nothing in scripts/ or tests/ edits sys.path to find its imports;
 - and one way inside jaxllm, between its layers (JAXLLM_LAYERS): the contract below everything, the model
   and the tuner above it, the executor above those, the engine (pure Python: no jax) beside the executor,
   the front (LLM, entry points) on top. Each layer names the layers and top-level packages it may import.
@@ -195,6 +196,11 @@ def layering_violations(rel: str, source: str) -> list[str]:
 def test_the_layer_checker_sees_what_it_must():
     assert layering_violations("jaxllm/model/llama.py", "from jaxllm.engine.core import X\nimport sharding.mesh\n")
     assert layering_violations("jaxllm/tuner/fixed.py", "from jaxllm.engine.scheduler import StepPlan\n")
+    # The tuning-data collector is the tuner's: no executor, and the scripts hand it their trace reader.
+    assert layering_violations("jaxllm/tuner/collect.py", "from jaxllm.executor.programs import StepPrograms\n")
+    assert layering_violations("jaxllm/tuner/collect.py", "from scripts.common import device_trace\n")
+    assert not layering_violations("jaxllm/tuner/collect.py", "from jaxllm.tuner.candidates import candidates\n"
+                                   "from pallas_kernels.dispatch import ragged_attention\nimport jax\n")
     assert layering_violations("jaxllm/engine/threaded.py", "from jaxllm.llm import LLM\n")
     assert layering_violations("jaxllm/engine/core.py", "import jax.numpy as jnp\n")
     assert layering_violations("jaxllm/engine/core.py", "from jaxllm.executor.executor import Executor\n")

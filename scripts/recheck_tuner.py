@@ -7,11 +7,11 @@ scripts/train_tuner.py scores the tuner on held-out shapes against one measureme
 (scripts/collect_tuning_data.py). A shape whose tuned fraction (measured best / measured time of the tuner's
 choice) is under --below is timed again here, --passes times, every candidate, exactly as it was collected
 (jaxllm.tuner.collect's Collector.group with the shape given instead of drawn: same pool, placements, reps and
-kernel timing), the passes spread over the run so that no two of a shape's passes are back to back. Per shape: the fraction in
-each pass and from the per-candidate medians over the passes. A miss that holds in the re-measurement is a
-miss of the model; one that does not was a measurement that did not repeat (benchmarks/NOTES.md, AutoTuner:
-the Triton prefill kernel with 64-row tiles sometimes runs ~30% faster on the same shape). Writes
-`<device>-<date>-<HHMM>-tuner-recheck.json` and `.md` under --out.
+kernel timing), the passes spread over the run so that no two of a shape's passes are back to back. Per shape:
+the fraction in each pass and from the per-candidate medians over the passes. A miss that holds in the
+re-measurement is a miss of the model; one that does not was a measurement that did not repeat
+(benchmarks/NOTES.md, AutoTuner: the Triton prefill kernel with 64-row tiles sometimes runs ~30% faster on the same
+shape). Writes `<device>-<date>-<HHMM>-tuner-recheck.json` and `.md` under --out.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from common.harness import device_kind, result_stem
+from scripts.common.harness import device_kind, result_stem
 
 # Runs inside a tree (its own pallas_kernels): prints one JSON line with the median microseconds a call.
 _ATTENTION_CHILD = r"""

@@ -2,7 +2,7 @@
 counts and latencies AIPerf read, as a table and JSON.
 
     python3 -m venv ~/aiperf-venv && ~/aiperf-venv/bin/pip install aiperf==0.13.0
-    python3 scripts/bench_aiperf.py --url http://127.0.0.1:8000/v1 --aiperf ~/aiperf-venv/bin/aiperf \
+    python3 -m scripts.bench_aiperf --url http://127.0.0.1:8000/v1 --aiperf ~/aiperf-venv/bin/aiperf \
         --requests 16 --concurrency 4 --prompt-tokens 64 --max-tokens 16 --json aiperf.json
 
 It starts no server: it runs `aiperf profile` against --url and reads what AIPerf exported. AIPerf lives in an
@@ -25,9 +25,7 @@ import sys
 import urllib.error
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common.load_report import read_metric  # noqa: E402
+from scripts.common.load_report import read_metric
 
 SUMMARY = "profile_export_aiperf.json"  # AIPerf's summary export, in --artifact-dir
 COUNTERS = ("jaxllm_prompt_tokens_total", "jaxllm_generation_tokens_total")

@@ -45,10 +45,10 @@ import numpy as np
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.ragged_prefill import ragged_prefill
-from common import harness
-from common.attention_cases import (mha_part, peer_prefill, pool_from_dense, prefill_errors,
-                                    prefill_problem, reference_rows, sdpa_part)
-from common.harness import gpu_state_table, ratio as _ratio, row_value as _get
+from scripts.common import harness
+from scripts.common.attention_cases import (mha_part, peer_prefill, pool_from_dense, prefill_errors,
+                                            prefill_problem, reference_rows, sdpa_part)
+from scripts.common.harness import gpu_state_table, ratio as _ratio, row_value as _get
 
 K, M = 1024, 1024 * 1024
 

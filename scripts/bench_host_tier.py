@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from common import harness
+from scripts.common import harness
 
 
 def _log(msg: str) -> None:

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from common import harness
+from scripts.common import harness
 
 
 def _log(msg: str) -> None:
@@ -89,7 +89,7 @@ _TRACE_AFTER = 4
 
 def _attention_kernels(events: list[tuple[str, int, int]], steps: int) -> dict[str, float]:
     """Attention kernels of a device's traced steps by name -> calls a step (which implementation ran)."""
-    from common.device_trace import kernel_kind
+    from scripts.common.device_trace import kernel_kind
 
     calls: dict[str, int] = {}
     for name, _, _ in events:
@@ -100,10 +100,10 @@ def _attention_kernels(events: list[tuple[str, int, int]], steps: int) -> dict[s
 
 def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     """(a): one sequence as long as the whole mesh's pools allow, prefilled and decoded."""
-    from common.device_trace import TraceWindow, device_summary, events_by_device
+    from jaxllm.contract import SamplingParams, StepKind
     from jaxllm.engine.core import Request
     from jaxllm.model.kv_cache import kv_bytes_per_block
-    from jaxllm.contract import SamplingParams, StepKind
+    from scripts.common.device_trace import TraceWindow, device_summary, events_by_device
 
     tp = args.longest_tp
     if devices % tp:

@@ -29,14 +29,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import harness  # noqa: E402
-from common.attention_cases import (peer_prefill, prefill_errors, prefill_problem, reference_rows,  # noqa: E402
-                                    sdpa_part)
-
-from pallas_kernels import compat  # noqa: E402
-from pallas_kernels.ragged_prefill import ragged_prefill  # noqa: E402
-from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig, ragged_prefill_mgpu  # noqa: E402
+from pallas_kernels import compat
+from pallas_kernels.ragged_prefill import ragged_prefill
+from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig, ragged_prefill_mgpu
+from scripts.common import harness
+from scripts.common.attention_cases import peer_prefill, prefill_errors, prefill_problem, reference_rows, sdpa_part
 
 K = 1024
 

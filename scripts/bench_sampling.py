@@ -23,9 +23,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from common import harness
-from common.device_trace import gpu_kernel_events
 from jaxllm.executor.sampler import greedy_tokens, sample_tokens
+from scripts.common import harness
+from scripts.common.device_trace import gpu_kernel_events
 
 
 def _impls(rows: int):

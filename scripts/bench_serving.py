@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 
-from common import harness
+from scripts.common import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIGURES = ("requests_per_s", "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",

@@ -34,9 +34,9 @@ import numpy as np
 
 from pallas_kernels import compat
 from pallas_kernels.skinny_matmul import SkinnyBlockSizes, default_block_sizes, skinny_matmul, skinny_matmul_reference
-from common import harness
-from common.device_trace import kernel_times
-from common.harness import time_calls
+from scripts.common import harness
+from scripts.common.device_trace import kernel_times
+from scripts.common.harness import time_calls
 
 
 @dataclasses.dataclass(frozen=True)

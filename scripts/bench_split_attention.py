@@ -29,10 +29,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from common import harness
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import ragged_decode
 from pallas_kernels.residuals import merge_partials
+from scripts.common import harness
 
 K = 1024
 MAX_ABS_ERR = 2e-2  # bf16 output of the unsplit kernel vs the merged parts

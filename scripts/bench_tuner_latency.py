@@ -24,7 +24,7 @@ import types
 
 import numpy as np
 
-from common import harness
+from scripts.common import harness
 
 
 def _plans(decode: bool, bucket: int, heads, count: int):

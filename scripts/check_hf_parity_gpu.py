@@ -3,8 +3,8 @@
 bfloat16 (Pallas kernels) and by transformers' LlamaForCausalLM in float32 (sdpa); a long prompt's last
 positions' logits compared (relative error, top-1 agreement). Prints a table and writes JSON.
 
-    python scripts/check_hf_parity_gpu.py                      # 32K tokens, 2 layers, hidden 4096
-    python scripts/check_hf_parity_gpu.py --tokens 256 --layers 1 --hidden 256 --vocab 4096   # CPU dry run
+    python -m scripts.check_hf_parity_gpu                      # 32K tokens, 2 layers, hidden 4096
+    python -m scripts.check_hf_parity_gpu --tokens 256 --layers 1 --hidden 256 --vocab 4096   # CPU dry run
 
 Needs torch and transformers (the GPU machine has both); the project itself does not depend on them.
 Few layers keep it fast; hidden 4096 keeps every matmul and the attention at Llama-3-8B's real shape.
@@ -22,8 +22,6 @@ import time
 
 # Before jax is imported: jax must not take the GPU memory torch needs (torch runs first, then frees it).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
@@ -167,7 +165,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from common.harness import result_stem
+    from scripts.common.harness import result_stem
 
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()

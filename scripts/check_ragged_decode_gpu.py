@@ -38,8 +38,8 @@ import numpy as np
 from pallas_kernels import compat
 from pallas_kernels.ragged_decode import DecodeBlockSizes, default_block_sizes, ragged_decode, ragged_decode_reference
 from pallas_kernels.kv_write import quantize_int8
-from common import harness
-from common.attention_cases import consecutive_tables
+from scripts.common import harness
+from scripts.common.attention_cases import consecutive_tables
 
 NUM_LAYERS = 4
 
@@ -189,7 +189,7 @@ def short_trace_timing(configs: dict, cases=((1024, 131072), (2048, 131072), (40
     """Kernel time (from a profiler trace, so no launch gaps or timer noise) of batch-1 MHA decode at short
     contexts, `layers` calls chained as in a model step, with a table `width` tokens wide as the engine
     sizes it (for its context limit) though only `length` tokens are real. configs: name -> DecodeBlockSizes."""
-    from common.device_trace import kernel_times
+    from scripts.common.device_trace import kernel_times
 
     rows = []
     for length, width in cases:

@@ -46,7 +46,7 @@ import numpy as np
 from pallas_kernels import ragged_prefill as rp
 from pallas_kernels.residuals import merge_partials
 from sharding.prefill_parts import prefill_parts
-from common import harness
+from scripts.common import harness
 
 SWEEP = [(128, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 4, 3)]  # (block_q, block_k, warps, stages)
 MHA_CONFIG = (128, 64, 4, 2)

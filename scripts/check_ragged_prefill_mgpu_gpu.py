@@ -25,8 +25,8 @@ import numpy as np
 
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
 from pallas_kernels.ragged_prefill_mgpu import MosaicPrefillConfig, mgpu_supported, ragged_prefill_mgpu
-from common import harness
-from common.kernel_inputs import poisoned_ragged_batch
+from pallas_kernels.testing import poisoned_ragged_batch
+from scripts.common import harness
 
 # |out - ref| per dtype (approximate exp2 on the GPU, p rounded to the input dtype for P @ V).
 _OUT_TOL = {"bfloat16": 4e-2, "float16": 8e-3}

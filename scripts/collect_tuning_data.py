@@ -4,7 +4,8 @@ drawn from serving, one dataset per device.
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$PWD python3 scripts/collect_tuning_data.py --out $OUT
   PYTHONPATH=$PWD python scripts/collect_tuning_data.py --smoke --out /tmp   # tiny shapes, CPU interpret mode
 
-What is timed is exactly what a step runs: `dispatch.ragged_attention` under each candidate's Kernels
+What is timed is exactly what a step runs (jaxllm.tuner.collect does it; this script sets its plan and hands it
+scripts/common/device_trace's kernel timer): `dispatch.ragged_attention` under each candidate's Kernels
 (jaxllm.tuner.candidates), one jit per (head shape, op, bucket, candidate) compiled once, over a pool of
 one layer's rBlocks (K+V ~ --pool-gb) for Llama-2-7B heads (32 q / 32 kv x 128) and Llama-3-8B heads
 (32 / 8 x 128), or the head shapes --heads names (a tensor shard's: 10/10/128 for 13B over 4 GPUs), bf16,
@@ -33,15 +34,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import json
 import os
 import platform
 import sys
 import time
 
-from common import harness
-from common.tuning_collector import SMOKE, Collector, Plan, make_pools, slug
+from scripts.common import harness
 
 
 def _heads(text: str) -> tuple[int, int, int]:
@@ -83,75 +81,36 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxllm.tuner.candidates import candidates
+    from jaxllm.tuner import collect
+    from jaxllm.tuner.features import device_slug
     from pallas_kernels import compat
-    from pallas_kernels.dispatch import Kernels, default_kernels
+    from scripts.common.device_trace import kernel_ns_per_batch
 
     compat.silence_triton_deprecation()
-    plan = SMOKE if args.smoke else Plan()
-    if args.budget_s is not None:
-        plan = dataclasses.replace(plan, budget_s=args.budget_s)
-    if args.timing is not None:
-        plan = dataclasses.replace(plan, timing=args.timing)
-    if args.max_len is not None:
-        plan = dataclasses.replace(plan, max_draw=args.max_len)
-    if args.heads is not None:
-        plan = dataclasses.replace(plan, heads=tuple(args.heads))
-    if args.decode_buckets is not None:
-        plan = dataclasses.replace(plan, decode_buckets=tuple(args.decode_buckets))
-    if args.prefill_buckets is not None:
-        plan = dataclasses.replace(plan, prefill_buckets=tuple(args.prefill_buckets))
+    plan = collect.SMOKE if args.smoke else collect.Plan()
+    overrides = dict(budget_s=args.budget_s, timing=args.timing, max_draw=args.max_len,
+                     heads=None if args.heads is None else tuple(args.heads),
+                     decode_buckets=None if args.decode_buckets is None else tuple(args.decode_buckets),
+                     prefill_buckets=None if args.prefill_buckets is None else tuple(args.prefill_buckets))
     if args.min_prefix is not None:
         if not 1 <= args.min_prefix <= plan.max_prefix:
             parser.error(f"--min-prefix {args.min_prefix} must be in 1..{plan.max_prefix} (the longest prefix drawn)")
-        plan = dataclasses.replace(plan, min_prefix=args.min_prefix)
-    interpret = not compat.on_gpu()
-    if interpret:  # the CPU: every Triton candidate in interpret mode (Mosaic needs a Hopper)
-        base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
-    else:
-        base = default_kernels("auto", head_dim=128)
+        overrides["min_prefix"] = args.min_prefix
+    plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    interpret = not compat.on_gpu()  # the CPU: every Triton candidate in interpret mode
+    base = collect.base_kernels(interpret)
     device = harness.device_kind()
     seed = int(time.time()) if args.seed is None else args.seed
     print(f"jax {jax.__version__}, {jax.devices()}, interpret={interpret}, base {base}", flush=True)
-    collector = Collector(plan, base, interpret, seed)
+    collector = collect.Collector(plan, base, seed, kernel_timer=kernel_ns_per_batch)
     header = dict(format="jaxllm-tuning-v1", script="scripts/collect_tuning_data.py", argv=sys.argv[1:],
                   device=device, date=harness.today(), jax=jax.__version__, python=platform.python_version(),
                   seed=seed, smoke=args.smoke, plan=dataclasses.asdict(plan), base=repr(base),
-                  definitions=dict(us="median over reps of the GPU kernel time of one attention call over one layer's "
-                                      "pool, microseconds (plan.timing 'kernel': summed from a jax.profiler trace; "
-                                      "'wall': host clock over back-to-back calls)",
-                                 wall_us="median over reps of host wall time per call (back-to-back calls)",
-                                 kv_lens="real sequences' KV lengths, query tokens included",
-                                 q_lens="prefill: query tokens per sequence"))
+                  definitions=collect.DEFINITIONS)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, slug(device) + (".smoke" if args.smoke else "") + (f".{args.tag}" if args.tag else "")
-                        + ".jsonl.gz")
-    groups = [(heads, op, b) for heads in plan.heads for op in args.ops
-              for b in (plan.decode_buckets if op == "decode" else plan.prefill_buckets)]
-    rows = []
-    for gi, (heads, op, bucket) in enumerate(groups):
-        if gi == 0 or groups[gi - 1][0] != heads:
-            pools = None  # the last head shape's pools freed before the next one's are made
-            pools = make_pools(plan, heads)
-            num_blocks, hkv, block, d = pools[0].shape
-            print(f"pool {heads}: {num_blocks} rBlocks of {block} ({2 * pools[0].nbytes / 1e9:.1f} GB K+V)", flush=True)
-        if collector.left() <= 0:
-            print(f"budget spent: {op} heads {heads} bucket {bucket} and later groups skipped", flush=True)
-            continue
-        schedules = candidates(op, base, bucket, block_size=plan.block)
-        seen = collector.compile_seconds
-        per_group = max(seen) if seen else 10.0
-        rows += collector.group(op, heads, bucket, pools, schedules, len(groups) - gi,
-                                est_compile=per_group * (len(groups) - gi - 1))
-        header["elapsed_s"] = round(time.time() - collector.t0, 1)
-        header["candidates"] = {o: [dict(name=s.name, features=s.features, fields=repr(s.fields), backend=s.backend)
-                                    for s in candidates(o, base, max(plan.prefill_buckets), block_size=plan.block)]
-                                for o in ("decode", "prefill")}
-        with gzip.open(path + ".tmp", "wt") as f:
-            f.write(json.dumps(header) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(path + ".tmp", path)
+    path = os.path.join(args.out, device_slug(device) + (".smoke" if args.smoke else "")
+                        + (f".{args.tag}" if args.tag else "") + ".jsonl.gz")
+    rows = collect.collect_dataset(collector, args.ops, path, header)
     print(f"wrote {path}: {len(rows)} shapes in {time.time() - collector.t0:.1f} s", flush=True)
     return 0
 

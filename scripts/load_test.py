@@ -1,6 +1,6 @@
 """Load a running `python -m jaxllm.serve` with concurrent streams; report requests/s, TTFT and TPOT.
 
-    python scripts/load_test.py --port 50051 --requests 256 --concurrency 32 \
+    python -m scripts.load_test --port 50051 --requests 256 --concurrency 32 \
         --prompt-tokens 128 --max-tokens 128 --json load.json
 
 Prompts are random token ids of exactly --prompt-tokens (sent as prompt_token_ids) and every
@@ -23,15 +23,13 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpc
 
-import grpc  # noqa: E402
-
-from serve import jaxllm_pb2 as pb  # noqa: E402
-from serve import jaxllm_pb2_grpc as pb_grpc  # noqa: E402
-from serve.client import auth_metadata, grpc_target  # noqa: E402
-from common.load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
-                                read_metric)
+from scripts.common.load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,
+                                        read_metric)
+from serve import jaxllm_pb2 as pb
+from serve import jaxllm_pb2_grpc as pb_grpc
+from serve.client import auth_metadata, grpc_target
 
 
 def one_request(stub, request: pb.GenerateRequest, timeout: float | None, metadata=()) -> Result:

@@ -1,6 +1,6 @@
 """scripts/load_test.py's twin for the OpenAI-compatible HTTP API: requests/s, TTFT and TPOT over SSE streams.
 
-    python scripts/load_test_http.py --url http://127.0.0.1:8000/v1 --requests 256 --concurrency 32 \
+    python -m scripts.load_test_http --url http://127.0.0.1:8000/v1 --requests 256 --concurrency 32 \
         --prompt-tokens 128 --max-tokens 128 --json load_http.json
 
 The same load as the gRPC script, so the two tables sit side by side: prompts of exactly
@@ -24,10 +24,8 @@ import time
 import urllib.parse
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common.load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,  # noqa: E402
-                                read_metric)
+from scripts.common.load_report import (Result, add_load_arguments, check_load_arguments, finish, percentile,
+                                        read_metric)
 
 
 class Api:

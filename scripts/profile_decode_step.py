@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from common import harness
+from scripts.common import harness
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -53,7 +53,7 @@ def device_kernels(fn, reps: int, top: int = 60) -> dict:
     """Kernel time per step from a profiler trace of `reps` calls of fn (GPU planes only)."""
     from collections import defaultdict
 
-    from common.device_trace import gpu_kernel_events, per_kernel_us
+    from scripts.common.device_trace import gpu_kernel_events, per_kernel_us
 
     events = gpu_kernel_events(fn, reps)
     if not events:

@@ -6,12 +6,12 @@
 scripts/train_tuner.py scores the tuner on held-out shapes against one measurement of every candidate
 (scripts/collect_tuning_data.py). A shape whose tuned fraction (measured best / measured time of the tuner's
 choice) is under --below is timed again here, --passes times, every candidate, exactly as it was collected
-(Collector.group with the shape given instead of drawn: same pool, placements, reps and kernel timing), the
-passes spread over the run so that no two of a shape's passes are back to back. Per shape: the fraction in
-each pass and from the per-candidate medians over the passes. A miss that holds in the re-measurement is a
-miss of the model; one that does not was a measurement that did not repeat (benchmarks/NOTES.md, AutoTuner:
-the Triton prefill kernel with 64-row tiles sometimes runs ~30% faster on the same shape). Writes
-`<device>-<date>-<HHMM>-tuner-recheck.json` and `.md` under --out.
+(jaxllm.tuner.collect's Collector.group with the shape given instead of drawn: same pool, placements, reps and
+kernel timing), the passes spread over the run so that no two of a shape's passes are back to back. Per shape:
+the fraction in each pass and from the per-candidate medians over the passes. A miss that holds in the
+re-measurement is a miss of the model; one that does not was a measurement that did not repeat
+(benchmarks/NOTES.md, AutoTuner: the Triton prefill kernel with 64-row tiles sometimes runs ~30% faster on the same
+shape). Writes `<device>-<date>-<HHMM>-tuner-recheck.json` and `.md` under --out.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import time
 
 import numpy as np
 
-from common import harness
-from common import tuning_collector as collect
+from scripts.common import harness
 
 
 def selected(evaluation: dict, below: float) -> list[dict]:
@@ -63,9 +62,10 @@ def main(argv=None) -> int:
         parser.error(f"{args.evaluation} holds no held-out shapes with their lengths (made by an older "
                      "scripts/train_tuner.py: run it again)")
 
+    from jaxllm.tuner import collect
     from jaxllm.tuner.candidates import candidates
     from pallas_kernels import compat
-    from pallas_kernels.dispatch import Kernels, default_kernels
+    from scripts.common.device_trace import kernel_ns_per_batch
 
     compat.silence_triton_deprecation()
     device = harness.device_kind()
@@ -73,11 +73,7 @@ def main(argv=None) -> int:
         parser.error(f"this machine is a {device}; {args.evaluation} was measured on a {evaluation['device']}")
     shapes = selected(evaluation, args.below)
     plan = collect.SMOKE if args.smoke else collect.Plan()
-    if args.smoke:
-        base = Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
-    else:
-        base = default_kernels("auto", head_dim=128)
-    collector = collect.Collector(plan, base, args.smoke, 0)
+    collector = collect.Collector(plan, collect.base_kernels(args.smoke), 0, kernel_timer=kernel_ns_per_batch)
     print(f"{len(shapes)} of {len(evaluation['held_out'])} held-out shapes under {args.below:.0%}; "
           f"{args.passes} passes each on {device}", flush=True)
     groups: dict[tuple, list[int]] = {}
@@ -94,7 +90,7 @@ def main(argv=None) -> int:
             for e in (shapes[i] for i in members):
                 q = [1] * len(e["kv_lens"]) if e["q_lens"] is None else e["q_lens"]
                 given.append((q, e["kv_lens"]))
-            schedules = candidates(op, base, bucket, block_size=plan.block)
+            schedules = candidates(op, collector.base, bucket, block_size=plan.block)
             rows = collector.group(op, heads, bucket, pools, schedules, 1, 0.0, shapes=given * args.passes)
             for k, row in enumerate(rows):
                 measured[members[k % len(members)]].append(row["us"])

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from common import harness
+from scripts.common import harness
 
 
 def run_one(llm, context: int, new_tokens: int):

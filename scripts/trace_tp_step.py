@@ -35,8 +35,8 @@ from collections import Counter
 
 import numpy as np
 
-from common import harness
-from common.device_trace import device_summary
+from scripts.common import harness
+from scripts.common.device_trace import device_summary
 
 # One HLO instruction producing a collective: `%name = shape kind(` with kind maybe `-start` (async on GPU).
 # Async ones return a tuple shape, with spaces and maybe nested: `((s32[1]{0}), s32[4]{0})`.
@@ -94,7 +94,7 @@ def trace_engine(args, tp: int, floor_tb_s: float | None, on_row=lambda row: Non
 
 
 def trace_one(args, llm, tp: int, context: int, floor_tb_s: float | None) -> dict:
-    from common.device_trace import events_by_device, host_summary, traced
+    from scripts.common.device_trace import events_by_device, host_summary, traced
     from jaxllm.contract import SamplingParams
     from jaxllm.engine.core import Request
     from jaxllm.model.kv_cache import kv_bytes_per_block

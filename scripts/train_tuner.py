@@ -26,7 +26,7 @@ import types
 
 import numpy as np
 
-from common import harness
+from scripts.common import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

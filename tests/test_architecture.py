@@ -3,7 +3,8 @@
 - no module reads another object's underscore member (`x._name` where x is not self/cls; dunders
   are fine; a short allow-list names the few stdlib/jax hooks that have no public spelling);
 - imports point one way between top-level packages: pallas_kernels imports nothing of ours, sharding no
-  jaxllm/serve, jaxllm nothing from serve except its entry point jaxllm/serve.py;
+  jaxllm/serve, jaxllm nothing from serve except its entry point jaxllm/serve.py, the product neither scripts/
+  nor tests/, scripts/ no tests/; and nothing in scripts/ or tests/ edits sys.path to find its imports;
 - and one way inside jaxllm, between its layers (JAXLLM_LAYERS): the contract below everything, the model
   and the tuner above it, the executor above those, the engine (pure Python: no jax) beside the executor,
   the front (LLM, entry points) on top. Each layer names the layers and top-level packages it may import.
@@ -92,11 +93,13 @@ def test_no_private_member_pending(rel):
     assert not _violations(rel)
 
 
-RULES = {  # "common": the scripts' shared package, as the scripts import it (scripts/ on sys.path)
-    "pallas_kernels": OURS - {"pallas_kernels"} | {"common"},
-    "sharding": {"jaxllm", "serve", "scripts", "common"},
-    "jaxllm": {"serve", "scripts", "common"},
-    "serve": {"scripts", "common"},
+RULES = {  # package -> what it may not import. The product imports neither scripts/ nor tests/; scripts/ imports the
+    # product (and its own package scripts.common), never tests/; tests import the product and scripts.
+    "pallas_kernels": OURS - {"pallas_kernels"} | {"tests"},
+    "sharding": {"jaxllm", "serve", "scripts", "tests"},
+    "jaxllm": {"serve", "scripts", "tests"},
+    "serve": {"scripts", "tests"},
+    "scripts": {"tests"},
 }
 
 
@@ -109,6 +112,30 @@ def test_imports_point_one_way(package):
         for line, top, module in imported_packages((ROOT / rel).read_text()):
             if top in RULES[package] and not (rel == "jaxllm/serve.py" and top == "serve"):
                 bad.append(f"{rel}:{line}: imports {module}")
+    assert not bad
+
+
+def sys_path_edits(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every call that changes sys.path (`sys.path.insert(...)`, `.append`, `.extend`, ...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and ast.unparse(node.func.value) == "sys.path"):
+            found.append((node.lineno, ast.unparse(node)[:80]))
+    return found
+
+
+def test_the_sys_path_checker_sees_what_it_must():
+    assert [line for line, _ in sys_path_edits("import sys\nsys.path.insert(0, 'x')\nsys.path.append('y')\n"
+                                               "print(sys.path)\n")] == [2, 3]
+
+
+@pytest.mark.parametrize("tree", ["scripts", "tests"])
+def test_nothing_patches_sys_path(tree):
+    """Scripts and tests import by one spelling from the repository root (`python -m scripts.X`,
+    `PYTHONPATH=$PWD python scripts/X.py`, pytest's rootdir), so none of them edits sys.path to find its imports."""
+    bad = [f"{path.relative_to(ROOT).as_posix()}:{line}: {code}" for path in sorted((ROOT / tree).rglob("*.py"))
+           for line, code in sys_path_edits(path.read_text())]
     assert not bad
 
 
@@ -169,6 +196,11 @@ def layering_violations(rel: str, source: str) -> list[str]:
 def test_the_layer_checker_sees_what_it_must():
     assert layering_violations("jaxllm/model/llama.py", "from jaxllm.engine.core import X\nimport sharding.mesh\n")
     assert layering_violations("jaxllm/tuner/fixed.py", "from jaxllm.engine.scheduler import StepPlan\n")
+    # The tuning-data collector is the tuner's: no executor, and the scripts hand it their trace reader.
+    assert layering_violations("jaxllm/tuner/collect.py", "from jaxllm.executor.programs import StepPrograms\n")
+    assert layering_violations("jaxllm/tuner/collect.py", "from scripts.common import device_trace\n")
+    assert not layering_violations("jaxllm/tuner/collect.py", "from jaxllm.tuner.candidates import candidates\n"
+                                   "from pallas_kernels.dispatch import ragged_attention\nimport jax\n")
     assert layering_violations("jaxllm/engine/threaded.py", "from jaxllm.llm import LLM\n")
     assert layering_violations("jaxllm/engine/core.py", "import jax.numpy as jnp\n")
     assert layering_violations("jaxllm/engine/core.py", "from jaxllm.executor.executor import build_executor\n")

@@ -220,8 +220,7 @@ class EngineCore:
         self.limits = limits
         self.pipeline = pipeline
         self._inflight: DispatchedStep | None = None
-        # The plan of the step the last step() recorded (benchmarks time steps by kind); None before any.
-        self.last_plan: StepPlan | None = None
+        self._last_plan: StepPlan | None = None
         self._live: dict[int, _Live] = {}  # request id -> state, until its final output
         self._by_seq: dict[int, int] = {}  # seq_id -> request id
         self._ids = itertools.count()
@@ -269,6 +268,11 @@ class EngineCore:
         """Requests added and not yet finished."""
         return len(self._live)
 
+    @property
+    def last_plan(self) -> StepPlan | None:
+        """The plan of the step the last step() recorded (None before any): what a caller timing steps by kind reads."""
+        return self._last_plan
+
     # ----- the loop -----
 
     def step(self, run_ahead: bool = True) -> list[RequestOutput]:
@@ -293,7 +297,7 @@ class EngineCore:
         candidates = list(self.scheduler.running)
         self.scheduler.update(inflight.plan, inflight.tokens(), self.tokenizer.eos_ids, inflight.logprobs(),
                               inflight.prompt_logprobs())
-        self.last_plan = inflight.plan
+        self._last_plan = inflight.plan
         self._inflight = following
         self._counts["steps_total"] += 1
         return self._collect(candidates, time.monotonic())

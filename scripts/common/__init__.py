@@ -1,16 +1,16 @@
-"""The code the scripts share; the scripts in scripts/ import from here and never from each other.
+"""The code the scripts share: scripts/*.py import it (`from scripts.common import harness`, or `from
+scripts.common.harness import ...`) and never each other, so one script's private helpers can change without
+breaking another.
 
-Scripts run as `python scripts/X.py`, which puts scripts/ first on sys.path, so they import
-`from common import harness` or `from common.harness import ...`. No script imports another script, so one
-script's private helpers can change without breaking another.
+- harness: timing, the device and its HBM floor, result files, tables (every benchmark and check)
+- gpu_state: SM clock and power sampled with nvidia-smi while a benchmark times (harness.Bench)
+- device_trace: GPU kernel times read from a profiler trace (bench_mesh, bench_sampling, bench_skinny_matmul,
+  profile_decode_step, trace_tp_step, check_ragged_decode_gpu; collect_tuning_data and recheck_tuner hand its
+  `kernel_ns_per_batch` to jaxllm.tuner.collect as the kernel timer)
+- attention_cases: attention problems, their references and errors (bench_attention, bench_mosaic_prefill,
+  check_ragged_decode_gpu)
+- load_report: what the load tests share (load_test, load_test_http; bench_aiperf reads the server's counters with it)
 
-- harness: timing, the device and its HBM floor, result files, tables (every benchmark)
-- attention_cases: attention problems, their references and errors (the attention benchmarks and checks)
-- gpu_state: SM clock and power sampled with nvidia-smi while a benchmark times
-- device_trace: GPU kernel times read from a profiler trace
-- tuning_collector: the AutoTuner's tuning-data collection (collect_tuning_data.py, recheck_tuner.py)
-- load_report: what the load tests (load_test.py, load_test_http.py) share
-- kernel_inputs: ragged kernel inputs with poisoned unused memory (kernel tests and GPU checks)
-
-Nothing here runs at import time: `python scripts/X.py --help` works on a machine without a GPU.
+Nothing here has a command line or runs at import time: `python -m scripts.X --help` works on a machine without
+a GPU.
 """

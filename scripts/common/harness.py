@@ -1,8 +1,8 @@
 """What every benchmark script shares: timing, the device and its HBM floor, result files, tables.
 
-Scripts import this module (`from common import harness`) and the rest of scripts/common, and never each
-other, so one script's private helpers can change without breaking another. Nothing here runs at
-import time: `python scripts/X.py --help` works on a machine without a GPU.
+Scripts import this module (`from scripts.common import harness`) and the rest of scripts/common, and never
+each other, so one script's private helpers can change without breaking another. Nothing here runs at
+import time: `python -m scripts.X --help` works on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Bench:
                  hbm_tb_s: float | None = None):
         import jax
 
-        from common.gpu_state import GpuSampler
+        from scripts.common.gpu_state import GpuSampler
 
         self.plan, self.interpret, self.hbm_tb_s = plan, interpret, hbm_tb_s
         self.t0 = time.time()

@@ -4,13 +4,9 @@ the server's compile counter, and the printed report."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-
-from serve.metrics import parse  # noqa: E402
+from serve.metrics import parse
 
 
 @dataclasses.dataclass

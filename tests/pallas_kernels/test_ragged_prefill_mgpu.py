@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels import compat
 from pallas_kernels import ragged_prefill_mgpu as rpm
 from pallas_kernels.ragged_prefill import ragged_prefill_reference
-from scripts.common.kernel_inputs import poisoned_ragged_batch  # the repository root is on sys.path
+from pallas_kernels.testing import poisoned_ragged_batch
 from tests.seeds import seed
 
 _OUT_TOL = {jnp.bfloat16: 3e-2, jnp.float16: 4e-3}

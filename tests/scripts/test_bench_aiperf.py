@@ -5,15 +5,12 @@ writes a summary export shaped like AIPerf 0.13's; the script must read its toke
 from __future__ import annotations
 
 import json
-import os
 import stat
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-
-import bench_aiperf  # noqa: E402
+from scripts import bench_aiperf
 
 FAKE = """#!{python}
 import json, os, sys

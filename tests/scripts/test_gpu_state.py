@@ -2,12 +2,8 @@
 
 import datetime
 import io
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-
-from common.gpu_state import GpuSampler, _parse  # noqa: E402
+from scripts.common.gpu_state import GpuSampler, _parse
 
 
 class _FakeProcess:
@@ -59,7 +55,7 @@ def test_summary_keeps_only_samples_inside_the_windows():
 
 
 def test_start_without_nvidia_smi_gives_none(monkeypatch):
-    from common import gpu_state
+    from scripts.common import gpu_state
 
     monkeypatch.setattr(gpu_state.shutil, "which", lambda name: None)
     assert GpuSampler.start() is None

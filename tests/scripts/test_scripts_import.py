@@ -1,5 +1,5 @@
-"""Every command-line script answers --help on a CPU and imports only scripts/common; the harness's device floor,
-spread and files."""
+"""Every command-line script answers --help on a CPU and imports only scripts.common of scripts/; the harness's
+device floor, spread and files."""
 
 import ast
 import json
@@ -12,25 +12,25 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPTS = os.path.join(ROOT, "scripts")
 COMMON = os.path.join(SCRIPTS, "common")
-sys.path.insert(0, SCRIPTS)
 
-from common import harness  # noqa: E402
+from scripts.common import harness  # noqa: E402  (after the paths above, which it is checked against)
 
 # scripts/*.py are the command-line scripts; the code they share is the package scripts/common.
-CLI_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py"))
+CLI_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py") and f != "__init__.py")
 SHARED = sorted(f[:-3] for f in os.listdir(COMMON) if f.endswith(".py") and f != "__init__.py")
-SOURCES = [os.path.join("scripts", f) for f in CLI_SCRIPTS] + [os.path.join("scripts", "common", m + ".py")
-                                                                 for m in ["__init__", *SHARED]]
+SOURCES = [os.path.join("scripts", f) for f in ["__init__.py", *CLI_SCRIPTS]] + [
+    os.path.join("scripts", "common", m + ".py") for m in ["__init__", *SHARED]]
 
 
 def test_scripts_and_shared_modules_are_found():
     assert len(CLI_SCRIPTS) >= 11, CLI_SCRIPTS
-    assert {"harness", "attention_cases", "gpu_state", "device_trace", "kernel_inputs"} <= set(SHARED), SHARED
+    assert {"harness", "attention_cases", "gpu_state", "device_trace", "load_report"} <= set(SHARED), SHARED
 
 
 @pytest.mark.parametrize("script", CLI_SCRIPTS)
 def test_script_help_runs_on_the_cpu(script, monkeypatch, capsys):
-    """`python scripts/X.py --help`, in this process (jax imported once): a broken import fails here."""
+    """`python scripts/X.py --help`, in this process (jax imported once; the repository root on sys.path, as
+    PYTHONPATH=$PWD or `python -m` puts it): a broken import fails here."""
     path = os.path.join(SCRIPTS, script)
     monkeypatch.setattr(sys, "argv", [path, "--help"])
     with pytest.raises(SystemExit) as exit_:
@@ -59,17 +59,19 @@ def _imported_modules(tree) -> list[tuple[str, list[str]]]:
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_scripts_import_only_the_shared_package(source):
-    """A script imports public names of scripts/common, never another script (nor its _helpers); so do the
-    shared modules."""
+    """A script imports public names of scripts.common, never another script (nor its _helpers), and spells the
+    package one way (`scripts.common`, from the repository root: never `common` off scripts/ on sys.path); so do
+    the shared modules."""
     scripts = {f[:-3] for f in CLI_SCRIPTS}
     for module, names in _imported_modules(ast.parse(open(os.path.join(ROOT, source)).read())):
         parts = module.split(".")
-        assert parts[0] not in scripts, f"{source} imports the script {module}"
-        if parts[0] != "common":
+        assert parts[0] not in scripts | {"common"}, f"{source} imports {module} (scripts/ on sys.path)"
+        if parts[0] != "scripts":
             continue
-        assert len(parts) == 1 or parts[1] in SHARED, f"{source} imports {module}, not in scripts/common"
-        if len(parts) == 1:
-            assert set(names) <= set(SHARED), f"{source}: from common import {names}: not modules of scripts/common"
+        assert len(parts) >= 2 and parts[1] == "common", f"{source} imports {module}, not scripts.common"
+        assert len(parts) == 2 or parts[2] in SHARED, f"{source} imports {module}, not in scripts/common"
+        if len(parts) == 2:
+            assert set(names) <= set(SHARED), f"{source}: from {module} import {names}: not modules of scripts/common"
         assert not any(n.startswith("_") for n in names), f"{source}: private import from {module}"
 
 

@@ -1,59 +1,19 @@
-"""The AutoTuner's scripts on the CPU: tuning-data collection on tiny shapes in interpret mode, and training +
-held-out evaluation on a small synthetic dataset (the GPU runs must not fail on a typo)."""
+"""The AutoTuner's scripts on the CPU: tuning-data collection on tiny shapes in interpret mode, training + held-out
+evaluation on a small synthetic dataset, the re-measurement of the misses (the GPU runs must not fail on a typo).
+The collector itself (jaxllm.tuner.collect) is tested in tests/jaxllm/tuner/test_collect.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-
-import collect_tuning_data  # noqa: E402
-import train_tuner  # noqa: E402
-from common import tuning_collector as collect  # noqa: E402
-
-
-def test_shapes_stay_inside_the_bucket_and_the_pool():
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        lens, kind = collect.decode_lens(rng, 7, 5000, 4096)
-        assert len(lens) == 7 and lens.min() >= 1 and lens.max() <= 4096 and lens.sum() <= 5000 + 7
-        assert kind in ("equal", "ragged", "few_long")
-        q, prefix = collect.prefill_shape(rng, 128, collect.SMOKE, 10_000)
-        assert 64 < q.sum() <= 128 and q.min() >= 1 and len(q) <= collect.SMOKE.max_prefill_seqs
-        assert (prefix >= 0).all() and q.sum() + prefix.sum() <= 10_000
-    long = dataclasses.replace(collect.SMOKE, min_prefix=200, max_prefill_seqs=1)
-    prefixes = [int(collect.prefill_shape(rng, 16, long, 10_000)[1][0]) for _ in range(200)]
-    assert 0 in prefixes and min(p for p in prefixes if p) >= 200 and max(prefixes) <= long.max_prefix
-    tables = collect.rblock_tables([5, 64, 1], block=4, width=16, layers=2, pool_blocks=100, seq_pad=4)
-    assert tables.shape == (2, 4, 16)
-    assert tables[0, 0, :2].tolist() == [0, 1] and tables[0, 1, :16].tolist() == list(range(2, 18))
-    assert tables[1, 0, 0] == 19  # the second layer's rBlocks follow the first's
-
-
-def test_one_group_is_timed_in_interpret_mode():
-    import jax
-
-    from jaxllm.tuner.candidates import decode_candidates
-    from pallas_kernels.dispatch import Kernels
-
-    plan = dataclasses.replace(collect.SMOKE, max_len=256, placements=1, max_shapes=2)
-    base = Kernels(decode_attention="triton", interpret=True)
-    pools = tuple(collect.make_pool(jax.numpy, jax, 8, 2, plan.block, 128, s) for s in (0, 1))
-    rows = collect.Collector(plan, base, True, 0).group("decode", (4, 2, 128), 2, pools, decode_candidates(base)[:1],
-                                                         groups_left=1, est_compile=0.0)
-    assert len(rows) == 2 and all(set(r["us"]) == {"default"} and r["us"]["default"] > 0 for r in rows)
-    assert all(1 <= len(r["kv_lens"]) <= 2 and r["op"] == "decode" for r in rows)
-    assert all(r["wall_us"] == r["us"] for r in rows)  # SMOKE times with the host clock
+from scripts import collect_tuning_data, train_tuner
 
 
 def test_kernels_are_assigned_to_the_window_they_start_in():
-    from common import device_trace
+    from scripts.common import device_trace
 
     kernels = [(100, 5, "jit_a"), (104, 3, "jit_a"), (150, 7, "jit_b"), (151, 2, "jit_x"), (99, 9, "jit_a"),
                (205, 4, "jit_a"), (300, 1, "jit_b")]
@@ -128,6 +88,23 @@ def test_train_takes_decode_only_from_the_datasets_named(tmp_path):
         train_tuner.main(args + ["--decode-datasets", str(tmp_path / "elsewhere.jsonl.gz")])
 
 
+def test_collect_smoke_writes_a_dataset_train_reads(tmp_path):
+    """The script end to end on one small group: every decode candidate of bucket 1, in interpret mode."""
+    from jaxllm.tuner.candidates import decode_candidates
+    from jaxllm.tuner.collect import base_kernels
+    from jaxllm.tuner.train import read_dataset
+
+    assert collect_tuning_data.main(["--smoke", "--ops", "decode", "--decode-buckets", "1", "--seed", "0",
+                                     "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.smoke.jsonl.gz")
+    header, rows = read_dataset(str(path))
+    assert header["script"] == "scripts/collect_tuning_data.py" and header["seed"] == 0 and header["smoke"]
+    assert header["plan"]["decode_buckets"] == [1] and header["elapsed_s"] > 0
+    names = {s.name for s in decode_candidates(base_kernels(True))}
+    assert {c["name"] for c in header["candidates"]["decode"]} == names
+    assert len(rows) == 2 and all(r["op"] == "decode" and r["bucket"] == 1 and set(r["us"]) == names for r in rows)
+
+
 def test_collect_takes_a_tensor_shards_head_shapes():
     import argparse
 
@@ -141,7 +118,7 @@ def test_collect_takes_a_tensor_shards_head_shapes():
 
 
 def test_recheck_fractions_take_each_candidates_median_over_passes():
-    import recheck_tuner
+    from scripts import recheck_tuner
 
     passes = [{"a": 10.0, "b": 8.0}, {"a": 10.0, "b": 14.0}, {"a": 11.0, "b": 9.0}]
     per_pass, median, best = recheck_tuner.fractions(passes, "a")
@@ -150,7 +127,7 @@ def test_recheck_fractions_take_each_candidates_median_over_passes():
 
 
 def test_recheck_re_measures_only_the_shapes_under_the_threshold(tmp_path):
-    import recheck_tuner
+    from scripts import recheck_tuner
 
     shape = dict(op="decode", bucket=2, heads=[4, 2, 128], kind="ragged", q_lens=None, block=64,
                  variants=["default", "bk128"], default_us=8.0, best_us=8.0)

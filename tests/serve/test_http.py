@@ -483,7 +483,7 @@ def test_closed_streams_return_the_pool_to_zero(server, client):
 
 def test_load_script_reports(server, tmp_path):
     out = tmp_path / "load.json"
-    run = subprocess.run([sys.executable, "scripts/load_test_http.py", "--url", server.url, "--api-key", KEY,
+    run = subprocess.run([sys.executable, "-m", "scripts.load_test_http", "--url", server.url, "--api-key", KEY,
                           "--requests", "8", "--concurrency", "4", "--prompt-tokens", "20", "--max-tokens", "8",
                           "--json", str(out), "--metrics-url", f"http://127.0.0.1:{server.http_port}/metrics"],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)

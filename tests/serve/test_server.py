@@ -414,7 +414,7 @@ def test_client_cli_streams_the_completion(server, llm):
 
 def test_load_script_reports(server, tmp_path):
     out = tmp_path / "load.json"
-    run = subprocess.run([sys.executable, "scripts/load_test.py", "--port", str(server.port), "--requests", "12",
+    run = subprocess.run([sys.executable, "-m", "scripts.load_test", "--port", str(server.port), "--requests", "12",
                           "--concurrency", "6", "--prompt-tokens", "20", "--max-tokens", "8", "--json", str(out),
                           "--metrics-url", server.metrics_url], cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120)

@@ -1,4 +1,5 @@
-"""EngineCore: cancelling a running request, counted in engine steps (not seconds)."""
+"""EngineCore: cancelling a running request, counted in engine steps (not seconds); the plan of each step it
+recorded."""
 
 from jaxllm import LLM, EngineOptions
 from jaxllm.engine.core import Request
@@ -12,9 +13,13 @@ def test_cancel_frees_rblocks_within_one_step_and_stops_tokens():
     victim = core.add(Request(llm.tokenizer.encode("cancel me"), params))
     other = core.add(Request(llm.tokenizer.encode("keep me"), SamplingParams(max_new_tokens=6, ignore_eos=True)))
     seen = {victim: 0, other: 0}
+    assert core.last_plan is None
+    kinds = []
     for _ in range(4):  # prefill, then decode steps with a continuation in flight
         for out in core.step():
             seen[out.request_id] += len(out.token_ids)
+        kinds.append(core.last_plan.is_decode)  # the plan of the step just recorded
+    assert kinds == [False, True, True, True]
     assert seen[victim] >= 2 and core.has_step_in_flight()
     held = allocator.num_blocks - allocator.num_free
     final = core.cancel(victim)

@@ -1,20 +1,42 @@
-"""Tuning-data collection for the AutoTuner (issue 22), shared by scripts/collect_tuning_data.py (shapes drawn
-as serving meets them) and scripts/recheck_tuner.py (given shapes timed again): the run's Plan, the one-layer
-rBlock pools, the shape draws and rBlock tables, and the Collector that compiles each candidate once per
-bucket and times shapes by GPU kernel time (scripts/collect_tuning_data.py's docstring says how).
+"""Collecting the tuning data the cost model learns from (issue 22): every candidate schedule of each attention op
+timed over shapes drawn as serving meets them, one dataset per device (format: benchmarks/tuning/README.md;
+train.py reads it). scripts/collect_tuning_data.py draws the shapes, scripts/recheck_tuner.py times given ones
+again; its docstring says what is timed and why.
+
+What is timed is what a step runs: `dispatch.ragged_attention` under each candidate's Kernels, one jit per (head
+shape, op, bucket, candidate) compiled once, over one layer's rBlock pool. Kernel time is read by a `KernelTimer`
+the caller hands in (the scripts hand scripts/common/device_trace's, which reads a jax.profiler trace): this
+module knows the kernels and their schedules, not how a GPU's kernel times are read. Plan.timing "wall" times
+with the host clock and needs no timer (the CPU, the tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
+import os
 import threading
 import time
+from typing import Callable, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from common import device_trace
+from jaxllm.tuner.candidates import candidates
+from pallas_kernels.dispatch import Kernels, default_kernels, ragged_attention
 
 K = 1024
+TIMINGS = ("kernel", "wall")
+
+# What a dataset's numbers mean (its header's `definitions`).
+DEFINITIONS = dict(us="median over reps of the GPU kernel time of one attention call over one layer's pool, "
+                      "microseconds (plan.timing 'kernel': summed from a jax.profiler trace; 'wall': host clock over "
+                      "back-to-back calls)",
+                   wall_us="median over reps of host wall time per call (back-to-back calls)",
+                   kv_lens="real sequences' KV lengths, query tokens included",
+                   q_lens="prefill: query tokens per sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +57,13 @@ class Plan:
     reps: int = 5
     rep_s: float = 0.002  # wall seconds per rep and candidate (at most max_calls calls)
     max_calls: int = 16
-    timing: str = "kernel"  # "kernel": GPU kernel time from a profiler trace; "wall": host clock per call
+    timing: str = "kernel"  # "kernel": GPU kernel time (a KernelTimer); "wall": host clock per call
     max_shapes: int = 120  # per group
     budget_s: float = 300.0  # wall seconds from the start for everything
+
+    def __post_init__(self):
+        if self.timing not in TIMINGS:
+            raise ValueError(f"Plan.timing {self.timing!r} is not one of {TIMINGS}")
 
 
 SMOKE = Plan(heads=((4, 2, 128),), block=64, pool_gb=0.002, max_len=1 * K, decode_buckets=(1, 4),
@@ -45,14 +71,23 @@ SMOKE = Plan(heads=((4, 2, 128),), block=64, pool_gb=0.002, max_len=1 * K, decod
              max_shapes=2, budget_s=1e9, timing="wall")
 
 
-def slug(device: str) -> str:
-    """File-name form of a device kind: `NVIDIA H200` -> `nvidia-h200` (what jaxllm.tuner looks models up by)."""
-    from jaxllm.tuner.features import device_slug
+class KernelTimer(Protocol):
+    """Reads GPU kernel times: runs each (label, thunk) of `batches` in order (a thunk waits for its own device
+    work, so their windows never overlap; labels are unique) and returns label -> {hlo module: (kernel ns, kernel
+    count)} over the kernels that started inside its window; {} where it saw no GPU kernels."""
 
-    return device_slug(device)
+    def __call__(self, batches: list[tuple[str, Callable[[], None]]]) -> dict[str, dict[str, tuple[int, int]]]: ...
 
 
-def make_pool(jnp, jax, num_blocks, hkv, block, d, seed):
+def base_kernels(interpret: bool) -> Kernels:
+    """The Kernels every candidate is applied to: on a CPU (interpret) every op on Triton in interpret mode
+    (Mosaic needs a Hopper), else what the engine runs on this GPU."""
+    if interpret:
+        return Kernels(decode_attention="triton", prefill_attention="triton", interpret=True)
+    return default_kernels("auto", head_dim=128)
+
+
+def make_pool(num_blocks: int, hkv: int, block: int, d: int, seed: int) -> jax.Array:
     """[num_blocks, hkv, block, d] bf16: a small random slab tiled (no full-size float32 temporary)."""
     tile = min(num_blocks, 64)
     slab = jax.random.normal(jax.random.key(seed), (tile, hkv, block, d), jnp.bfloat16)
@@ -60,16 +95,13 @@ def make_pool(jnp, jax, num_blocks, hkv, block, d, seed):
     return jax.jit(lambda s: jnp.tile(s, (reps, 1, 1, 1))[:num_blocks])(slab)
 
 
-def make_pools(plan: Plan, heads: tuple[int, int, int]):
+def make_pools(plan: Plan, heads: tuple[int, int, int]) -> tuple[jax.Array, jax.Array]:
     """(k_pool, v_pool) of one layer for a head shape: ~plan.pool_gb of K + V, at least one sequence of
     plan.max_len."""
-    import jax
-
     hq, hkv, d = heads
     per_block = 2 * hkv * plan.block * d * 2  # K + V bytes of one rBlock
     num_blocks = max(int(plan.pool_gb * 1e9 // per_block), plan.max_len // plan.block)
-    return make_pool(jax.numpy, jax, num_blocks, hkv, plan.block, d, 0), make_pool(jax.numpy, jax, num_blocks, hkv,
-                                                                                 plan.block, d, 1)
+    return make_pool(num_blocks, hkv, plan.block, d, 0), make_pool(num_blocks, hkv, plan.block, d, 1)
 
 
 def decode_lens(rng, n: int, cap_total: int, max_len: int) -> tuple[np.ndarray, str]:
@@ -90,7 +122,7 @@ def decode_lens(rng, n: int, cap_total: int, max_len: int) -> tuple[np.ndarray, 
     return np.minimum(lens, max_len).astype(np.int32), str(kind)
 
 
-def prefill_shape(rng, bucket: int, plan: Plan, cap_total: int):
+def prefill_shape(rng, bucket: int, plan: Plan, cap_total: int) -> tuple[np.ndarray, np.ndarray]:
     """(q_lens, prefixes): t real tokens in (bucket / 2, bucket] packed from 1..max_prefill_seqs sequences."""
     t = int(rng.integers(bucket // 2 + 1, bucket + 1))
     n = int(rng.integers(1, min(plan.max_prefill_seqs, t) + 1))
@@ -120,20 +152,31 @@ def rblock_tables(kv_lens, block: int, width: int, layers: int, pool_blocks: int
 
 
 class Collector:
-    def __init__(self, plan: Plan, base, interpret: bool, seed: int):
-        self.plan, self.base, self.interpret = plan, base, interpret
+    """Compiles each candidate once per bucket and times shapes, within the plan's budget.
+
+    Args:
+      plan: the run's sizes and budget.
+      base: the Kernels each candidate is applied to (base_kernels).
+      seed: the shape draws' seed.
+      kernel_timer: reads GPU kernel times; needed where plan.timing is "kernel" (ValueError without one).
+    """
+
+    def __init__(self, plan: Plan, base: Kernels, seed: int, *, kernel_timer: KernelTimer | None = None):
+        if plan.timing == "kernel" and kernel_timer is None:
+            raise ValueError("Plan.timing 'kernel' needs a kernel_timer (scripts/common/device_trace."
+                             "kernel_ns_per_batch reads one from a profiler trace); 'wall' needs none")
+        self.plan, self.base, self.kernel_timer = plan, base, kernel_timer
         self.rng = np.random.default_rng(seed)
         self.t0 = time.time()
         self.compile_seconds: list[float] = []  # per group so far: the estimate for the groups left
 
     def left(self) -> float:
+        """Seconds of the plan's budget left."""
         return self.plan.budget_s - (time.time() - self.t0)
 
     def time_shape(self, steps, placements) -> tuple[list[float], list[float]]:
         """(device us, wall us) per call for each (compiled step, hlo module name), timed in turns; call c
         takes placements[c % len(placements)] (the same shape, its rBlocks elsewhere in the pool)."""
-        import jax
-
         plan, n = self.plan, len(steps)
         calls = []
         for step, _ in steps:  # the first call also warms up
@@ -159,9 +202,9 @@ class Collector:
             for _, run in batches:
                 run()
             return wall_us(), wall_us()
-        found = device_trace.kernel_ns_per_batch(batches)
+        found = self.kernel_timer(batches)
         if not found:
-            raise RuntimeError("the profiler trace holds no GPU kernels: on this machine run with --timing wall")
+            raise RuntimeError("the kernel timer saw no GPU kernels: on this machine run with --timing wall")
         device = [[] for _ in steps]
         for rep, i in order:
             label, module = f"tune:{rep}:{i}", steps[i][1]
@@ -172,10 +215,8 @@ class Collector:
         return [round(float(np.median(t)), 2) for t in device], wall_us()
 
     def compile(self, fns, schedules, args):
-        """[(compiled step, its hlo module name)] and {name: compile seconds or None (failed)}: traced and lowered one at a
-        time, compiled in threads (XLA's compile is C++, so candidates of a group compile side by side)."""
-        import jax
-
+        """[(compiled step, its hlo module name)] and {name: compile seconds or None (failed)}: traced and lowered
+        one at a time, compiled in threads (XLA's compile is C++, so candidates of a group compile side by side)."""
         t0, lowered, steps, compile_s = time.perf_counter(), [], [], {}
         modules = [f"jit_{fn.__name__}" for fn in fns]
         for sched, fn in zip(schedules, fns):
@@ -218,16 +259,11 @@ class Collector:
         self.compile_seconds.append(time.perf_counter() - t0)
         return steps, compile_s
 
-    def group(self, op, heads, bucket, pools, schedules, groups_left, est_compile, shapes=None):
+    def group(self, op, heads, bucket, pools, schedules, groups_left, est_compile, shapes=None) -> list[dict]:
         """Compiles each candidate for this bucket, then times shapes until the group's share of what the
         budget leaves after est_compile (the later groups' compiles) is spent. Returns the dataset rows.
         shapes: [(q_lens, kv_lens)] to time, in order, instead of drawing them (every one is timed, whatever
         the budget: scripts/recheck_tuner.py)."""
-        import jax
-        import jax.numpy as jnp
-
-        from pallas_kernels.dispatch import ragged_attention
-
         plan = self.plan
         hq, hkv, d = heads
         k_pool, v_pool = pools
@@ -292,3 +328,44 @@ class Collector:
         print(f"[{time.time() - self.t0:6.1f}s] {op} heads {heads} bucket {bucket}: {len(rows)} shapes, compile "
               f"{compile_s}, best counts {dict((b, best.count(b)) for b in sorted(set(best)))}", flush=True)
         return rows
+
+
+def write_dataset(path: str, header: dict, rows: list[dict]) -> None:
+    """The dataset at path (.jsonl.gz: the header line, then a row per shape), replaced whole: a reader never
+    sees half of one."""
+    with gzip.open(path + ".tmp", "wt") as f:
+        for line in [header, *rows]:
+            f.write(json.dumps(line) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def collect_dataset(collector: Collector, ops, path: str, header: dict) -> list[dict]:
+    """Every (head shape, op, bucket) group of collector's plan timed in turn, its share of the budget each (the
+    groups the budget cannot reach skipped, said so), the dataset at path rewritten after every group (a killed
+    run keeps what it measured). header: the dataset's first line (its `elapsed_s` and `candidates` filled in
+    here). Returns the rows."""
+    plan = collector.plan
+    groups = [(heads, op, b) for heads in plan.heads for op in ops
+              for b in (plan.decode_buckets if op == "decode" else plan.prefill_buckets)]
+    rows, pools = [], None
+    for gi, (heads, op, bucket) in enumerate(groups):
+        if gi == 0 or groups[gi - 1][0] != heads:
+            pools = None  # the last head shape's pools freed before the next one's are made
+            pools = make_pools(plan, heads)
+            num_blocks, hkv, block, d = pools[0].shape
+            print(f"pool {heads}: {num_blocks} rBlocks of {block} ({2 * pools[0].nbytes / 1e9:.1f} GB K+V)", flush=True)
+        if collector.left() <= 0:
+            print(f"budget spent: {op} heads {heads} bucket {bucket} and later groups skipped", flush=True)
+            continue
+        schedules = candidates(op, collector.base, bucket, block_size=plan.block)
+        seen = collector.compile_seconds
+        per_group = max(seen) if seen else 10.0
+        rows += collector.group(op, heads, bucket, pools, schedules, len(groups) - gi,
+                                est_compile=per_group * (len(groups) - gi - 1))
+        header["elapsed_s"] = round(time.time() - collector.t0, 1)
+        header["candidates"] = {o: [dict(name=s.name, features=s.features, fields=repr(s.fields), backend=s.backend)
+                                    for s in candidates(o, collector.base, max(plan.prefill_buckets),
+                                                        block_size=plan.block)]
+                                for o in ("decode", "prefill")}
+        write_dataset(path, header, rows)
+    return rows

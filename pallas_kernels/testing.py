@@ -1,4 +1,6 @@
-"""Helpers for tests and GPU check scripts: random ragged batches whose unused memory is poisoned."""
+"""Inputs for checking the kernels: random ragged batches whose unused memory is poisoned (NaN), so a kernel
+that reads what no sequence owns fails. The kernel tests (tests/pallas_kernels/test_ragged_prefill_mgpu.py) and
+the GPU check (scripts/check_ragged_prefill_mgpu_gpu.py) draw from it, the same batch for the same seed."""
 
 from __future__ import annotations
 

@@ -27,6 +27,10 @@ creditors. The rules:
   gather then a scatter, so a swap is two copies); the ledger changes only when the copies are
   confirmed (`confirm`), or the plan is dropped (`abort`). While a plan is outstanding, nothing else
   may change the tables: the device copy and the ledger would disagree.
+
+One file of ~480 lines on purpose: the RManager and the GManager are the two halves of one protocol (every
+borrow, repay, recall and confirm moves an rBlock in one and its debt in the other, and the ledger's invariants
+span both), and the small records above them (Placement, Loan, Move, RecallPlan, Allocation) are its vocabulary.
 """
 
 from __future__ import annotations

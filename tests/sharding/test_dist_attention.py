@@ -422,7 +422,8 @@ def test_a_scattered_borrowed_prefill_has_its_buckets_warm_up_shapes(instances):
     whose working memory does not grow with the context or with how the rBlocks lie."""
     n, q_len = ENTRIES * BLOCK - 3, MAX_CHUNK
     entries = -(-n // BLOCK)
-    layout = dataclasses.replace(_layout(instances), table_width=entries)
+    base = _layout(instances)
+    layout = dataclasses.replace(base, buckets=dataclasses.replace(base.buckets, table_width=entries))
     table = np.array([[(e % instances) * BLOCKS_PER_INSTANCE + e // instances for e in range(entries)]], np.int32)
     positions = np.arange(n - q_len, n, dtype=np.int32)
     plan = StepPlan(

@@ -54,7 +54,7 @@ def main() -> None:
         steps.append(dict(lengths=lengths, tokens=np.asarray(tokens).tolist()))
     print(json.dumps(dict(plan=len(executor.warm_up_plan()), warm=warm, after=compiles(), steps=steps,
                           vocab_size=config.vocab_size,
-                          bucket_steps=sorted([list(k) + [n] for k, n in executor.bucket_steps.items()]))))
+                          bucket_steps=sorted([[kind.label, size, n] for (kind, size), n in executor.bucket_steps.items()]))))
 
 
 if __name__ == "__main__":

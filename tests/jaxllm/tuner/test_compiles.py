@@ -74,7 +74,7 @@ def test_decode_up_to_512k_context_compiles_nothing_after_warm_up():
         assert len(step["tokens"]) == len(step["lengths"]) and all(0 <= t < r["vocab_size"] for t in step["tokens"])
     assert r["steps"][-1]["lengths"][0] == 1 << 19
     assert r["after"] == r["warm"]  # nothing compiled at any context length
-    assert r["bucket_steps"] == [[True, 1, 2], [True, 2, 2]]
+    assert r["bucket_steps"] == [["decode", 1, 2], ["decode", 2, 2]]
 
 
 def _worker(*args: str, env_extra: dict | None = None, script: str = "cache_worker.py", flags: bool = True) -> dict:

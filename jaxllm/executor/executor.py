@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.contract import StepPlan
 from jaxllm.contract import HostCopies
+from jaxllm.contract import ExecutorStats, HostStoreStats
 from jaxllm.executor.calls import BlockCopies, CallChannel, Op, StepCall, TokenSource
 from jaxllm.executor.host_store import HostStore
 from jaxllm.executor.host_transfer import AsyncHostTransfer, HostTransfer
@@ -190,17 +191,18 @@ class Executor:
     def persistent_cache_hits(self) -> int:
         return self.programs.persistent_cache_hits
 
-    def tuner_stats(self) -> dict[str, int]:
-        return dict(self.tuner.stats())
-
-    def host_tier_stats(self) -> dict[str, float]:
-        """The HostStore's bytes held and copy seconds each way ({} without a host tier)."""
-        store = self.host_store
-        if store is None:
-            return {}
-        seconds = store.copy_seconds
-        return dict(bytes_used=store.bytes_used, copy_out_seconds=seconds["out"], copy_in_seconds=seconds["in"],
-                    reserved_seconds=store.reserved_seconds)
+    def stats(self) -> ExecutorStats:
+        """What it compiled and ran, the tuner's counters and the host store's, a snapshot (safe beside the engine
+        thread: it only reads)."""
+        steps = sorted(list(self.bucket_steps.items()))  # one C-level copy
+        return ExecutorStats(
+            compile_count=self.compile_count, xla_compiles=self.xla_compiles,
+            persistent_cache_hits=self.persistent_cache_hits,
+            bucket_steps=tuple(("decode" if decode else "prefill", size, n) for (decode, size), n in steps),
+            padding_tokens_total=self.padding_tokens, dist_steps_total=self.borrowed_steps,
+            tuner=tuple(sorted((str(k), int(v)) for k, v in self.tuner.stats().items())),
+            kv_block_bytes=self.block_bytes,
+            host_store=HostStoreStats() if self.host_store is None else self.host_store.stats())
 
     def variants(self, decode: bool, padded_size: int) -> tuple[Kernels, ...]:
         """The tuner's variants of this bucket, wrapped for the mesh (memoised: asked once per bucket)."""

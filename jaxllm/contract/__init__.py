@@ -8,6 +8,6 @@ from jaxllm.contract.stats import (CoreStats, EngineStats, ExecutorStats, HostSt
                                    LendingStats, SchedulerStats)
 from jaxllm.contract.step_plan import PENDING_TOKEN, LogitBias, RowPenalties, StepPlan, kv_extent_of
 
-__all__ = ["BIAS_LIMIT", "CoreStats", "EngineStats", "ExecutorStats", "HostCopies", "HostStoreStats", "HostTierStats",
-           "LendingStats", "PENALTY_LIMIT", "PENDING_TOKEN", "SEED_LIMIT", "LogitBias", "RowPenalties", "SamplingParams",
-           "SchedulerStats", "StepPlan", "kv_extent_of"]
+__all__ = ["BIAS_LIMIT", "CoreStats", "EngineStats", "ExecutorStats", "HostCopies", "HostStoreStats",
+           "HostTierStats", "LendingStats", "PENALTY_LIMIT", "PENDING_TOKEN", "SEED_LIMIT", "LogitBias", "RowPenalties",
+           "SamplingParams", "SchedulerStats", "StepPlan", "kv_extent_of"]

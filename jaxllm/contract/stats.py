@@ -183,7 +183,8 @@ class HostTierStats(_Part):
     blocks: int = exported(KV_TIER_BLOCKS.at(tier="host"))  # slots (rBlocks) the tier has
     blocks_used: int = exported(KV_TIER_USED_BLOCKS.at(tier="host"))  # held by swapped sequences or cached prefixes
     cached_blocks: int = gauge("jaxllm_host_cache_blocks", "KV rBlocks the host tier's prefix cache holds")
-    swapped_sequences: int = unexported("tests read it; blocks_used counts their rBlocks", kind="gauge")
+    swapped_sequences: int = unexported("not on /metrics today (blocks_used counts their rBlocks); tests read it",
+                                        kind="gauge")
     swap_outs_total: int = counter("jaxllm_kv_swap_outs_total",
                                    "preempted sequences swapped to the host tier instead of recomputed")
     swap_ins_total: int = counter("jaxllm_kv_swap_ins_total", "swapped sequences copied back from the host tier")

@@ -9,7 +9,8 @@ _EXPORTS = {
     "LLM": "jaxllm.llm", "Completion": "jaxllm.llm", "EngineOptions": "jaxllm.engine_config",
     "EngineConfig": "jaxllm.engine_config", "build_engine": "jaxllm.builder",
     "LlamaConfig": "jaxllm.model.config", "RopeScaling": "jaxllm.model.config", "preset": "jaxllm.model.config",
-    "SamplingParams": "jaxllm.contract", "add_tensor_parallel_flags": "sharding.xla_flags",
+    "SamplingParams": "jaxllm.contract", "EngineStats": "jaxllm.contract",
+    "add_tensor_parallel_flags": "sharding.xla_flags",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         if console.closed():
             print(f"{parser.prog}: stdout closed; stopped", file=sys.stderr)
             return _STDOUT_CLOSED
-        stats = llm.core.stats()
-        lending = (f", {stats.loans_total} rBlocks lent between instances, {stats.preemptions_total} preemptions"
+        queue = llm.stats().scheduler
+        lending = (f", {queue.lending.loans_total} rBlocks lent between instances, {queue.preemptions} preemptions"
                    if args.instances > 1 else "")
-        if stats.host_blocks:
-            lending += (f", host tier: {stats.swap_outs_total} swaps out / {stats.swap_ins_total} in, "
-                        f"{stats.host_cache_hit_blocks_total} host-cache rBlocks hit")
+        if queue.host.blocks:
+            lending += (f", host tier: {queue.host.swap_outs_total} swaps out / {queue.host.swap_ins_total} in, "
+                        f"{queue.host.hit_blocks_total} host-cache rBlocks hit")
         print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles, "
               f"{llm.executor.xla_compiles} by XLA{lending}]",
               file=sys.stderr)

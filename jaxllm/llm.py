@@ -11,13 +11,14 @@ from typing import Callable, Iterable, Iterator, Sequence as Seq
 import numpy as np
 
 from jaxllm.builder import BuiltEngine, build_engine
+from jaxllm.contract import EngineStats
 from jaxllm.engine.core import EngineCore, EngineInfo, Request, RequestOutput
 from jaxllm.engine.requests import prompt_token_ids, sampling_params
 from jaxllm.engine_config import EngineConfig, EngineOptions
 from jaxllm.memory_plan import MemoryPlan, plan_memory
 from jaxllm.model.chat import chat_prompt
 
-__all__ = ["Completion", "EngineConfig", "EngineOptions", "LLM", "MemoryPlan", "plan_memory"]
+__all__ = ["Completion", "EngineConfig", "EngineOptions", "EngineStats", "LLM", "MemoryPlan", "plan_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,11 @@ class LLM:
     def info(self) -> EngineInfo:
         """A frozen description of the loaded model and engine."""
         return self.engine.info()
+
+    def stats(self) -> EngineStats:
+        """Counters and current load, a snapshot: the engine's stats tree (jaxllm.contract.stats), one part each
+        (`stats().scheduler.preemptions`, `stats().executor.compile_count`, ...)."""
+        return self.core.stats()
 
     # ----- generation -----
 

@@ -190,10 +190,10 @@ def mixed_workload(llm, num_requests: int, new_tokens: int, max_prompt: int, war
         requests = [Request(rng.integers(3, 259, size=n).tolist(),
                             SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **(sampling or {})))
                     for n in lengths]
-        preempted = llm.core.stats().preemptions_total
+        preempted = llm.core.stats().scheduler.preemptions
         t0 = time.perf_counter()
         times, outputs = _drive(llm, requests)
-        return outputs, times, time.perf_counter() - t0, llm.core.stats().preemptions_total - preempted
+        return outputs, times, time.perf_counter() - t0, llm.core.stats().scheduler.preemptions - preempted
 
     if warm:
         _log(f"[jaxllm] mixed: untimed warm pass ({llm.compile_count} compiles so far)")
@@ -224,7 +224,7 @@ def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: 
     def run(tag: int) -> tuple[list, float, int]:
         # Distinct first suffix token per pass: a pass never finds the previous pass's suffixes cached.
         requests = [Request(prefix + [3 + tag] + s, params) for s in suffixes]
-        preempted = llm.core.stats().preemptions_total
+        preempted = llm.core.stats().scheduler.preemptions
         t0 = time.perf_counter()
         first = {}
 
@@ -235,7 +235,7 @@ def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: 
                     first[out.request_id] = now
 
         llm.run(requests, on_step=on_step)
-        return list(first.values()), time.perf_counter() - t0, llm.core.stats().preemptions_total - preempted
+        return list(first.values()), time.perf_counter() - t0, llm.core.stats().scheduler.preemptions - preempted
 
     rows = {}
     scheduler = llm.scheduler
@@ -246,9 +246,9 @@ def shared_prefix_workload(llm, num_requests: int, prefix_len: int, suffix_len: 
         scheduler.prefix_caching = caching
         for tag in untimed:
             run(tag)
-        compiles, cached_before = llm.compile_count, llm.core.stats().prefix_cache_hit_tokens
+        compiles, cached_before = llm.compile_count, llm.core.stats().scheduler.cached_tokens
         ttft, wall, preemptions = run(timed)
-        reused = llm.core.stats().prefix_cache_hit_tokens - cached_before
+        reused = llm.core.stats().scheduler.cached_tokens - cached_before
         rows["cache_on" if caching else "cache_off"] = dict(
             wall_s=wall, ttft_mean_s=float(np.mean(ttft)), ttft_max_s=float(np.max(ttft)),
             prompt_tokens=prompt_tokens, prefill_tokens_computed=prompt_tokens - reused,

@@ -133,12 +133,13 @@ def _timed_run(llm, requests) -> tuple[dict, float]:
 
 def _engine_counts(llm) -> dict:
     s = llm.core.stats()
-    return dict(preemptions=s.preemptions_total, swap_outs=s.swap_outs_total, swap_ins=s.swap_ins_total,
-                swap_fallbacks=s.swap_fallbacks_total, host_cache_hit_blocks=s.host_cache_hit_blocks_total,
-                host_spilled_blocks=s.host_spilled_blocks_total, host_blocks_out=s.host_blocks_out_total,
-                host_blocks_in=s.host_blocks_in_total, prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
-                swap_cached_blocks=s.swap_cached_blocks_total, host_copy_out_s=s.host_copy_out_seconds,
-                host_copy_in_s=s.host_copy_in_seconds)
+    queue, host, store = s.scheduler, s.scheduler.host, s.executor.host_store
+    return dict(preemptions=queue.preemptions, swap_outs=host.swap_outs_total, swap_ins=host.swap_ins_total,
+                swap_fallbacks=host.swap_fallbacks_total, host_cache_hit_blocks=host.hit_blocks_total,
+                host_spilled_blocks=host.spilled_blocks_total, host_blocks_out=host.blocks_out_total,
+                host_blocks_in=host.blocks_in_total, prefix_cache_hit_tokens=queue.cached_tokens,
+                swap_cached_blocks=host.swap_cached_blocks_total, host_copy_out_s=store.copy_out_seconds,
+                host_copy_in_s=store.copy_in_seconds)
 
 
 def multi_turn(args, llm) -> dict:
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
         llm = _engine(args, host_gib=args.host_gib if tier == "on" else 0.0, num_blocks=args.num_blocks)
         result.setdefault("start_s", {})[tier] = time.perf_counter() - started
         if tier == "on":  # warm-up's reservation of the tier's host memory (jaxllm.executor.host_store)
-            result["host_reserved_s"] = llm.executor.host_tier_stats()["reserved_seconds"]
+            result["host_reserved_s"] = llm.executor.worker.host_store.reserved_seconds
         warm = _compiles(llm)
         for part in ("decode", "link", "preemption", "multi_turn"):
             if part not in args.parts or (part == "link" and tier == "off"):

@@ -151,8 +151,9 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
                   ratio_to_one_pool=context / per_instance_tokens, prefill_s=sum(prefill), wall_s=wall,
                   decode_ms_per_token=float(np.median(ms)) if ms else None, decode_spread=harness.spread(ms) if ms else None,
                   floor_ms=floor_ms, fraction_of_floor=(floor_ms / float(np.median(ms))) if floor_ms and ms else None,
-                  generated=_generated(outputs), rblocks_lent=stats.loans_total, dist_steps=stats.dist_steps_total,
-                  steps=stats.steps_total, preemptions=stats.preemptions_total, compiles=llm.compile_count,
+                  generated=_generated(outputs), rblocks_lent=stats.scheduler.lending.loans_total,
+                  dist_steps=stats.executor.dist_steps_total, steps=stats.core.steps_total,
+                  preemptions=stats.scheduler.preemptions, compiles=llm.compile_count,
                   borrowed_decode_kernels=dict(decode_attention=borrowed.decode_attention,
                                                rope_kv_write=borrowed.rope_kv_write, decode_layer=borrowed.decode_layer,
                                                per_shard=type(borrowed.per_shard).__name__ if borrowed.per_shard else None),
@@ -307,11 +308,12 @@ def skew(args, devices: int) -> dict:
         wall = time.perf_counter() - t0
         stats = _stats_since(llm.core.stats(), before)
         generated = _generated(outputs)
+        ledger = stats.scheduler.lending
         out["on" if lending else "off"] = dict(wall_s=wall, generated=generated, tokens_per_s=generated / wall,
-                                               preemptions=stats.preemptions_total, rblocks_lent=stats.loans_total,
-                                               recalled=stats.recalled_blocks_total, dist_steps=stats.dist_steps_total,
-                                               steps=stats.steps_total, compiles=llm.compile_count - compiles_before,
-                                               warm=args.skew_warm)
+                                               preemptions=stats.scheduler.preemptions, rblocks_lent=ledger.loans_total,
+                                               recalled=ledger.recalled_blocks_total,
+                                               dist_steps=stats.executor.dist_steps_total, steps=stats.core.steps_total,
+                                               compiles=llm.compile_count - compiles_before, warm=args.skew_warm)
         llm.close()
         del llm
         gc.collect()
@@ -320,11 +322,10 @@ def skew(args, devices: int) -> dict:
 
 
 def _stats_since(stats, before):
-    """The engine's counters (EngineStats) since `before` (the same counters earlier; None: since the start)."""
-    if before is None:
-        return stats
-    return dataclasses.replace(stats, **{f.name: getattr(stats, f.name) - getattr(before, f.name)
-                                         for f in dataclasses.fields(stats) if f.name.endswith("_total")})
+    """The engine's counters (its stats tree) since `before` (the same tree earlier; None: since the start)."""
+    from jaxllm.contract.stats import since
+
+    return stats if before is None else since(stats, before)
 
 
 def step(args, devices: int) -> dict:
@@ -348,7 +349,8 @@ def step(args, devices: int) -> dict:
         stats = llm.core.stats()
         rows.append(dict(instances=instances, sequences=instances * args.step_seqs,
                          decode_ms_per_step=float(np.median(ms)), spread=harness.spread(ms), steps=len(ms),
-                         generated=_generated(outputs), dist_steps=stats.dist_steps_total, compiles=llm.compile_count))
+                         generated=_generated(outputs), dist_steps=stats.executor.dist_steps_total,
+                         compiles=llm.compile_count))
         llm.close()
         del llm
         gc.collect()

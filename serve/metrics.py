@@ -7,7 +7,8 @@
     serve_metrics(registry, "127.0.0.1", 9464)  # GET /metrics in a daemon thread
 
 Values read from elsewhere (the engine's counters, pool use) are gauges or counters with `fn`,
-evaluated at scrape time, so nothing has to push them.
+evaluated at scrape time, so nothing has to push them. `register_engine_metrics` registers the engine's: every
+metric its stats tree (jaxllm.contract.stats) declares, found by walking the tree, and the mesh's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import http.server
 import math
 import threading
 from typing import Callable, Iterable
+
+from jaxllm.contract import EngineStats, stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -209,95 +212,39 @@ def serve_metrics(registry: Registry, host: str, port: int) -> http.server.Threa
 def register_engine_metrics(registry: Registry, engine) -> None:
     """The engine's counters and gauges, read from its stats() / info() snapshots at scrape time: one set
     for the gRPC and the HTTP server alike. `engine()` returns the Engine, or None until it is loaded
-    (every reading is 0 until then)."""
+    (every reading is 0 until then).
+
+    The stats series are the tree's (jaxllm.contract.stats): every metric its leaves' metadata declare, derived
+    ones (pool usage, used rBlocks and bytes per tier, borrowed rBlocks) computed by the tree's properties; none
+    is listed here."""
 
     def read(fn):
         return lambda: fn(engine()) if engine() is not None else 0
 
-    r = registry
-    r.counter("jaxllm_prompt_tokens_total", "prompt tokens accepted", fn=read(lambda e: e.stats().prompt_tokens_total))
-    r.counter("jaxllm_generation_tokens_total", "tokens generated",
-              fn=read(lambda e: e.stats().generated_tokens_total))
-    r.counter("jaxllm_engine_requests_cancelled_total", "requests cancelled (client gone, deadline, shutdown)",
-              fn=read(lambda e: e.stats().requests_cancelled))
-    r.counter("jaxllm_engine_requests_rejected_total", "requests refused because the queue was full",
-              fn=read(lambda e: e.stats().requests_rejected))
-    r.counter("jaxllm_engine_steps_total", "engine steps run", fn=read(lambda e: e.stats().steps_total))
-    r.counter("jaxllm_compiles_total", "step functions compiled (flat after warm-up when shapes are covered)",
-              fn=read(lambda e: e.stats().compile_count))
-    r.counter("jaxllm_xla_compiles_total", "executables XLA compiled for engine steps (not persistent-cache reads)",
-              fn=read(lambda e: e.stats().xla_compiles))
-    r.counter("jaxllm_persistent_cache_hits_total", "step executables read from the persistent compilation cache",
-              fn=read(lambda e: e.stats().persistent_cache_hits))
-    r.counter("jaxllm_bucket_steps_total", "steps served per shape bucket (kind decode|prefill, padded size)",
-              ("kind", "size"), fn=read(lambda e: {(k, s): n for k, s, n in e.stats().bucket_steps}))
-    r.counter("jaxllm_padding_tokens_total", "padding tokens run: padded minus real tokens, over served steps",
-              fn=read(lambda e: e.stats().padding_tokens_total))
-    r.counter("jaxllm_tuner_events_total", "the step tuner's counters (stat: predictions, cache_hits, ...)",
-              ("stat",), fn=read(lambda e: {(name,): v for name, v in e.stats().tuner}))
-    r.gauge("jaxllm_queue_depth", "requests waiting to run", fn=read(lambda e: e.stats().queue_depth))
-    r.gauge("jaxllm_running_requests", "requests in the running batch", fn=read(lambda e: e.stats().running))
-    r.gauge("jaxllm_kv_pool_usage_ratio", "fraction of KV rBlocks in use", fn=read(lambda e: e.stats().pool_usage))
-    r.gauge("jaxllm_kv_pool_blocks", "KV rBlocks in the pool", fn=read(lambda e: e.stats().pool_blocks))
-    r.counter("jaxllm_prefix_cache_hit_tokens_total", "tokens whose KV came from the prefix cache instead of a prefill",
-              fn=read(lambda e: e.stats().prefix_cache_hit_tokens))
-    r.gauge("jaxllm_prefix_cache_blocks", "full KV rBlocks registered in the prefix cache (held or evictable)",
-            fn=read(lambda e: e.stats().prefix_cache_blocks))
-    # Lending between instances (DistKV) and preemptions: (register, name, help, EngineStats field).
-    for register, name, what, field in (
-            (r.gauge, "jaxllm_kv_borrowed_blocks", "KV rBlocks instances hold on other instances now (DistKV lending)",
-             "borrowed_blocks"),
-            (r.gauge, "jaxllm_kv_lending_instances", "instances lending rBlocks to others now", "lending_instances"),
-            (r.counter, "jaxllm_kv_loans_total", "rBlocks lent between instances", "loans_total"),
-            (r.counter, "jaxllm_kv_recalled_blocks_total", "lent rBlocks copied home when their debtor had room again",
-             "recalled_blocks_total"),
-            (r.counter, "jaxllm_kv_swapped_pairs_total", "circular debts broken by swapping two rBlocks",
-             "swapped_pairs_total"),
-            (r.counter, "jaxllm_dist_attention_steps_total",
-             "steps that ran DistAttention (some sequence had borrowed rBlocks)", "dist_steps_total"),
-            (r.counter, "jaxllm_preemptions_total",
-             "sequences preempted (rBlocks freed: swapped to the host tier, or recomputed later)",
-             "preemptions_total")):
-        register(name, what, fn=read(lambda e, field=field: getattr(e.stats(), field)))
-    _register_tier_metrics(r, read)
+    for export in stats.exports(EngineStats):
+        m = export.metric
+        register = registry.counter if m.kind == "counter" else registry.gauge
+        register(m.name, m.help, m.labels, fn=read(lambda e, export=export: _samples(e.stats(), export)))
     for field, what in (("tensor_parallel", "devices one model is split over"),
                         ("instances", "serving instances on the mesh's instance axis"),
                         ("processes", "JAX processes (hosts) running the program"),
                         ("devices", "devices the mesh spans")):
-        r.gauge(f"jaxllm_mesh_{field}", f"the mesh: {what}", fn=read(lambda e, field=field: getattr(e.info(), field)))
-    r.gauge("jaxllm_ready", "1 once the model is loaded and warm", fn=lambda: float(engine() is not None))
+        registry.gauge(f"jaxllm_mesh_{field}", f"the mesh: {what}",
+                       fn=read(lambda e, field=field: getattr(e.info(), field)))
+    registry.gauge("jaxllm_ready", "1 once the model is loaded and warm", fn=lambda: float(engine() is not None))
 
 
-def _register_tier_metrics(r: Registry, read) -> None:
-    """Where rBlocks live (device pool, host tier) and what moved between the tiers (all 0 without a host tier)."""
-    def tiers(device, host):
-        return read(lambda e: {("device",): device(e.stats()), ("host",): host(e.stats())})
-
-    r.gauge("jaxllm_kv_tier_blocks", "KV rBlocks each tier has (tier: device = the pool, host = the host tier)",
-            ("tier",), fn=tiers(lambda s: s.pool_blocks, lambda s: s.host_blocks))
-    r.gauge("jaxllm_kv_tier_used_blocks", "KV rBlocks in use per tier (the host's: swapped sequences and its prefix "
-            "cache)", ("tier",), fn=tiers(lambda s: s.pool_blocks - s.pool_blocks_free, lambda s: s.host_blocks_used))
-    r.gauge("jaxllm_kv_tier_used_bytes", "bytes of KV in use per tier (the host's: what its copied runs hold)",
-            ("tier",), fn=tiers(lambda s: (s.pool_blocks - s.pool_blocks_free) * s.kv_block_bytes,
-                                lambda s: s.host_bytes))
-    r.gauge("jaxllm_host_cache_blocks", "KV rBlocks the host tier's prefix cache holds",
-            fn=read(lambda e: e.stats().host_cached_blocks))
-    for name, what, field in (
-            ("jaxllm_kv_swap_outs_total", "preempted sequences swapped to the host tier instead of recomputed",
-             "swap_outs_total"),
-            ("jaxllm_kv_swap_ins_total", "swapped sequences copied back from the host tier", "swap_ins_total"),
-            ("jaxllm_kv_swap_fallbacks_total", "preempted sequences recomputed because the host tier was full",
-             "swap_fallbacks_total"),
-            ("jaxllm_host_cache_spilled_blocks_total", "prefix-cache rBlocks the device evicted and the host kept",
-             "host_spilled_blocks_total"),
-            ("jaxllm_host_cache_hit_blocks_total", "host prefix-cache rBlocks copied back instead of prefilled",
-             "host_cache_hit_blocks_total"),
-            ("jaxllm_kv_swap_cached_blocks_total", "swapped rBlocks the host prefix cache held already (not copied "
-             "out again)", "swap_cached_blocks_total")):
-        r.counter(name, what, fn=read(lambda e, field=field: getattr(e.stats(), field)))
-    r.counter("jaxllm_kv_host_copied_blocks_total", "KV rBlocks copied between the tiers (direction: out = to the "
-              "host, in = back)", ("direction",), fn=read(lambda e: {("out",): e.stats().host_blocks_out_total,
-                                                                     ("in",): e.stats().host_blocks_in_total}))
-    r.counter("jaxllm_kv_host_copy_seconds_total", "seconds each direction had a copy between the tiers in flight",
-              ("direction",), fn=read(lambda e: {("out",): e.stats().host_copy_out_seconds,
-                                                 ("in",): e.stats().host_copy_in_seconds}))
+def _samples(tree: EngineStats, export: stats.Export):
+    """One metric's reading in a stats tree: a number, or {label values: number} for a labelled metric (a leaf of
+    rows gives one sample a row: its label values, then its value)."""
+    if not export.metric.labels:
+        ((path, _),) = export.sources
+        return stats.read(tree, path)
+    values = {}
+    for path, series in export.sources:
+        value = stats.read(tree, path)
+        if series.label_values:
+            values[series.label_values] = value
+        else:
+            values.update({tuple(row[:-1]): row[-1] for row in value})
+    return values

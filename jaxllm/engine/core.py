@@ -22,7 +22,8 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from jaxllm.contract import SamplingParams, StepPlan
+from jaxllm.contract import CoreStats, EngineStats, SamplingParams, StepPlan
+from jaxllm.contract.stats import counters
 from jaxllm.engine.output import RequestClock, RequestTimings, TextStream
 from jaxllm.engine.requests import RequestLimits, check_params, check_token_ids
 from jaxllm.engine.scheduling import StepScheduler
@@ -109,79 +110,6 @@ class EngineInfo:
     max_logprobs: int = 0  # top tokens a request may ask log-probabilities of (0: none)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of counters since start-up and of the current load.
-
-    ttft/tpot: count and sum of per-request samples (seconds); their mean is sum / count.
-    compile_count: step-function traces (each a compile); xla_compiles: the XLA compiles behind them (a
-    read from the persistent compilation cache is a persistent_cache_hit instead). bucket_steps: served
-    steps per bucket, ((kind "decode" | "prefill", padded size, steps), ...); padding_tokens_total:
-    padded minus real tokens over those steps; tuner: the StepTuner's stats(), ((name, value), ...).
-    """
-
-    requests_total: int = 0
-    requests_finished: int = 0
-    requests_cancelled: int = 0
-    requests_rejected: int = 0
-    prompt_tokens_total: int = 0
-    generated_tokens_total: int = 0
-    steps_total: int = 0
-    queue_depth: int = 0
-    running: int = 0
-    pool_blocks: int = 0
-    pool_blocks_free: int = 0
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_blocks: int = 0
-    preemptions_total: int = 0
-    compile_count: int = 0
-    # Lending between instances (DistKV; all 0 on one instance): rBlocks borrowed now (all debtors, and per
-    # instance), instances lending now, rBlocks lent / recalled home and circular-debt swaps so far, and
-    # steps that ran DistAttention (some sequence had borrowed rBlocks).
-    borrowed_blocks: int = 0
-    borrowed_by_instance: tuple[int, ...] = ()
-    lending_instances: int = 0
-    loans_total: int = 0
-    recalled_blocks_total: int = 0
-    swapped_pairs_total: int = 0
-    dist_steps_total: int = 0
-    xla_compiles: int = 0
-    persistent_cache_hits: int = 0
-    bucket_steps: tuple[tuple[str, int, int], ...] = ()
-    padding_tokens_total: int = 0
-    tuner: tuple[tuple[str, int], ...] = ()
-    ttft_count: int = 0
-    ttft_sum_s: float = 0.0
-    tpot_count: int = 0
-    tpot_sum_s: float = 0.0
-    # The host tier (all 0 without one): its rBlocks (slots), those in use and those of its prefix cache, the host
-    # bytes its runs hold; sequences swapped out instead of recomputed, back in, and recomputed because it was
-    # full; rBlocks copied to the host (swaps and prefix-cache spills) and back (swaps and host-cache hits), spilled
-    # and hit; swapped rBlocks the host cache held already (not copied again); seconds each direction had a copy
-    # in flight (copies in flight together counted once). kv_block_bytes: one rBlock's bytes (a tier's bytes are
-    # its rBlocks times this).
-    kv_block_bytes: int = 0
-    host_blocks: int = 0
-    host_blocks_used: int = 0
-    host_cached_blocks: int = 0
-    host_bytes: int = 0
-    swap_outs_total: int = 0
-    swap_ins_total: int = 0
-    swap_fallbacks_total: int = 0
-    host_blocks_out_total: int = 0
-    host_blocks_in_total: int = 0
-    host_spilled_blocks_total: int = 0
-    host_cache_hit_blocks_total: int = 0
-    swap_cached_blocks_total: int = 0
-    host_copy_out_seconds: float = 0.0
-    host_copy_in_seconds: float = 0.0
-
-    @property
-    def pool_usage(self) -> float:
-        """Fraction of rBlocks in use."""
-        return 1.0 - self.pool_blocks_free / self.pool_blocks if self.pool_blocks else 0.0
-
-
 @dataclasses.dataclass(eq=False)
 class _Live:
     """A request the core holds: its sequence, its text, its clock."""
@@ -224,9 +152,7 @@ class EngineCore:
         self._live: dict[int, _Live] = {}  # request id -> state, until its final output
         self._by_seq: dict[int, int] = {}  # seq_id -> request id
         self._ids = itertools.count()
-        self._counts = dict(requests_total=0, requests_finished=0, requests_cancelled=0, prompt_tokens_total=0,
-                            generated_tokens_total=0, steps_total=0, ttft_count=0, ttft_sum_s=0.0, tpot_count=0,
-                            tpot_sum_s=0.0)
+        self._counts = counters(CoreStats)  # its snapshot's counters, at zero
 
     # ----- requests -----
 
@@ -387,35 +313,7 @@ class EngineCore:
     # ----- snapshots -----
 
     def stats(self) -> EngineStats:
-        """Counters and current load (safe to call from another thread: it only reads)."""
-        queue = self.scheduler.stats()
-        executor = self.executor
-        steps = sorted(list(executor.bucket_steps.items()))  # one C-level copy: safe beside the engine thread
-        lending = {}
-        if queue.lending is not None:
-            ledger = queue.lending
-            lending = dict(borrowed_blocks=ledger.borrowed_blocks, borrowed_by_instance=ledger.borrowed_by_instance,
-                           lending_instances=ledger.lending_instances, loans_total=ledger.loans_total,
-                           recalled_blocks_total=ledger.recalled_blocks_total,
-                           swapped_pairs_total=ledger.swapped_pairs_total, dist_steps_total=executor.borrowed_steps)
-        host = {}
-        if queue.host is not None:
-            tier, store = queue.host, executor.host_tier_stats()
-            host = dict(host_blocks=tier.blocks, host_blocks_used=tier.blocks_used,
-                        host_cached_blocks=tier.cached_blocks, host_bytes=int(store.get("bytes_used", 0)),
-                        swap_outs_total=tier.swap_outs_total, swap_ins_total=tier.swap_ins_total,
-                        swap_fallbacks_total=tier.swap_fallbacks_total, host_blocks_out_total=tier.blocks_out_total,
-                        host_blocks_in_total=tier.blocks_in_total, host_spilled_blocks_total=tier.spilled_blocks_total,
-                        host_cache_hit_blocks_total=tier.hit_blocks_total,
-                        swap_cached_blocks_total=tier.swap_cached_blocks_total,
-                        host_copy_out_seconds=float(store.get("copy_out_seconds", 0.0)),
-                        host_copy_in_seconds=float(store.get("copy_in_seconds", 0.0)))
-        return EngineStats(**self._counts, **host, kv_block_bytes=executor.block_bytes, queue_depth=queue.waiting,
-                           running=queue.running, pool_blocks=queue.pool_blocks, pool_blocks_free=queue.pool_blocks_free,
-                           prefix_cache_hit_tokens=queue.cached_tokens, prefix_cache_blocks=queue.cached_blocks,
-                           preemptions_total=queue.preemptions, compile_count=executor.compile_count,
-                           xla_compiles=executor.xla_compiles, persistent_cache_hits=executor.persistent_cache_hits,
-                           bucket_steps=tuple((kind.label, size, n) for (kind, size), n in steps),
-                           padding_tokens_total=executor.padding_tokens,
-                           tuner=tuple(sorted((str(k), int(v)) for k, v in executor.tuner_stats().items())),
-                           **lending)
+        """Counters and current load: each part's own snapshot, composed (safe to call from another thread: it
+        only reads)."""
+        return EngineStats(core=CoreStats(**self._counts), scheduler=self.scheduler.stats(),
+                           executor=self.executor.stats())

@@ -27,36 +27,14 @@ are taken (`take_copies`): until then the executor has not read it, and a new ou
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 
 import numpy as np
 
-from jaxllm.contract import HostCopies
+from jaxllm.contract import HostCopies, HostTierStats
+from jaxllm.contract.stats import counters
 
-__all__ = ["HostTier", "HostTierStats"]
-
-
-@dataclasses.dataclass(frozen=True)
-class HostTierStats:
-    """A snapshot of one host tier (or the sum of several): its slots (rBlocks) and what moved so far."""
-
-    blocks: int = 0  # slots (rBlocks) the tier has
-    blocks_used: int = 0  # held by swapped sequences or cached prefixes
-    cached_blocks: int = 0  # held by the host prefix cache
-    swapped_sequences: int = 0  # sequences whose KV waits on the host now
-    swap_outs_total: int = 0  # sequences swapped out instead of recomputed
-    swap_ins_total: int = 0  # ... and back in
-    swap_fallbacks_total: int = 0  # preemptions recomputed because the tier had no room
-    blocks_out_total: int = 0  # rBlocks copied to the host (swaps and prefix-cache spills)
-    blocks_in_total: int = 0  # rBlocks copied back (swaps and prefix-cache hits)
-    spilled_blocks_total: int = 0  # device prefix-cache evictions kept on the host
-    hit_blocks_total: int = 0  # host prefix-cache rBlocks a prompt copied back instead of prefilling
-    swap_cached_blocks_total: int = 0  # swapped rBlocks the host cache held already: pinned, not copied out
-
-    def __add__(self, other: HostTierStats) -> HostTierStats:
-        return HostTierStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                                for f in dataclasses.fields(self)})
+__all__ = ["HostTier"]
 
 
 class HostTier:
@@ -84,9 +62,7 @@ class HostTier:
         # rBlocks whose contents a copy planned with this plan moves before the host copies' step (DistKV recalls:
         # destination -> source): a swap-out reads a moved rBlock at its source (host copies out run first).
         self.moved: dict[int, int] = {}
-        self._counts = dict(swap_outs_total=0, swap_ins_total=0, swap_fallbacks_total=0, blocks_out_total=0,
-                            blocks_in_total=0, spilled_blocks_total=0, hit_blocks_total=0,
-                            swap_cached_blocks_total=0)
+        self._counts = counters(HostTierStats)  # its counters (the *_total fields of its stats)
 
     # ----- what it holds -----
 

@@ -24,18 +24,19 @@ rBlock at its source (`HostTier.moved`), the copies in after them. A spill cause
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Collection
 
 import numpy as np
 
-from jaxllm.contract import HostCopies, LogitBias, RowPenalties, SamplingParams, StepKind, StepPlan
+from jaxllm.contract import (HostCopies, LendingStats, LogitBias, RowPenalties, SamplingParams, SchedulerStats,
+                             StepKind, StepPlan)
 from jaxllm.engine.distkv import GManager, InstanceSpec, RManager
-from jaxllm.engine.host_tier import HostTier, HostTierStats
+from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.lending import LendingAllocator
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.scheduling import LendingStats, SchedulerStats
 from jaxllm.engine.sequence import Sequence
 
 __all__ = ["InstanceSchedulers", "join_plans"]
@@ -212,20 +213,16 @@ class InstanceSchedulers:
             self.gmanager.report(a.instance, a.rmanager.num_free)
 
     def stats(self) -> SchedulerStats:
-        """Every instance's queue and pool summed, with the lending ledger's figures."""
-        parts = [s.stats() for s in self.schedulers]
+        """Every instance's queue, pool and host tier summed, with the lending ledger's figures (free rBlocks as
+        the lending allocators count them)."""
         ledger = self.gmanager.metrics()
         lending = LendingStats(borrowed_by_instance=tuple(ledger["borrowed"][i] for i in sorted(ledger["borrowed"])),
                                lending_instances=sum(1 for n in ledger["lent"].values() if n),
                                loans_total=ledger["loans"], recalled_blocks_total=ledger["recalled"],
                                swapped_pairs_total=ledger["swapped"])
-        return SchedulerStats(
-            waiting=sum(p.waiting for p in parts), running=sum(p.running for p in parts),
-            preemptions=sum(p.preemptions for p in parts), cached_tokens=sum(p.cached_tokens for p in parts),
-            pool_blocks=sum(p.pool_blocks for p in parts),
-            pool_blocks_free=sum(a.rmanager.num_free for a in self.allocators),
-            cached_blocks=sum(p.cached_blocks for p in parts), lending=lending,
-            host=sum((t.stats() for t in self.host_tiers), HostTierStats()) if self.host_tiers else None)
+        total = sum((s.stats() for s in self.schedulers), SchedulerStats())
+        return dataclasses.replace(total, pool_blocks_free=sum(a.rmanager.num_free for a in self.allocators),
+                                   lending=lending)
 
 
 def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | None = None,

@@ -34,10 +34,9 @@ from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from jaxllm.contract import PENDING_TOKEN, SamplingParams, StepKind, StepPlan
+from jaxllm.contract import PENDING_TOKEN, HostTierStats, SamplingParams, SchedulerStats, StepKind, StepPlan
 from jaxllm.engine.allocator import BlockPool, OutOfBlocks
 from jaxllm.engine.host_tier import HostTier
-from jaxllm.engine.scheduling import SchedulerStats
 from jaxllm.engine.plan_rows import PlanRow, assemble_plan
 from jaxllm.engine.sequence import Sequence, Status
 
@@ -102,12 +101,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        """The queue and the pool, a snapshot (lending: None, one instance)."""
+        """The queue and the pool, a snapshot (lending all 0: one instance; host all 0 without a host tier)."""
         pool = self.allocator
         return SchedulerStats(waiting=len(self.waiting), running=len(self.running), preemptions=self.preemptions,
                               cached_tokens=self.cached_tokens, pool_blocks=pool.num_blocks,
                               pool_blocks_free=pool.num_free, cached_blocks=pool.num_cached,
-                              host=None if self.host is None else self.host.stats())
+                              host=HostTierStats() if self.host is None else self.host.stats())
 
     # ----- planning -----
 

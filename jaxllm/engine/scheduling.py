@@ -8,49 +8,15 @@ Python: a scheduler plans steps as plain values (jaxllm.contract.StepPlan) and n
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection
 from typing import Protocol
 
 import numpy as np
 
-from jaxllm.contract import SamplingParams, StepPlan
-from jaxllm.engine.host_tier import HostTierStats
+from jaxllm.contract import SamplingParams, SchedulerStats, StepPlan
 from jaxllm.engine.sequence import Sequence
 
-__all__ = ["HostTierStats", "LendingStats", "SchedulerStats", "StepScheduler"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LendingStats:
-    """The DistKV ledger across instances: rBlocks borrowed now per instance, instances lending now, and
-    rBlocks lent / recalled home and circular-debt swaps so far."""
-
-    borrowed_by_instance: tuple[int, ...] = ()
-    lending_instances: int = 0
-    loans_total: int = 0
-    recalled_blocks_total: int = 0
-    swapped_pairs_total: int = 0
-
-    @property
-    def borrowed_blocks(self) -> int:
-        return sum(self.borrowed_by_instance)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of a scheduler's queue and pool. lending: None on one instance; host: None without a host
-    tier."""
-
-    waiting: int
-    running: int
-    preemptions: int
-    cached_tokens: int  # tokens whose KV came from the prefix cache, all admissions together
-    pool_blocks: int
-    pool_blocks_free: int
-    cached_blocks: int
-    lending: LendingStats | None = None
-    host: HostTierStats | None = None
+__all__ = ["StepScheduler"]
 
 
 class StepScheduler(Protocol):
@@ -109,5 +75,6 @@ class StepScheduler(Protocol):
         ...
 
     def stats(self) -> SchedulerStats:
-        """A snapshot of the queue and the pool (safe to read from another thread)."""
+        """A snapshot of the queue and the pool, with the lending ledger's and the host tier's (all 0 where there is
+        none), safe to read from another thread."""
         ...

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxllm.contract import StepKind, StepPlan
+from jaxllm.contract import ExecutorStats, StepPlan
 
 __all__ = ["DispatchedStep", "StepRunner"]
 
@@ -38,20 +38,6 @@ class DispatchedStep(Protocol):
 class StepRunner(Protocol):
     """Runs planned steps on the devices, and counts what it compiled and ran."""
 
-    compile_count: int  # programs traced (each a compile)
-    xla_compiles: int  # the XLA compiles behind them (a persistent-cache read is not one)
-    persistent_cache_hits: int
-    bucket_steps: dict[tuple[StepKind, int], int]  # (kind, padded size) -> served steps
-    padding_tokens: int  # padded minus real tokens over those steps
-    borrowed_steps: int  # steps that ran DistAttention (some sequence had rBlocks on another instance)
-    block_bytes: int  # one rBlock's bytes, all layers (the pool's rBlocks are all alike)
-
-    def host_tier_stats(self) -> dict[str, float]:
-        """The host tier's store: bytes_used (host bytes its runs hold), copy_out_seconds / copy_in_seconds (from
-        the start to the landing of every copy so far), reserved_seconds (warm-up's reservation of host memory);
-        {} without a host tier."""
-        ...
-
     def dispatch(self, plan: StepPlan, *, token_source: DispatchedStep | None = None) -> DispatchedStep:
         """Queue one step (its block copies first) and return without waiting; token_source: the decode step
         this one continues (its tokens, still on the devices, are this step's inputs)."""
@@ -61,6 +47,7 @@ class StepRunner(Protocol):
         """Teacher-forced logits [T, vocab] float32 of every token of a prefill plan; waits."""
         ...
 
-    def tuner_stats(self) -> dict[str, int]:
-        """The tuner's counters (predictions, cache hits, ...)."""
+    def stats(self) -> ExecutorStats:
+        """What it compiled and ran, the tuner's counters and the host store's (jaxllm.contract.stats), a snapshot
+        (safe to call beside the engine thread: it only reads)."""
         ...

@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
-from jaxllm.contract import SamplingParams
-from jaxllm.engine.core import EngineCore, EngineInfo, EngineStats, Request, RequestOutput
+from jaxllm.contract import EngineStats, SamplingParams
+from jaxllm.engine.core import EngineCore, EngineInfo, Request, RequestOutput
 from jaxllm.engine.requests import RequestLimits, check_params, prompt_token_ids
 
 
@@ -131,7 +131,7 @@ class Engine:
         with self._lock:
             if not self._accepting:
                 raise EngineStopped(self._failure or "the server is shutting down")
-            waiting = len(self._incoming) + self._core.stats().queue_depth
+            waiting = len(self._incoming) + self._core.scheduler.stats().waiting
             if waiting + len(requests) > self.max_waiting:
                 self._requests_rejected += len(requests)
                 more = f": no room for {len(requests)} more" if len(requests) > 1 else ""
@@ -164,10 +164,12 @@ class Engine:
             incoming = [p.request for p in self._incoming]
             rejected = self._requests_rejected
         stats = self._core.stats()
-        return dataclasses.replace(
-            stats, requests_total=stats.requests_total + len(incoming), requests_rejected=rejected,
-            prompt_tokens_total=stats.prompt_tokens_total + sum(len(r.prompt_ids) for r in incoming),
-            queue_depth=stats.queue_depth + len(incoming))
+        prompt_tokens = sum(len(r.prompt_ids) for r in incoming)
+        core = dataclasses.replace(stats.core, requests_total=stats.core.requests_total + len(incoming),
+                                   requests_rejected=rejected,
+                                   prompt_tokens_total=stats.core.prompt_tokens_total + prompt_tokens)
+        scheduler = dataclasses.replace(stats.scheduler, waiting=stats.scheduler.waiting + len(incoming))
+        return dataclasses.replace(stats, core=core, scheduler=scheduler)
 
     def stop_accepting(self) -> None:
         with self._lock:

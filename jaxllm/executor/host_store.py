@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from jaxllm.contract import HostCopies
+from jaxllm.contract import HostStoreStats
 from jaxllm.executor.host_transfer import HostRun, HostTransfer
 
 __all__ = ["MAX_COPY_BYTES", "HostStore", "run_lengths"]
@@ -154,6 +155,12 @@ class HostStore:
         """Seconds each direction, "out" (to the host) and "in", had a copy in flight so far (from a copy's start to
         its landing; copies in flight together counted once)."""
         return dict(self._clock.seconds)
+
+    def stats(self) -> HostStoreStats:
+        """Host bytes held and copy seconds each way, a snapshot."""
+        seconds = self.copy_seconds
+        return HostStoreStats(bytes_used=self.bytes_used, copy_out_seconds=seconds["out"],
+                              copy_in_seconds=seconds["in"])
 
     def run_lengths(self) -> list[int]:
         """Every run length a copy can have (each one gather and one scatter program)."""

@@ -31,7 +31,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxllm.contract import StepKind, StepPlan
+from jaxllm.contract import ExecutorStats, HostStoreStats, StepKind, StepPlan
 from jaxllm.executor.calls import Op, StepCall, TokenSource
 from jaxllm.executor.in_flight import InFlight, Launched, host_array
 from jaxllm.executor.inputs import InputLayout, StepBatch, token_rows
@@ -91,11 +91,18 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.worker.block_size
 
-    def host_tier_stats(self) -> dict[str, float]:
-        return self.worker.host_tier_stats()
-
-    def tuner_stats(self) -> dict[str, int]:
-        return dict(self.tuner.stats())
+    def stats(self) -> ExecutorStats:
+        """What it compiled and ran, the tuner's counters and the host store's (jaxllm.contract.stats), a snapshot
+        (safe beside the engine thread: it only reads)."""
+        steps = sorted(list(self.bucket_steps.items()))  # one C-level copy
+        store = self.worker.host_store
+        return ExecutorStats(
+            compile_count=self.compile_count, xla_compiles=self.xla_compiles,
+            persistent_cache_hits=self.persistent_cache_hits,
+            bucket_steps=tuple((kind.label, size, n) for (kind, size), n in steps),
+            padding_tokens_total=self.padding_tokens, dist_steps_total=self.borrowed_steps,
+            tuner=tuple(sorted((str(k), int(v)) for k, v in self.tuner.stats().items())),
+            kv_block_bytes=self.block_bytes, host_store=HostStoreStats() if store is None else store.stats())
 
     # ----- steps -----
 

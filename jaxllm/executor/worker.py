@@ -115,15 +115,6 @@ class Worker:
         """Whether it keeps penalty state (plans may carry penalties and logit biases)."""
         return self._penalty_state is not None
 
-    def host_tier_stats(self) -> dict[str, float]:
-        """The HostStore's bytes held and copy seconds each way ({} without a host tier)."""
-        store = self.host_store
-        if store is None:
-            return {}
-        seconds = store.copy_seconds
-        return dict(bytes_used=store.bytes_used, copy_out_seconds=seconds["out"], copy_in_seconds=seconds["in"],
-                    reserved_seconds=store.reserved_seconds)
-
     # ----- running calls -----
 
     def statics(self, call: StepCall, inputs: StepInputs) -> dict:

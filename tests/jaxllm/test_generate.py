@@ -27,7 +27,7 @@ def test_greedy_cached_generation_equals_full_recompute(llm):
         assert predicted.tolist() == out.token_ids
         if out.finish_reason == "length":
             assert len(out.token_ids) == 10
-    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks  # every rBlock returned
+    assert llm.stats().scheduler.pool_blocks_free == llm.stats().scheduler.pool_blocks  # every rBlock returned
 
 
 def test_output_independent_of_batch_composition(llm):
@@ -74,14 +74,14 @@ def test_preemption_gives_the_same_tokens():
     got = tight.generate(prompts, **kwargs)
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert [c.text for c in got] == [c.text for c in expected]
-    assert tight.core.stats().pool_blocks_free == 24
+    assert tight.core.stats().scheduler.pool_blocks_free == 24
 
 
 def test_stream_matches_generate(llm):
     pieces = list(llm.stream(PROMPTS[3], max_new_tokens=12, temperature=0.5, seed=3))
     whole = llm.generate([PROMPTS[3]], max_new_tokens=12, temperature=0.5, seed=3)[0]
     assert "".join(pieces) == whole.text
-    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
+    assert llm.stats().scheduler.pool_blocks_free == llm.stats().scheduler.pool_blocks
 
 
 def test_text_is_the_decode_of_the_token_ids_without_a_stop_string(llm):
@@ -100,7 +100,7 @@ def test_text_is_the_decode_of_the_token_ids_without_a_stop_string(llm):
             out = llm.generate(prompts[:1], max_new_tokens=n, temperature=1.0, seed=n)[0]
             assert "".join(llm.stream(prompts[0], max_new_tokens=n, temperature=1.0, seed=n)) == out.text
     assert unfinished >= 3, unfinished
-    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
+    assert llm.stats().scheduler.pool_blocks_free == llm.stats().scheduler.pool_blocks
 
 
 def test_ignore_eos_runs_to_max_new_tokens(llm):
@@ -132,7 +132,7 @@ def test_abandoned_stream_frees_blocks(llm):
     it = llm.stream("abandon me", max_new_tokens=50)
     next(it)
     it.close()
-    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
+    assert llm.stats().scheduler.pool_blocks_free == llm.stats().scheduler.pool_blocks
     assert not llm.scheduler.has_work()
 
 
@@ -255,7 +255,7 @@ def test_shared_prompt_prefix_is_reused_and_changes_no_token():
     shared = len(cached.tokenizer.encode(system)) // 4 * 4  # whole rBlocks of the common prefix
     assert cached.scheduler.cached_tokens - before >= shared > 0
     assert out.token_ids == plain.generate([second], max_new_tokens=12)[0].token_ids
-    assert plain.scheduler.cached_tokens == 0 and plain.core.stats().prefix_cache_blocks == 0
+    assert plain.scheduler.cached_tokens == 0 and plain.core.stats().scheduler.cached_blocks == 0
     prompt_ids = cached.tokenizer.encode(second)
     full = prompt_ids + out.token_ids
     predicted = cached.logits(full)[len(prompt_ids) - 1:len(full) - 1].argmax(-1)
@@ -263,7 +263,7 @@ def test_shared_prompt_prefix_is_reused_and_changes_no_token():
     # The same prompt again: everything but its last token comes from the cache.
     again = cached.generate([second], max_new_tokens=12)[0]
     assert again.token_ids == out.token_ids
-    assert cached.core.stats().pool_blocks_free == cached.core.stats().pool_blocks  # cached rBlocks count as free
+    assert cached.stats().scheduler.pool_blocks_free == cached.stats().scheduler.pool_blocks  # cached rBlocks count as free
 
 
 def test_generate_cli_checks_flags_before_echoing_the_prompt(capsys):

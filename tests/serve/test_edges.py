@@ -122,8 +122,8 @@ def test_a_request_that_can_never_fit_the_queue_is_a_400_and_nothing_is_queued(s
         error = _error(_post(http, "/v1/completions", dict(model="tiny", max_tokens=1, **fields)), 400, message, param)
         assert f"over the limit {MAX_WAITING} the server can queue at once" in error["message"]
     after = engine.stats()
-    assert (after.requests_total, after.requests_rejected, after.queue_depth) == \
-           (before.requests_total, before.requests_rejected, 0)
+    assert (after.core.requests_total, after.core.requests_rejected, after.scheduler.waiting) == \
+           (before.core.requests_total, before.core.requests_rejected, 0)
     status, body = _post(http, "/v1/completions", dict(model="tiny", prompt=["a", "b"], n=2, max_tokens=1))
     assert status == 200 and len(body["choices"]) == MAX_WAITING  # exactly the queue's size still fits
 

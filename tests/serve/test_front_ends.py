@@ -93,12 +93,13 @@ def test_choices_that_do_not_all_fit_are_refused_with_none_queued(servers):
     assert f"needs {MAX_WAITING + 1} engine requests (1 prompt x n={MAX_WAITING + 1}), over the limit " \
            f"{MAX_WAITING}" in body["error"]["message"]
     after = engine.stats()
-    assert (after.requests_total, after.queue_depth, after.running) == (before.requests_total, 0, 0)
-    assert after.requests_rejected == before.requests_rejected
+    assert (after.core.requests_total, after.scheduler.waiting, after.scheduler.running) == \
+           (before.core.requests_total, 0, 0)
+    assert after.core.requests_rejected == before.core.requests_rejected
     # A bad prompt after a good one: refused before either is queued.
     status, body = _post(http, "/completions", dict(model="tiny", prompt=["a", "x" * 70], max_tokens=2))
     assert status == 400 and body["error"]["message"].startswith("prompt 1: prompt has 71 tokens"), body
-    assert engine.stats().requests_total == before.requests_total
+    assert engine.stats().core.requests_total == before.core.requests_total
     status, body = _post(http, "/completions", dict(model="tiny", prompt="a", max_tokens=2, n=MAX_WAITING))
     assert status == 200 and [c["index"] for c in body["choices"]] == list(range(MAX_WAITING))
-    assert engine.stats().requests_total == before.requests_total + MAX_WAITING
+    assert engine.stats().core.requests_total == before.core.requests_total + MAX_WAITING

@@ -34,4 +34,4 @@ def test_cancel_frees_rblocks_within_one_step_and_stops_tokens():
         assert steps <= 6, "the other request should end within its 6 tokens"
     assert all(out.request_id == other for out in after), "the cancelled request produced more output"
     assert allocator.num_free == allocator.num_blocks and not core.has_step_in_flight()
-    assert core.stats().requests_cancelled == 1 and core.num_requests == 0
+    assert core.stats().core.requests_cancelled == 1 and core.num_requests == 0

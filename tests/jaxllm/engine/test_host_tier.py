@@ -74,7 +74,7 @@ def test_full_host_tier_falls_back_to_recompute(expected):
     got = [c.token_ids for c in tiny.generate(PROMPTS, **SAMPLED)]
     host = tiny.core.scheduler.stats().host
     assert host.blocks == 2 and host.swap_fallbacks_total > 0 and host.swap_outs_total == 0, host
-    assert tiny.core.stats().preemptions_total > 0
+    assert tiny.core.stats().scheduler.preemptions > 0
     assert got == expected
     _idle(tiny)
 
@@ -231,20 +231,21 @@ def test_negative_host_kv_gib_flag_is_refused_naming_it(entry, capsys):
 def test_engine_stats_report_the_tiers():
     tight = _engine(1 << 20, prefix_caching=False)
     tight.generate(PROMPTS, **SAMPLED)
-    stats = tight.core.stats()
-    assert stats.host_blocks == tight.host_blocks > 0 and stats.kv_block_bytes == _block_bytes(tight)
-    assert stats.swap_outs_total == stats.swap_ins_total > 0 and stats.host_blocks_in_total > 0
-    assert stats.host_blocks_out_total >= stats.host_blocks_in_total
-    assert stats.host_blocks_used == 0 and stats.host_bytes == 0  # every swapped run came back
+    stats = tight.stats()
+    host = stats.scheduler.host
+    assert host.blocks == tight.host_blocks > 0 and stats.executor.kv_block_bytes == _block_bytes(tight)
+    assert host.swap_outs_total == host.swap_ins_total > 0 and host.blocks_in_total > 0
+    assert host.blocks_out_total >= host.blocks_in_total
+    assert host.blocks_used == 0 and stats.executor.host_store.bytes_used == 0  # every swapped run came back
     from serve.metrics import Registry, parse, register_engine_metrics
 
     registry = Registry()
     engine = types.SimpleNamespace(stats=tight.core.stats, info=tight.info)  # what the metrics read of an Engine
     register_engine_metrics(registry, lambda: engine)
     metrics = parse(registry.render())
-    assert metrics['jaxllm_kv_tier_blocks{tier="host"}'] == stats.host_blocks
-    assert metrics['jaxllm_kv_swap_outs_total'] == stats.swap_outs_total
-    assert metrics['jaxllm_kv_host_copied_blocks_total{direction="in"}'] == stats.host_blocks_in_total
+    assert metrics['jaxllm_kv_tier_blocks{tier="host"}'] == host.blocks
+    assert metrics['jaxllm_kv_swap_outs_total'] == host.swap_outs_total
+    assert metrics['jaxllm_kv_host_copied_blocks_total{direction="in"}'] == host.blocks_in_total
 
 
 @needs_host_devices
@@ -268,7 +269,7 @@ def test_instances_swap_to_their_own_host_tiers(roomy):
     got = [[t for out in outputs[i] for t in out.token_ids] for i in sorted(outputs)]
     want = roomy.run(requests)
     assert got == [[t for out in want[i] for t in out.token_ids] for i in sorted(want)]
-    stats = llm.core.stats()
-    assert stats.swap_outs_total > 0 and stats.swap_ins_total == stats.swap_outs_total, stats
-    assert stats.host_blocks == 2 * llm.host_blocks and stats.host_blocks_used == stats.host_cached_blocks
-    assert not lending or stats.loans_total > 0, stats
+    queue = llm.stats().scheduler
+    assert queue.host.swap_outs_total > 0 and queue.host.swap_ins_total == queue.host.swap_outs_total, queue
+    assert queue.host.blocks == 2 * llm.host_blocks and queue.host.blocks_used == queue.host.cached_blocks
+    assert not lending or queue.lending.loans_total > 0, queue

@@ -113,4 +113,4 @@ def test_greedy_generation_agrees(llms):
           f"{decisive} of {len(agree)} rows decisive")
     assert decisive >= len(agree) // 2  # the check above must cover most rows to mean anything
     assert np.mean(agree) >= 0.8 and sum(first3) >= len(PROMPTS) - 1
-    assert int8.core.stats().pool_blocks_free == int8.core.stats().pool_blocks
+    assert int8.core.stats().scheduler.pool_blocks_free == int8.core.stats().scheduler.pool_blocks

@@ -40,9 +40,10 @@ def _tokens(llm: LLM, requests: list[Request]) -> list[list[int]]:
 
 def _stats(llm: LLM) -> dict:
     s = llm.core.stats()
-    return dict(preemptions=s.preemptions_total, loans=s.loans_total, borrowed=s.borrowed_blocks,
-                recalled=s.recalled_blocks_total, dist_steps=s.dist_steps_total, free=s.pool_blocks_free,
-                blocks=s.pool_blocks, lending_instances=s.lending_instances)
+    queue, ledger = s.scheduler, s.scheduler.lending
+    return dict(preemptions=queue.preemptions, loans=ledger.loans_total, borrowed=ledger.borrowed_blocks,
+                recalled=ledger.recalled_blocks_total, dist_steps=s.executor.dist_steps_total,
+                free=queue.pool_blocks_free, blocks=queue.pool_blocks, lending_instances=ledger.lending_instances)
 
 
 def _done(r: dict) -> bool:
@@ -118,7 +119,7 @@ def test_recall_copies_lent_rblocks_home_and_outputs_do_not_change(reference):
     while llm.core.has_work():
         llm.core.step()
         if a.status.value == "running":
-            recalled_while_running = llm.core.stats().recalled_blocks_total
+            recalled_while_running = llm.core.stats().scheduler.lending.recalled_blocks_total
     requests = [Request(long_ids, _greedy(120)), Request(short_ids, _greedy(40))]
     _assert_same(reference["bfloat16"], requests, [a.output_ids, c.output_ids],
                  _tokens(reference["bfloat16"], requests))

@@ -134,7 +134,7 @@ def test_prompt_logprobs_equal_teacher_forced_log_softmax_across_chunks(instance
                                    atol=1e-5)
     assert all(top == () for c in scored for _, top in c.prompt_logprobs[1:])
     stats = llm.core.stats()
-    assert stats.pool_blocks_free == stats.pool_blocks
+    assert stats.scheduler.pool_blocks_free == stats.scheduler.pool_blocks
 
 
 def test_prompt_logprobs_are_refused_past_the_limit_and_without_them(llm):

@@ -55,7 +55,7 @@ def test_greedy_tokens_equal_the_reference_replayed_over_teacher_forced_logits(l
     assert got[2] == plain[2]  # a request without penalties beside penalized ones: its tokens as alone
     assert all(g != p for g, p, kw in zip(got, plain, PARAMS) if kw)  # each penalty or bias changed something
     stats = llm.core.stats()
-    assert stats.pool_blocks_free == stats.pool_blocks and not llm.scheduler.running
+    assert stats.scheduler.pool_blocks_free == stats.scheduler.pool_blocks and not llm.scheduler.running
     assert sorted(llm.scheduler._free_slots) == list(range(6))  # every penalty slot went back
 
 
@@ -91,7 +91,7 @@ def test_penalized_sequences_survive_a_preemption_and_its_recompute():
     assert _run(tight, prompts, PARAMS, **sampled) == _run(roomy, prompts, PARAMS, **sampled)
     assert any(p.penalized for p in preempted)
     stats = tight.core.stats()
-    assert stats.pool_blocks_free == stats.pool_blocks
+    assert stats.scheduler.pool_blocks_free == stats.scheduler.pool_blocks
 
 
 def test_frequency_alone_takes_the_prompts_cached_rblocks_repetition_none():
@@ -101,9 +101,9 @@ def test_frequency_alone_takes_the_prompts_cached_rblocks_repetition_none():
     llm.generate([prompt], max_new_tokens=2)  # its 5 full rBlocks go to the prefix cache
     cached = []
     for kw, want in ((dict(frequency_penalty=1.0), 20), (dict(repetition_penalty=1.3), 0), ({}, 20)):
-        before = llm.core.stats().prefix_cache_hit_tokens
+        before = llm.core.stats().scheduler.cached_tokens
         out = llm.generate([prompt], max_new_tokens=6, **kw)[0]
-        cached.append(llm.core.stats().prefix_cache_hit_tokens - before)
+        cached.append(llm.core.stats().scheduler.cached_tokens - before)
         assert_greedy_replays(llm, prompt, out.token_ids, SamplingParams(**kw))
     assert cached == [20, 0, 20]
 

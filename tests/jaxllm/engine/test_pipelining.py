@@ -66,7 +66,7 @@ def _both(llm, continuations, fn):
 def _check_idle(llm):
     assert not llm.core.has_step_in_flight(), "a step was left in flight"
     assert not llm.scheduler.has_work()
-    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks, "rBlocks leaked"
+    assert llm.core.stats().scheduler.pool_blocks_free == llm.core.stats().scheduler.pool_blocks, "rBlocks leaked"
 
 
 @pytest.mark.parametrize("kwargs", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -179,13 +179,13 @@ def test_engine_rejects_bad_token_ids(llm):
     from jaxllm.engine.threaded import Engine
 
     engine = Engine(llm.core, llm.tokenizer, llm.info())
-    before = engine.stats().requests_total  # the core's count since start-up: generate()'s requests too
+    before = engine.stats().core.requests_total  # the core's count since start-up: generate()'s requests too
     try:
         for ids, message in (([], "prompt is empty"), ([5, llm.config.vocab_size], "outside the vocabulary"),
                              ([5, -1], "token id -1"), ([5] * (llm.context_limit + 1), "more than")):
             with pytest.raises(ValueError, match=message):
                 engine.submit(ids, SamplingParams(max_new_tokens=2))
-        assert engine.stats().requests_total == before  # nothing was accepted
+        assert engine.stats().core.requests_total == before  # nothing was accepted
     finally:
         engine.shutdown(grace_s=1.0)
 

@@ -207,7 +207,7 @@ def test_every_entry_point_takes_a_prompt_of_exactly_the_allowance(llm):
     finally:
         engine.shutdown(grace_s=5.0)
     stats = llm.core.stats()
-    assert not llm.scheduler.has_work() and stats.pool_blocks_free == stats.pool_blocks
+    assert not llm.scheduler.has_work() and stats.scheduler.pool_blocks_free == stats.scheduler.pool_blocks
 
 
 def test_a_request_is_checked_once_on_its_way_in(llm, monkeypatch):

@@ -217,7 +217,7 @@ def test_llm_generate_and_stream_stop_token_ids():
     if cut:
         assert out.text == llm.generate(["stop tokens"], **{**kwargs, "max_new_tokens": cut})[0].text
     assert "".join(llm.stream("stop tokens", stop_token_ids=stop, **kwargs)) == out.text
-    assert llm.core.stats().pool_blocks_free == llm.core.stats().pool_blocks
+    assert llm.core.stats().scheduler.pool_blocks_free == llm.core.stats().scheduler.pool_blocks
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["x"], max_new_tokens=2, stop_token_ids=[-3])
 

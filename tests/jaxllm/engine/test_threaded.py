@@ -125,14 +125,15 @@ def test_submit_checked_queues_all_or_none(engine):
     with pytest.raises(QueueFull, match=r"0 requests are already waiting \(limit 2\): no room for 3 more"):
         engine.submit_checked(requests)
     after = engine.stats()
-    assert (after.requests_total, after.queue_depth, after.running) == (before.requests_total, 0, 0)
-    assert after.requests_rejected == before.requests_rejected + 3
+    assert (after.core.requests_total, after.scheduler.waiting, after.scheduler.running) == \
+           (before.core.requests_total, 0, 0)
+    assert after.core.requests_rejected == before.core.requests_rejected + 3
     assert engine.idle()
     assert [list(s)[-1].finish_reason for s in engine.submit_checked(requests[:2])] == ["length"] * 2
     engine.stop_accepting()
     with pytest.raises(EngineStopped):
         engine.submit_checked(requests[:1])
-    assert engine.stats().requests_total == before.requests_total + 2
+    assert engine.stats().core.requests_total == before.core.requests_total + 2
 
 
 def test_a_request_the_core_refuses_ends_with_one_error_output(engine):

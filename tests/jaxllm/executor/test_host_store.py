@@ -136,8 +136,8 @@ class _SlowTransfer(_Transfer):
 
 
 def test_copy_seconds_count_copies_in_flight_together_once():
-    """Two runs out in flight at once for 0.3 s: the direction was busy 0.3 s, not 0.6 (EngineStats'
-    host_copy_out_seconds)."""
+    """Two runs out in flight at once for 0.3 s: the direction was busy 0.3 s, not 0.6 (the stats tree's
+    executor.host_store.copy_out_seconds)."""
     log = []
     store = HostStore(_Programs(log), _SlowTransfer(log), max_run=2, block_bytes=10, max_copy_bytes=40)
     store.apply(np.arange(16), _copies(out=[0, 1, 2, 3], slots=[0, 1, 2, 3]))  # two runs of two, both in flight

@@ -61,9 +61,10 @@ def test_every_mesh_generates_the_tokens_of_one_device(runs, mesh):
         assert_same_greedy(reference["llm"], list(request.prompt_ids), got, want)
     assert out[mesh]["sampled"] == reference["sampled"]
     stats = out[mesh]["greedy_stats"]
-    assert stats.preemptions_total == 0 and stats.pool_blocks_free == stats.pool_blocks
+    assert stats.scheduler.preemptions == 0 and stats.scheduler.pool_blocks_free == stats.scheduler.pool_blocks
     if "i" in mesh:  # the instance meshes lent (recalls: test_lending_engine's recall test, same comparison)
-        assert stats.loans_total > 0 and stats.dist_steps_total > 0 and stats.borrowed_blocks == 0, stats
+        ledger = stats.scheduler.lending
+        assert ledger.loans_total > 0 and stats.executor.dist_steps_total > 0 and ledger.borrowed_blocks == 0, stats
 
 
 class _TwoVariants:
@@ -118,7 +119,7 @@ def test_instances_compile_and_choose_tuner_variants_pipeline_and_compile_nothin
     assert llm.compile_count == warm
     assert set(tuner.chosen) == {0, 1} and len(tuner.chosen) >= 12  # every unborrowed step asked the tuner
     assert sum(continued) > 0  # steps fed from the previous step's device tokens
-    assert llm.core.stats().dist_steps_total > 0
+    assert llm.core.stats().executor.dist_steps_total > 0
     unpipelined = LLM("tiny", options=dataclasses.replace(options, pipeline=False), progress=False)
     assert [_tokens(unpipelined, short), _tokens(unpipelined, long)] == got  # same shapes, same tokens
 
@@ -134,7 +135,7 @@ def test_nothing_compiles_after_warm_up_borrowed_steps_included():
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 5)]
     _tokens(llm, [Request([int(t) for t in rng.integers(3, 250, int(rng.integers(200, 260)))], params[0]),
                   Request([int(t) for t in rng.integers(3, 250, int(rng.integers(5, 40)))], params[1])])
-    assert llm.core.stats().dist_steps_total > 0  # the run borrowed
+    assert llm.core.stats().executor.dist_steps_total > 0  # the run borrowed
     assert llm.compile_count == warm
 
 
@@ -143,10 +144,10 @@ def test_instances_share_cached_prefixes():
     rng = np.random.default_rng(SEED + 1)
     system = [int(t) for t in rng.integers(3, 250, 3 * BLOCK)]
     first = llm.generate([system + [5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0].token_ids
-    assert llm.core.stats().prefix_cache_hit_tokens == 0
+    assert llm.core.stats().scheduler.cached_tokens == 0
     again = llm.generate([system + [5, 6, 7]], max_new_tokens=4, ignore_eos=True)[0].token_ids
     stats = llm.core.stats()
-    assert stats.prefix_cache_hit_tokens == 3 * BLOCK and stats.prefix_cache_blocks >= 3
+    assert stats.scheduler.cached_tokens == 3 * BLOCK and stats.scheduler.cached_blocks >= 3
     assert again == first
 
 
@@ -165,7 +166,7 @@ def test_a_borrowed_step_under_tensor_parallelism_runs_the_pallas_kernels_per_sh
     got = llm.generate([prompt], max_new_tokens=4, ignore_eos=True)[0].token_ids
     assert_same_greedy(reference, prompt, got, want)
     stats = llm.core.stats()
-    assert stats.loans_total > 0 and stats.dist_steps_total > 0
+    assert stats.scheduler.lending.loans_total > 0 and stats.executor.dist_steps_total > 0
 
 
 _COLLECTIVE = re.compile(r"= .*? (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")

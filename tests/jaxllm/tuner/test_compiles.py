@@ -59,10 +59,11 @@ def test_generation_over_context_lengths_compiles_only_what_warm_up_announced():
     assert _compiles(llm.executor) == warm  # nothing after warm-up
     assert set(tuner.chosen) == {0, 1}
     stats = llm.core.stats()
-    assert stats.compile_count == len(plan) and dict(stats.tuner)["predictions"] == len(tuner.chosen)
-    assert sum(n for _, _, n in stats.bucket_steps) == len(tuner.chosen) == stats.steps_total
-    assert {(k, s) for k, s, _ in stats.bucket_steps} <= {(call.kind.label, size) for call, size in plan}
-    assert stats.padding_tokens_total > 0
+    ran = stats.executor
+    assert ran.compile_count == len(plan) and dict(ran.tuner)["predictions"] == len(tuner.chosen)
+    assert sum(n for _, _, n in ran.bucket_steps) == len(tuner.chosen) == stats.core.steps_total
+    assert {(k, s) for k, s, _ in ran.bucket_steps} <= {(call.kind.label, size) for call, size in plan}
+    assert ran.padding_tokens_total > 0
 
 
 @pytest.mark.slow

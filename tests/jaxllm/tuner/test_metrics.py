@@ -1,6 +1,7 @@
 """The compile, bucket and tuner counters reach Prometheus through register_engine_metrics (both servers)."""
 
-from jaxllm.engine.core import EngineInfo, EngineStats
+from jaxllm.contract import EngineStats, ExecutorStats
+from jaxllm.engine.core import EngineInfo
 from serve.metrics import Registry, parse, register_engine_metrics
 
 
@@ -18,9 +19,10 @@ class _Engine:
 
 
 def test_compile_bucket_and_tuner_series():
-    stats = EngineStats(compile_count=12, xla_compiles=3, persistent_cache_hits=9, padding_tokens_total=41,
-                        bucket_steps=(("decode", 1, 7), ("decode", 4, 2), ("prefill", 64, 5)),
-                        tuner=(("cache_hits", 6), ("predictions", 8)))
+    stats = EngineStats(executor=ExecutorStats(compile_count=12, xla_compiles=3, persistent_cache_hits=9,
+                                               padding_tokens_total=41,
+                                               bucket_steps=(("decode", 1, 7), ("decode", 4, 2), ("prefill", 64, 5)),
+                                               tuner=(("cache_hits", 6), ("predictions", 8))))
     engine = None
     registry = Registry()
     register_engine_metrics(registry, lambda: engine)

@@ -434,7 +434,7 @@ def test_a_scattered_borrowed_prefill_has_its_buckets_warm_up_shapes(instances):
         top_p=np.ones(1, np.float32), seed=np.zeros(1, np.int32), instances=np.zeros(1, np.int32))
     batch = layout.build(plan)
     assert batch.borrowed
-    inert = layout.inert(False, batch.size, borrowed=True)
+    inert = layout.inert(StepKind.PREFILL, batch.size, borrowed=True)
     assert jax.tree.map(np.shape, batch.inputs) == jax.tree.map(np.shape, inert)
     parts = batch.inputs.parts
     # Instance 0 (home) and each lender: one past row of the sequence, holding the chunk's q_len queries.

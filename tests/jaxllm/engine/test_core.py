@@ -18,8 +18,8 @@ def test_cancel_frees_rblocks_within_one_step_and_stops_tokens():
     for _ in range(4):  # prefill, then decode steps with a continuation in flight
         for out in core.step():
             seen[out.request_id] += len(out.token_ids)
-        kinds.append(core.last_plan.is_decode)  # the plan of the step just recorded
-    assert kinds == [False, True, True, True]
+        kinds.append(core.last_plan.kind.label)  # the plan of the step just recorded
+    assert kinds == ["prefill", "decode", "decode", "decode"]
     assert seen[victim] >= 2 and core.has_step_in_flight()
     held = allocator.num_blocks - allocator.num_free
     final = core.cancel(victim)

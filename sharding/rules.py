@@ -58,6 +58,7 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule(r"^layers/\d+/attention/qkv$", (QKV_HEAD_AXIS,)),  # column-parallel: whole KV-head groups
+    Rule(r"^layers/\d+/attention/qkv_bias$", (0,)),  # [Hkv, G + 2, hd] (Qwen2): with its heads' q/k/v columns
     Rule(r"^layers/\d+/attention/o$", (0,)),  # [Hq, hd, D]: row-parallel on query heads
     Rule(r"^layers/\d+/mlp/gate_up$", (2,)),  # [D, 2, F]: column-parallel on F
     Rule(r"^layers/\d+/mlp/down$", (0,)),  # [F, D]: row-parallel on F
@@ -160,8 +161,11 @@ def repeat_kv_heads(config, state, factor: int):
         return config, state
 
     def expand(path, x):
-        if re.search(RULES[0].pattern, _path_name(path)):
+        name = _path_name(path)
+        if re.search(RULES[0].pattern, name):
             return _repeat_qkv(x, config.num_heads, config.num_kv_heads, factor)
+        if re.search(RULES[1].pattern, name):  # the bias [Hkv, G + 2, hd] as a weight of hidden size 1
+            return _repeat_qkv(x[None], config.num_heads, config.num_kv_heads, factor)[0]
         return x
 
     new_config = config.replace(num_kv_heads=config.num_kv_heads * factor)
@@ -183,6 +187,9 @@ def load_sharding(config, mesh: Mesh):
         name = "/".join(str(p) for p in path)
         if factor > 1 and re.search(RULES[0].pattern, name):
             return NamedSharding(mesh, P(TENSOR) if shape[0] % n == 0 else P())
+        if factor > 1 and re.search(RULES[1].pattern, name):
+            return NamedSharding(mesh, P())  # a q/k/v bias: small, whole until the replication splits it
+
         return NamedSharding(mesh, spec_for(name, shape, n))
 
     return sharding

@@ -25,8 +25,8 @@ REPLACEMENT_CHAR = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, unt
 class Tokenizer(abc.ABC):
     """Text <-> token ids. Subclasses implement `encode`, `decode` and the id properties.
 
-    `chat_template` is the checkpoint's Jinja chat template (tokenizer_config.json), None without one;
-    `eos_ids` every id that ends generation (the tokenizer's EOS first, then any the checkpoint's
+    `chat_template` is the checkpoint's Jinja chat template (chat_template.jinja or tokenizer_config.json), None
+    without one; `eos_ids` every id that ends generation (the tokenizer's EOS first, then any the checkpoint's
     generation_config.json / config.json add: Llama-3.1 stops on three).
     """
 
@@ -334,10 +334,28 @@ def read_tokenizer_config(model_dir: str) -> dict:
     return raw
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _chat_template(model_dir: str, tokenizer_config: dict) -> str | None:
+    """The checkpoint's chat template as transformers finds it: chat_template.jinja (where transformers 5's
+    save_pretrained writes it) over tokenizer_config.json's `chat_template` (a string, or named templates:
+    "default")."""
+    path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # several named templates: transformers uses "default"
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
 def load_tokenizer(model_dir: str | os.PathLike | None) -> Tokenizer:
     """ByteTokenizer when `model_dir` is None; else `model_dir/tokenizer.json` (HF tokenizers, with its
     tokenizer_config.json) or, without one, the SentencePiece `model_dir/tokenizer.model`. The chat
-    template comes from tokenizer_config.json, extra EOS ids from generation_config.json / config.json."""
+    template comes from chat_template.jinja or tokenizer_config.json, extra EOS ids from generation_config.json /
+    config.json."""
     from jaxllm.model.generation_config import load_generation_defaults
 
     if model_dir is None:
@@ -356,9 +374,6 @@ def load_tokenizer(model_dir: str | os.PathLike | None) -> Tokenizer:
             raise FileNotFoundError(f"model directory {model_dir!r} has no tokenizer.json or tokenizer.model "
                                     f"(looked for {path!r})")
         tokenizer = SentencePieceTokenizer(path)
-    template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):  # several named templates: transformers uses "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    tokenizer.chat_template = template if isinstance(template, str) else None
+    tokenizer.chat_template = _chat_template(model_dir, tokenizer_config)
     tokenizer.add_eos_ids(load_generation_defaults(model_dir).eos_token_ids)
     return tokenizer

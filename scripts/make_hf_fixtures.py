@@ -117,7 +117,7 @@ MISTRAL_CHAT = """\
     {%- elif message['role'] == 'assistant' %}
         {{- ' ' + message['content'] + eos_token }}
     {%- else %}
-        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial system message') }}
+        {{- raise_exception('Only user and assistant roles are supported, after an optional system message') }}
     {%- endif %}
 {%- endfor %}
 """

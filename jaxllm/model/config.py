@@ -365,7 +365,8 @@ def _architecture(raw: dict) -> str:
             raise ConfigError(f"model_type {model_type!r} is not supported; jaxllm loads {list(_MODEL_TYPES)}")
         return _MODEL_TYPES[kind]
     if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-        raise ConfigError(f"architectures {architectures!r} is not supported; jaxllm loads one of {list(ARCHITECTURES)}")
+        raise ConfigError(f"architectures {architectures!r} is not supported; jaxllm loads one of "
+                          f"{list(ARCHITECTURES)}")
     architecture = architectures[0]
     if model_type is not None and model_type != ARCHITECTURES[architecture]:
         raise ConfigError(f"model_type {model_type!r} does not match architectures {architectures!r} (expected "

@@ -2,7 +2,7 @@
 transformers itself, with transformers' own logits, greedy tokens and chat renderings to compare against.
 
     pip install torch    # the CPU build is enough
-    python scripts/make_hf_fixtures.py
+    python scripts/make_hf_fixtures.py             # or --out DIR, --only qwen3 ...
 
 For each of qwen2, qwen3 and mistral it builds the model with transformers (its config class, then
 `AutoModelForCausalLM.from_config`), draws random weights at scales that keep logits spread (norm weights and
@@ -233,12 +233,12 @@ def _greedy(model, ids: list[int]) -> tuple[list[int], float]:
     return out.sequences[0, len(ids):].tolist(), min(margins)
 
 
-def make(name: str, seed: int) -> dict:
+def make(name: str, seed: int, out: str = OUT) -> dict:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
-    directory = os.path.join(OUT, name)
+    directory = os.path.join(out, name)
     shutil.rmtree(directory, ignore_errors=True)
     tok = _tokenizer(name)
     config = _config(name, tok)
@@ -262,12 +262,12 @@ def make(name: str, seed: int) -> dict:
         greedy, margin = _greedy(model, prompt_ids)
     if margin < 1e-2:
         raise SystemExit(f"{name}: greedy step margin {margin:.2e} is a near-tie; change the seed")
-    np.savez_compressed(os.path.join(OUT, f"{name}.reference.npz"), prompt_ids=np.asarray(prompt_ids, np.int32),
+    np.savez_compressed(os.path.join(out, f"{name}.reference.npz"), prompt_ids=np.asarray(prompt_ids, np.int32),
                         logits=logits.astype(np.float32), greedy=np.asarray(greedy, np.int32))
     reference = dict(architecture=config.architectures[0], transformers_version=transformers.__version__,
                      torch_version=torch.__version__, seed=seed, prompt_ids=prompt_ids, greedy=greedy,
                      min_greedy_margin=margin, chats=chats)
-    with open(os.path.join(OUT, f"{name}.reference.json"), "w") as f:
+    with open(os.path.join(out, f"{name}.reference.json"), "w") as f:
         json.dump(reference, f, indent=1, ensure_ascii=False)
     size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     print(f"{name}: {config.architectures[0]}, vocab {config.vocab_size} (tokenizer {len(tok)}), prompt "
@@ -275,10 +275,16 @@ def make(name: str, seed: int) -> dict:
     return reference
 
 
-def main() -> int:
-    os.makedirs(OUT, exist_ok=True)
-    for name, seed in SEEDS.items():
-        make(name, seed)
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=OUT, help=f"output directory (default {os.path.relpath(OUT, ROOT)})")
+    p.add_argument("--only", choices=sorted(SEEDS), nargs="*", default=sorted(SEEDS), help="architectures to write")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    for name in args.only:
+        make(name, SEEDS[name], args.out)
     return 0
 
 

@@ -4,8 +4,9 @@ tensor parallel 2 (q/k/v biases split with their heads, q/k norms whole on every
 transformers' float32 logits, as on one device (tests/jaxllm/model/test_hf_architectures.py), and so do the greedy
 tokens of its `generate`: teacher-forced for every architecture (the logits of the prompt and transformers' tokens,
 one program a mesh: each token is the argmax of the row before it), generated step by step for one architecture a
-mesh (the decode programs; on one device every architecture generates). With KV heads replicated (tensor parallel
-4 over 2 KV heads) the biases are replicated with their heads.
+mesh (the decode programs; on one device every architecture generates). Qwen3's decode step runs Llama's
+collectives and no more; with KV heads replicated (tensor parallel 4 over 2 KV heads) Qwen2's biases are
+replicated with their heads.
 """
 
 import functools
@@ -15,6 +16,7 @@ import pytest
 
 from jaxllm.llm import LLM, EngineOptions
 from tests.devices import needs_host_devices
+from tests.jaxllm.executor.test_meshes import _decode_step_collectives
 from tests.jaxllm.model.test_hf_architectures import NAMES, OPTIONS, TOLERANCE, checkpoint, reference, relative_error
 
 pytestmark = [needs_host_devices, pytest.mark.slow, pytest.mark.xdist_group("jaxllm_hf_meshes")]
@@ -40,6 +42,8 @@ def run():
         if GENERATE[mesh] == name:
             generated = llm.generate([prompt], temperature=0.0, max_new_tokens=len(greedy), ignore_eos=True)
             out.update(generated=list(generated[0].token_ids), stats=llm.core.stats())
+            if mesh == "tp2":
+                out.update(collectives=dict(_decode_step_collectives(llm)), config=llm.config)
         return out
 
     return result
@@ -56,6 +60,15 @@ def test_logits_and_greedy_tokens_match_transformers(run, mesh, name):
         assert r["generated"] == ref["greedy"].tolist()
     if mesh == "i4":
         assert r["stats"].loans_total > 0 and r["stats"].dist_steps_total > 0, r["stats"]
+
+
+def test_a_decode_step_of_qwen3_runs_only_the_collectives_llama_does(run):
+    """The q/k norms (over head_dim, inside each device's heads) add no collective: two all-reduces a layer, and the
+    greedy argmax's two over the head split on its vocabulary (test_meshes.py's count for Llama)."""
+    r = run("tp2", "qwen3")
+    config = r["config"]
+    assert not config.tie_word_embeddings and config.vocab_size % 2 == 0  # the head is split: its argmax's two
+    assert r["collectives"] == {"all-reduce": 2 * config.num_layers + 2}
 
 
 def test_every_mesh_generates_some_architecture(run):

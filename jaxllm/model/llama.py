@@ -122,8 +122,9 @@ class Attention(nnx.Module):
     def _bias_and_norm(self, qkv: jax.Array, dtype) -> jax.Array:
         """The projection [T, Hkv, G + 2, hd] (or its [S, T, ...] float32 partials, summed and rounded to `dtype`
         first, as the kernels would) plus its bias, then q and k RMSNorm-ed per head, as HF's Qwen2 / Qwen3 do
-        (the bias added in the activation dtype; each norm in float32, rounded, then scaled). XLA fuses it: one
-        kernel more than Llama's decode layer, which hands the partials to the RoPE kernel unsummed."""
+        (the bias added in the activation dtype; each norm in float32, rounded, then scaled). XLA runs this as its
+        own fusion, where Llama's decode layer hands the partials to the RoPE kernel unsummed: what it costs a
+        decode step is for the GPU benchmark of the qwen3-8b preset to say (scripts/bench_generate.py)."""
         if qkv.ndim == 5:
             qkv = jnp.sum(qkv, axis=0)
         qkv = qkv.astype(dtype)

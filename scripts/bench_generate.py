@@ -1,4 +1,5 @@
-"""End-to-end generation benchmark on one GPU: Llama-2-7B shape, random bf16 weights.
+"""End-to-end generation benchmark on one GPU: a preset's random weights in bf16 (--model: llama2-7b by default,
+llama3-8b, qwen3-8b, qwen2.5-7b, mistral-7b, ...) or a checkpoint directory.
 
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 PYTHONPATH=$PWD python3 scripts/bench_generate.py \
       --contexts 1024 32768 131072 --mixed 128 --hf 1024 32768
@@ -8,7 +9,7 @@ bandwidth); (b) with --longest, the longest context that prefills and decodes wi
 int8 KV; (c) with --mixed N, N requests with prompt lengths log-uniform in 128..32K and 256 new
 tokens each, continuously batched, in tokens/s (prefix cache off: the timed pass repeats the
 warm pass's prompts); (d) with --hf, HuggingFace transformers
-(fp16, sdpa) at the given contexts on the same device, and with --hf-mixed, on the same mixed
+(a Llama-2-7B, whatever --model is; fp16, sdpa) at the given contexts on the same device, and with --hf-mixed, on the same mixed
 workload (same prompt lengths and new tokens; HF has no continuous batching, so requests run in
 static batches of similar length, shortest first, up to --hf-batch-tokens padded tokens a batch),
 in a subprocess run first so the two frameworks never hold GPU memory at once; (e) with

@@ -38,6 +38,8 @@ from sharding.mesh import INSTANCE, TENSOR, check_tensor_parallel, tensor_size
 # the right values, but a device's slice then mixes q, k and v heads (fine under jit, not for a kernel
 # run per device).
 QKV_HEAD_AXIS = 1
+_QKV = r"^layers/\d+/attention/qkv$"
+_QKV_BIAS = r"^layers/\d+/attention/qkv_bias$"  # Qwen2's, [Hkv, G + 2, hd]: grouped as the weight is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,8 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(r"^layers/\d+/attention/qkv$", (QKV_HEAD_AXIS,)),  # column-parallel: whole KV-head groups
+    Rule(_QKV, (QKV_HEAD_AXIS,)),  # column-parallel: whole KV-head groups
+    Rule(_QKV_BIAS, (0,)),  # with its KV heads' q/k/v columns
     Rule(r"^layers/\d+/attention/o$", (0,)),  # [Hq, hd, D]: row-parallel on query heads
     Rule(r"^layers/\d+/mlp/gate_up$", (2,)),  # [D, 2, F]: column-parallel on F
     Rule(r"^layers/\d+/mlp/down$", (0,)),  # [F, D]: row-parallel on F
@@ -160,8 +163,11 @@ def repeat_kv_heads(config, state, factor: int):
         return config, state
 
     def expand(path, x):
-        if re.search(RULES[0].pattern, _path_name(path)):
+        name = _path_name(path)
+        if re.search(_QKV, name):
             return _repeat_qkv(x, config.num_heads, config.num_kv_heads, factor)
+        if re.search(_QKV_BIAS, name):  # the bias [Hkv, G + 2, hd] as a weight of hidden size 1
+            return _repeat_qkv(x[None], config.num_heads, config.num_kv_heads, factor)[0]
         return x
 
     new_config = config.replace(num_kv_heads=config.num_kv_heads * factor)
@@ -174,15 +180,18 @@ def load_sharding(config, mesh: Mesh):
 
     As the rules say, except the fused q/k/v when its KV heads are to be replicated
     (prepare_tensor_parallel, after loading): it is loaded split on hidden (replicated if that does not
-    divide), so no device holds a whole layer's q/k/v until the replication reshards it on KV heads.
+    divide), so no device holds a whole layer's q/k/v until the replication reshards it on KV heads; its
+    bias, where it has one, is loaded whole.
     """
     n = tensor_size(mesh)
     factor = kv_head_replication(config, n)
 
     def sharding(path: tuple, shape: tuple[int, ...]) -> NamedSharding:
         name = "/".join(str(p) for p in path)
-        if factor > 1 and re.search(RULES[0].pattern, name):
+        if factor > 1 and re.search(_QKV, name):
             return NamedSharding(mesh, P(TENSOR) if shape[0] % n == 0 else P())
+        if factor > 1 and re.search(_QKV_BIAS, name):
+            return NamedSharding(mesh, P())  # a q/k/v bias: small, whole until the replication splits it
         return NamedSharding(mesh, spec_for(name, shape, n))
 
     return sharding

@@ -1,4 +1,8 @@
-"""Model configuration: frozen dataclasses with named presets, and HuggingFace config.json import."""
+"""Model configuration: frozen dataclasses with named presets, and HuggingFace config.json import.
+
+One config for the Llama family as jaxllm loads it: Llama itself and the architectures that differ from it in a few
+named places (`ARCHITECTURES`), each difference an option of the one model (jaxllm/model/llama.py), never a copy.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,15 @@ from typing import Any, Literal
 
 RopeScalingType = Literal["linear", "dynamic", "yarn", "llama3"]
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-_ARCHITECTURES = ("LlamaForCausalLM",)
+# The HF architectures that load, by their config.json model_type, and how each differs from Llama:
+#   MistralForCausalLM  Llama, plus an optional sliding window (`sliding_window`): refused where set (_check_window);
+#                       sliding_window null (Mistral-7B-v0.2 / v0.3) loads
+#   Qwen2ForCausalLM    a bias on the q, k and v projections (LlamaConfig.qkv_bias); Qwen2 and Qwen2.5
+#   Qwen3ForCausalLM    an RMSNorm of each head's q and k over head_dim before RoPE (LlamaConfig.qk_norm), explicit
+#                       head_dim (128 where hidden / heads is not), no bias
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {model_type: architecture for architecture, model_type in ARCHITECTURES.items()}
 
 
 class ConfigError(ValueError):
@@ -67,10 +79,11 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Shape and numerics of a Llama family model (Llama-2, CodeLlama, Llama-3.x).
+    """Shape and numerics of a Llama family model (Llama-2, CodeLlama, Llama-3.x, Mistral, Qwen2 / 2.5, Qwen3).
 
     head_dim None means hidden_size // num_heads (HF's default); eos_token_ids are every id that ends
-    generation (Llama-3.1 has three), eos_token_id the first.
+    generation (Llama-3.1 has three), eos_token_id the first. architecture: the HF architecture (a key of
+    ARCHITECTURES), which decides the options that differ from Llama (qkv_bias, qk_norm) and what to_hf writes.
     """
 
     vocab_size: int
@@ -88,8 +101,11 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "custom"
     head_dim: int | None = None
+    architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r} is not supported; use one of {list(ARCHITECTURES)}")
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                       "max_position_embeddings"):
             value = getattr(self, field)
@@ -116,6 +132,16 @@ class LlamaConfig:
         if not isinstance(eos, tuple) or not eos or not all(isinstance(i, int) and i >= 0 for i in eos):
             raise ConfigError(f"eos_token_ids must be a non-empty tuple of ids >= 0, got {self.eos_token_ids!r}")
         object.__setattr__(self, "eos_token_ids", eos)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q, k and v projections add a bias (Qwen2 / Qwen2.5; o has none)."""
+        return self.architecture == "Qwen2ForCausalLM"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each head's q and k are RMSNorm-ed over head_dim (one weight [head_dim] each) before RoPE (Qwen3)."""
+        return self.architecture == "Qwen3ForCausalLM"
 
     @property
     def eos_token_id(self) -> int:
@@ -194,6 +220,30 @@ class LlamaConfig:
         return cls.llama3_8b(**{**base, **overrides})
 
     @classmethod
+    def qwen2_5_7b(cls, **overrides: Any) -> "LlamaConfig":
+        """Qwen2.5-7B-Instruct's shape: q/k/v biases, GQA 28 / 4 (head_dim 128), theta 1e6, 32K window, untied."""
+        base = dict(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                    intermediate_size=18944, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
+                    bos_token_id=151643, eos_token_ids=(151645,), name="qwen2.5-7b", architecture="Qwen2ForCausalLM")
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def qwen3_8b(cls, **overrides: Any) -> "LlamaConfig":
+        """Qwen3-8B's shape: q/k norms, GQA 32 / 8, head_dim 128, theta 1e6, 40K window, untied."""
+        base = dict(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                    intermediate_size=12288, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                    bos_token_id=151643, eos_token_ids=(151645,), name="qwen3-8b", architecture="Qwen3ForCausalLM")
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def mistral_7b(cls, **overrides: Any) -> "LlamaConfig":
+        """Mistral-7B-v0.3's shape: GQA 32 / 8, theta 1e6, 32K window, no sliding window, 32768-token vocabulary."""
+        base = dict(vocab_size=32768, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    intermediate_size=14336, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6,
+                    name="mistral-7b", architecture="MistralForCausalLM")
+        return cls(**{**base, **overrides})
+
+    @classmethod
     def from_hf(cls, raw: dict) -> "LlamaConfig":
         """Build from the parsed dict of a HuggingFace `config.json`, either transformers-5 style
         (`rope_parameters`) or legacy (`rope_theta` + `rope_scaling`); checkpoints' readers read the file."""
@@ -206,7 +256,7 @@ class LlamaConfig:
         both read (transformers 4 ignores `rope_parameters`).
         """
         out = {
-            "architectures": list(_ARCHITECTURES), "model_type": "llama", "hidden_act": "silu",
+            "architectures": [self.architecture], "model_type": ARCHITECTURES[self.architecture], "hidden_act": "silu",
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
@@ -215,6 +265,13 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id if len(self.eos_token_ids) == 1 else list(self.eos_token_ids),
         }
+        # Said outright: transformers' Mistral and Qwen configs default to a window (4096) or a bias when left out.
+        if self.architecture == "MistralForCausalLM":
+            out["sliding_window"] = None
+        elif self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            out.update(use_sliding_window=False, sliding_window=None)
+            if self.architecture == "Qwen3ForCausalLM":
+                out["attention_bias"] = False
         if self.rope_scaling:
             fields = dataclasses.asdict(self.rope_scaling)
             kind = fields.pop("type")
@@ -286,44 +343,112 @@ def _rope_from_hf(raw: dict) -> tuple[float, RopeScaling | None]:
         raise ConfigError(f"{key}: {e}") from e
 
 
+# What transformers' config classes take for a key a config.json leaves out, where it differs by architecture
+# (Llama keeps the defaults jaxllm always read, Llama-2's: rms_norm_eps 1e-5, a 4096-token window).
+_DEFAULTS = {
+    "LlamaForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "MistralForCausalLM": dict(max_position_embeddings=131072, rms_norm_eps=1e-6, num_key_value_heads=8),
+    "Qwen2ForCausalLM": dict(max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "Qwen3ForCausalLM": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, head_dim=128),
+}
+# Bias keys each architecture's transformers code reads (Llama: attention_bias puts one on q, k, v and o; Qwen3 the
+# same; Qwen2's q/k/v bias is always there and the key unread; Mistral has none): any set is refused.
+_BIAS_KEYS = {"LlamaForCausalLM": ("attention_bias", "mlp_bias"), "Qwen3ForCausalLM": ("attention_bias",)}
+
+
+def _architecture(raw: dict) -> str:
+    """The ARCHITECTURES key of a config.json: from `architectures`, else `model_type`; the two must agree."""
+    model_type, architectures = raw.get("model_type"), raw.get("architectures")
+    if architectures is None:
+        kind = "llama" if model_type is None else model_type
+        if kind not in _MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} is not supported; jaxllm loads {list(_MODEL_TYPES)}")
+        return _MODEL_TYPES[kind]
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        raise ConfigError(f"architectures {architectures!r} is not supported; jaxllm loads one of "
+                          f"{list(ARCHITECTURES)}")
+    architecture = architectures[0]
+    if model_type is not None and model_type != ARCHITECTURES[architecture]:
+        raise ConfigError(f"model_type {model_type!r} does not match architectures {architectures!r} (expected "
+                          f"{ARCHITECTURES[architecture]!r})")
+    return architecture
+
+
+def _check_window(raw: dict, architecture: str, num_layers: int) -> None:
+    """Refuse a checkpoint whose attention is windowed anywhere, reading the keys as transformers does: Mistral's
+    `sliding_window` applies to every layer when set; Qwen2 / Qwen3 use theirs only with `use_sliding_window`, on
+    the layers `layer_types` marks (or, without it, those from `max_window_layers` on). A window a config.json
+    leaves out is transformers' default, 4096, in all three."""
+    if architecture == "MistralForCausalLM":
+        if raw.get("sliding_window", _DEFAULT_WINDOW) is not None:
+            raise ConfigError(f"sliding_window {_window_text(raw)} is not supported: every layer of this Mistral "
+                              f"checkpoint attends only to its last {raw.get('sliding_window', _DEFAULT_WINDOW)!r} "
+                              "tokens, and jaxllm has no windowed attention (it loads Mistral checkpoints with "
+                              "sliding_window null)")
+        return
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not raw.get("use_sliding_window"):
+        return
+    window = raw.get("sliding_window", _DEFAULT_WINDOW)
+    if window is None:
+        return  # transformers: no window to apply
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = _number(raw.get("max_window_layers", 28), "max_window_layers", integer=True)
+        windowed = list(range(first, num_layers))
+    elif isinstance(layer_types, list):
+        windowed = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    else:
+        raise ConfigError(f"layer_types must be a list, got {layer_types!r}")
+    if windowed:
+        raise ConfigError(f"use_sliding_window true with sliding_window {_window_text(raw)} is not supported: layers "
+                          f"{windowed[0]}..{windowed[-1]} of this checkpoint attend only to their last {window!r} "
+                          "tokens, and jaxllm has no windowed attention (set use_sliding_window false to load it "
+                          "with full attention, as the checkpoint's own long-context settings usually do)")
+
+
+_DEFAULT_WINDOW = 4096  # transformers' MistralConfig, Qwen2Config and Qwen3Config
+
+
+def _window_text(raw: dict) -> str:
+    if "sliding_window" in raw:
+        return repr(raw["sliding_window"])
+    return f"{_DEFAULT_WINDOW} (transformers' default: config.json sets none)"
+
+
 def _from_hf(cls, raw: dict) -> LlamaConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a JSON object, got {type(raw).__name__}")
-    model_type = raw.get("model_type", "llama")
-    if model_type != "llama":
-        raise ConfigError(f"model_type {model_type!r} is not a Llama model (expected 'llama')")
-    architectures = raw.get("architectures")
-    if architectures is not None:
-        if not isinstance(architectures, list) or any(a not in _ARCHITECTURES for a in architectures):
-            raise ConfigError(f"architectures {architectures!r} is not a Llama model (expected {list(_ARCHITECTURES)})")
+    architecture = _architecture(raw)
+    defaults = _DEFAULTS[architecture]
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     missing = [k for k in required if raw.get(k) is None]
     if missing:
         raise ConfigError(f"missing required key {missing[0]!r}" + (f" (and {missing[1:]})" if missing[1:] else ""))
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (Llama uses 'silu')")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in _BIAS_KEYS.get(architecture, ()):
         if raw.get(key):
-            raise ConfigError(f"{key} {raw[key]!r} is not supported (Llama has no biases)")
+            raise ConfigError(f"{key} {raw[key]!r} is not supported ({architecture} without biases loads)")
     ints = {k: _number(raw[k], k, integer=True) for k in required}
+    _check_window(raw, architecture, ints["num_hidden_layers"])
     theta, scaling = _rope_from_hf(raw)
     eos = raw.get("eos_token_id")
     eos = (2,) if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     for i in eos:
         _number(i, "eos_token_id", integer=True)
     bos = raw.get("bos_token_id")
-    head_dim = raw.get("head_dim")
+    head_dim = raw.get("head_dim", defaults.get("head_dim"))
     return cls(
         vocab_size=ints["vocab_size"],
         hidden_size=ints["hidden_size"],
         num_layers=ints["num_hidden_layers"],
         num_heads=ints["num_attention_heads"],
-        num_kv_heads=_number(raw.get("num_key_value_heads") or ints["num_attention_heads"], "num_key_value_heads",
-                             integer=True),
+        num_kv_heads=_number(raw.get("num_key_value_heads") or defaults.get("num_key_value_heads")
+                             or ints["num_attention_heads"], "num_key_value_heads", integer=True),
         intermediate_size=ints["intermediate_size"],
-        max_position_embeddings=_number(raw.get("max_position_embeddings", 4096), "max_position_embeddings",
-                                        integer=True),
-        rms_norm_eps=_number(raw.get("rms_norm_eps", 1e-5), "rms_norm_eps"),
+        max_position_embeddings=_number(raw.get("max_position_embeddings", defaults["max_position_embeddings"]),
+                                        "max_position_embeddings", integer=True),
+        rms_norm_eps=_number(raw.get("rms_norm_eps", defaults["rms_norm_eps"]), "rms_norm_eps"),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -331,6 +456,7 @@ def _from_hf(cls, raw: dict) -> LlamaConfig:
         eos_token_ids=eos,
         name=str(raw.get("_name_or_path") or "hf"),
         head_dim=None if head_dim is None else _number(head_dim, "head_dim", integer=True),
+        architecture=architecture,
     )
 
 
@@ -341,6 +467,9 @@ PRESETS = {
     "llama2-70b": LlamaConfig.llama2_70b,
     "llama3-8b": LlamaConfig.llama3_8b,
     "llama3.1-8b": LlamaConfig.llama3_1_8b,
+    "qwen2.5-7b": LlamaConfig.qwen2_5_7b,
+    "qwen3-8b": LlamaConfig.qwen3_8b,
+    "mistral-7b": LlamaConfig.mistral_7b,
 }
 
 

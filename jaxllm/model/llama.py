@@ -1,4 +1,8 @@
-"""Llama-2 in Flax NNX: RMSNorm, RoPE, GQA attention over the rBlock pool, SwiGLU MLP.
+"""The Llama family in Flax NNX: RMSNorm, RoPE, GQA attention over the rBlock pool, SwiGLU MLP.
+
+Mistral is this model as it is; Qwen2 / Qwen2.5 and Qwen3 are options of it, read from the config
+(config.ARCHITECTURES): `qkv_bias` adds a bias to the fused q/k/v projection, `qk_norm` RMSNorms each
+head's q and k over head_dim before RoPE.
 
 The model runs on packed tokens of many sequences at once ([tokens, ...], no batch axis);
 where each token's K/V goes and what it attends to comes from `AttentionBatch`. The KV pool
@@ -8,6 +12,8 @@ Parameter layout (einsum-friendly; checkpoints/ maps HuggingFace names onto it):
   embedding                 [vocab, hidden]
   layers[i].attention.qkv   [hidden, num_kv_heads, G + 2, head_dim]  (per KV head: its G = num_heads //
                             num_kv_heads query heads, then its k, then its v; query head h is [h // G, h % G])
+  layers[i].attention.qkv_bias  [num_kv_heads, G + 2, head_dim]  (qkv_bias only: grouped as qkv)
+  layers[i].attention.q_norm.weight, k_norm.weight  [head_dim]  (qk_norm only: one weight for every head)
   layers[i].attention.o     [num_heads, head_dim, hidden]
   layers[i].mlp.gate_up     [hidden, 2, intermediate]  (gate, then up)
   layers[i].mlp.down        [intermediate, hidden]
@@ -36,6 +42,7 @@ from jaxllm.model.config import LlamaConfig
 from jaxllm.model.kv_cache import KVCache, LayerKV
 from jaxllm.model.rope import attention_scaling, inverse_frequencies, rope_tables
 from pallas_kernels.dispatch import REFERENCE, AttentionBatch, Kernels, add_rms_norm, matmul_unreduced, paged_attention
+from pallas_kernels.rms_norm import rms_norm_reference
 
 _INIT_STD = 0.02
 
@@ -79,12 +86,22 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, rngs: nnx.Rngs, *,
+                 qkv_bias: bool = False, qk_norm_eps: float | None = None):
+        """qkv_bias: a bias on the q, k and v outputs (Qwen2); qk_norm_eps: RMSNorm q and k per head (Qwen3)."""
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         # Drawn in the ungrouped order, then regrouped: the same random model as before the regrouping.
         qkv = _param(rngs, (hidden, num_heads + 2 * num_kv_heads, head_dim), dtype, fan_in=hidden)
         self.qkv = nnx.Param(group_qkv(qkv[...], num_heads, num_kv_heads))
         self.o = _param(rngs, (num_heads, head_dim, hidden), dtype, fan_in=num_heads * head_dim)
+        # Options add Params (and random draws) only where set: a Llama's weights stay those it always had.
+        self.has_qkv_bias, self.qk_norm_eps = qkv_bias, qk_norm_eps
+        if qkv_bias:
+            bias = _param(rngs, (num_heads + 2 * num_kv_heads, head_dim), dtype)
+            self.qkv_bias = nnx.Param(group_qkv(bias[...], num_heads, num_kv_heads))
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
 
     def __call__(self, x, cos, sin, layer_kv: LayerKV, batch: AttentionBatch, kernels: Kernels):
         w = self.qkv[...]  # [D, Hkv, G + 2, hd]
@@ -93,12 +110,32 @@ class Attention(nnx.Module):
         # their heads in place; q [T, Hkv, Gh, hd] holds each group's rotated queries first (read in place).
         qkv = matmul_unreduced(x, w.reshape(w.shape[0], -1), kernels=kernels)
         qkv = qkv.reshape(*qkv.shape[:-1], *w.shape[1:])
+        if self.has_qkv_bias or self.qk_norm_eps is not None:
+            qkv = self._bias_and_norm(qkv, x.dtype)
         # RoPE, the K/V write and attention where the KV lives (one device, tensor shards, or instances
         # holding parts of a sequence): the kernels' business, not the model's.
         out, k_pool, v_pool, k_scale, v_scale = paged_attention(
             layer_kv.k, layer_kv.v, layer_kv.k_scale, layer_kv.v_scale, qkv, cos, sin, batch,
             num_q_heads=self.num_heads, dtype=x.dtype, kernels=kernels)  # out [T, Hq, hd]
         return self._project_out(out, x.dtype, kernels), LayerKV(k_pool, v_pool, k_scale, v_scale)
+
+    def _bias_and_norm(self, qkv: jax.Array, dtype) -> jax.Array:
+        """The projection [T, Hkv, G + 2, hd] (or its [S, T, ...] float32 partials, summed and rounded to `dtype`
+        first, as the kernels would) plus its bias, then q and k RMSNorm-ed per head, as HF's Qwen2 / Qwen3 do
+        (the bias added in the activation dtype; each norm in float32, rounded, then scaled). XLA runs this as its
+        own fusion, where Llama's decode layer hands the partials to the RoPE kernel unsummed: what it costs a
+        decode step is for the GPU benchmark of the qwen3-8b preset to say (scripts/bench_generate.py)."""
+        if qkv.ndim == 5:
+            qkv = jnp.sum(qkv, axis=0)
+        qkv = qkv.astype(dtype)
+        if self.has_qkv_bias:
+            qkv = qkv + self.qkv_bias[...]
+        if self.qk_norm_eps is not None:
+            g = qkv.shape[-2] - 2  # each group: its g query heads, then k, then v
+            q = rms_norm_reference(qkv[:, :, :g], self.q_norm.weight[...], eps=self.qk_norm_eps)
+            k = rms_norm_reference(qkv[:, :, g:g + 1], self.k_norm.weight[...], eps=self.qk_norm_eps)
+            qkv = jnp.concatenate([q, k, qkv[:, :, g + 1:]], axis=2)
+        return qkv
 
     def _project_out(self, out, dtype, kernels: Kernels):
         """Attention output [T, Hq, hd] through o, left unreduced where it can be: the next norm adds it to
@@ -123,7 +160,8 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: LlamaConfig, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attention = Attention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                                   dtype, rngs)
+                                   dtype, rngs, qkv_bias=config.qkv_bias,
+                                   qk_norm_eps=config.rms_norm_eps if config.qk_norm else None)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, rngs)
 
@@ -137,7 +175,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Llama-2 over packed tokens. `dtype` is both the parameter and the activation dtype."""
+    """A Llama-family model (config.architecture) over packed tokens. `dtype` is both the parameter and the
+    activation dtype."""
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config

@@ -26,8 +26,8 @@ REPLACEMENT_CHAR = "\ufffd"  # what an incomplete UTF-8 sequence decodes to, unt
 class Tokenizer(abc.ABC):
     """Text <-> token ids. Subclasses implement `encode`, `decode` and the id properties.
 
-    `chat_template` is the checkpoint's Jinja chat template (tokenizer_config.json), None without one;
-    `eos_ids` every id that ends generation (the tokenizer's EOS first, then any the checkpoint's
+    `chat_template` is the checkpoint's Jinja chat template (chat_template.jinja or tokenizer_config.json), None
+    without one; `eos_ids` every id that ends generation (the tokenizer's EOS first, then any the checkpoint's
     generation_config.json / config.json add: Llama-3.1 stops on three).
     """
 

@@ -64,6 +64,35 @@ def test_param_specs_follow_the_table():
     assert rules.spec_for("embedding", (256, 64), 4) == P()  # replicated whatever divides (rules.py says why)
 
 
+def test_biases_split_with_their_heads_and_q_k_norms_stay_whole():
+    """Qwen2's q/k/v biases [Hkv, G + 2, hd] go with their KV heads' q/k/v columns; Qwen3's q/k norm weights
+    [head_dim] are one weight for every head, whole on every device; replicated KV heads take their biases along."""
+    qwen2 = GQA.replace(architecture="Qwen2ForCausalLM")
+    qwen3 = GQA.replace(architecture="Qwen3ForCausalLM", head_dim=16)
+    _, state2 = nnx.split(abstract_model(qwen2))
+    _, state3 = nnx.split(abstract_model(qwen3))
+    specs2 = {rules._path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        rules.param_specs(state2, 2), is_leaf=lambda x: isinstance(x, P))[0]}
+    specs3 = {rules._path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        rules.param_specs(state3, 2), is_leaf=lambda x: isinstance(x, P))[0]}
+    assert specs2["layers/0/attention/qkv_bias"] == P(TENSOR, None, None)
+    assert specs3["layers/1/attention/q_norm/weight"] == specs3["layers/1/attention/k_norm/weight"] == P()
+    assert specs3["layers/1/attention/qkv"] == P(None, TENSOR, None, None)
+    # 2 KV heads over 4 devices: loaded whole, then repeated with the weights (the bias's copy h*f+j is head h's)
+    load = rules.load_sharding(qwen2, make_mesh(4, devices=jax.devices()[:1] * 4))  # only the count matters
+    assert load(("layers", 0, "attention", "qkv_bias"), (2, 6, 8)).spec == P()
+    assert load(("layers", 0, "attention", "qkv"), (64, 2, 6, 8)).spec == P(TENSOR)
+    rng = np.random.default_rng(1)
+    bias = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((64, 2, 6, 8)), jnp.float32)
+    new_config, new = rules.repeat_kv_heads(qwen2, {"layers": [{"attention": {"qkv": weight, "qkv_bias": bias}}]}, 2)
+    got = new["layers"][0]["attention"]["qkv_bias"]
+    assert new_config.num_kv_heads == 4 and got.shape == (4, 4, 8)
+    np.testing.assert_array_equal(got, rules._repeat_qkv(bias[None], 8, 2, 2)[0])
+    np.testing.assert_array_equal(got[1, 2:], bias[0, 4:])  # KV head 0's second copy: its k and v biases
+    np.testing.assert_array_equal(got[1, :2], bias[0, 2:4])  # ... and the second half of its query heads' biases
+
+
 def test_spec_errors_name_the_parameter():
     with pytest.raises(ValueError, match=r"layers/0/mlp/down \(90, 64\): tensor_parallel 4 divides none"):
         rules.spec_for("layers/0/mlp/down", (90, 64), 4)

@@ -14,7 +14,7 @@ MODEL_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 # Copied beside a converted checkpoint so it stays usable on its own.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "chat_template.jinja", "generation_config.json")
 
 
 class CheckpointError(ValueError):

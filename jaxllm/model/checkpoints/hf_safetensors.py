@@ -170,6 +170,8 @@ def _read_part(ckpt: SafetensorsCheckpoint, tensor, index: tuple[slice, ...]) ->
     """tensor (in our orientation, `tensor.shape`)[index], read from the file without the rest of it."""
     shape = tensor.shape
     sliced = tuple(len(range(*index[ax].indices(shape[ax]))) for ax in range(len(shape)))
+    if not tensor.transpose and len(tensor.hf_shape) == 1 and len(shape) > 1:  # a bias [H*hd] we hold as [H, hd]
+        return ckpt.read_slice(tensor.name, (_cut_range(shape, index, 0, len(shape)),)).reshape(sliced)
     if not tensor.transpose:  # stored as we hold it
         return ckpt.read_slice(tensor.name, index)
     # ours = hf.T.reshape(shape): our leading axes flatten to HF's `in` axis (hf_shape[1]), the rest to `out`
@@ -185,16 +187,17 @@ def read_param_slice(ckpt: SafetensorsCheckpoint, rule, config: LlamaConfig, ind
     name = rule.path[-1]
     if rule.fuse is None:
         out = _read_part(ckpt, rule.tensors[0], index)
-    elif name == "qkv":  # [D, Hkv, G + 2, hd] from q [D, Hq, hd], k and v [D, Hkv, hd]
+    elif name in ("qkv", "qkv_bias"):  # [D, Hkv, G + 2, hd] from q [D, Hq, hd], k and v [D, Hkv, hd]; a bias: no D
         g = config.num_heads // config.num_kv_heads
-        d, heads, whole = index[0], index[1], (slice(None),)
-        if index[2].indices(g + 2) != (0, g + 2, 1) or index[3].indices(config.head_dim) != (0, config.head_dim, 1):
+        lead, (heads, group, dim) = index[:-3], index[-3:]  # lead: the hidden axis of the weight, none of the bias
+        whole = (slice(None),)
+        if group.indices(g + 2) != (0, g + 2, 1) or dim.indices(config.head_dim) != (0, config.head_dim, 1):
             raise NotImplementedError(f"q/k/v slice {index}: only hidden and KV heads may be cut")
         start, stop, _ = heads.indices(config.num_kv_heads)
-        q = _read_part(ckpt, rule.tensors[0], (d, slice(start * g, stop * g)) + whole)
-        k, v = (_read_part(ckpt, t, (d, slice(start, stop)) + whole) for t in rule.tensors[1:])
-        q = q.reshape(q.shape[0], stop - start, g, q.shape[-1])
-        out = np.concatenate([q, k[:, :, None], v[:, :, None]], axis=2)
+        q = _read_part(ckpt, rule.tensors[0], lead + (slice(start * g, stop * g),) + whole)
+        k, v = (_read_part(ckpt, t, lead + (slice(start, stop),) + whole) for t in rule.tensors[1:])
+        q = q.reshape(*q.shape[:-2], stop - start, g, q.shape[-1])
+        out = np.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
     elif name == "gate_up":  # [D, 2, F] from gate and up [D, F]
         if index[1].indices(2) != (0, 2, 1):
             raise NotImplementedError(f"gate/up slice {index}: only hidden and the MLP width may be cut")
@@ -205,7 +208,8 @@ def read_param_slice(ckpt: SafetensorsCheckpoint, rule, config: LlamaConfig, ind
 
 
 def load_hf(model_dir: str | os.PathLike, *, dtype=None, progress: bool = True, sharding=None) -> Llama:
-    """Load a HuggingFace Llama checkpoint (config.json + safetensors, single or sharded).
+    """Load a HuggingFace Llama-family checkpoint (config.json + safetensors, single or sharded; the architectures
+    of config.ARCHITECTURES).
 
     dtype: None keeps the checkpoint's dtype (config.json dtype / torch_dtype, else the tensors');
     'float32' / 'bfloat16' / 'float16' converts each tensor on the device as it arrives.

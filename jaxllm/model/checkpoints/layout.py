@@ -2,6 +2,8 @@
 
   model.embed_tokens.weight                  [V, D]        -> embedding [V, D]
   model.layers.{i}.self_attn.q/k/v_proj      [H*hd, D]     -> layers[i].attention.qkv (fuse_qkv)
+  model.layers.{i}.self_attn.q/k/v_proj.bias [H*hd]        -> layers[i].attention.qkv_bias (Qwen2: fuse_qkv_bias)
+  model.layers.{i}.self_attn.q/k_norm.weight [hd]          -> layers[i].attention.q_norm / k_norm (Qwen3)
   model.layers.{i}.self_attn.o_proj.weight   [D, Hq*hd]    -> layers[i].attention.o [Hq, hd, D]
   model.layers.{i}.mlp.gate/up_proj.weight   [F, D]        -> layers[i].mlp.gate_up [D, 2, F] (gate, then up)
   model.layers.{i}.mlp.down_proj.weight      [D, F]        -> layers[i].mlp.down [F, D]
@@ -52,6 +54,16 @@ def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.concatenate([grouped_q, k[:, :, None], v[:, :, None]], axis=2)
 
 
+def fuse_qkv_bias(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """q [Hq, hd], k and v [Hkv, hd] biases -> the attention.qkv_bias Param [Hkv, G + 2, hd], grouped as qkv is."""
+    return fuse_qkv(q[None], k[None], v[None])[0]
+
+
+def split_qkv_bias(bias: jax.Array, config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention.qkv_bias Param [Hkv, G + 2, hd] -> q [Hq, hd], k [Hkv, hd], v [Hkv, hd]."""
+    return tuple(part[0] for part in split_qkv(bias[None], config))
+
+
 def split_qkv(qkv: jax.Array, config: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention.qkv Param [D, Hkv, G + 2, hd] -> q [D, Hq, hd], k [D, Hkv, hd], v [D, Hkv, hd]."""
     d, hkv, stride, hd = qkv.shape
@@ -80,6 +92,7 @@ def hf_layout(config: LlamaConfig) -> list[ParamRule]:
                                         _linear(p + "self_attn.k_proj.weight", (Hkv, hd), D),
                                         _linear(p + "self_attn.v_proj.weight", (Hkv, hd), D)),
                       fuse=lambda parts: fuse_qkv(*parts), split=lambda qkv: list(split_qkv(qkv, config))),
+            *_attention_options(config, p, attn),
             ParamRule(attn + ("o",), (HFTensor(p + "self_attn.o_proj.weight", (D, Hq * hd), (Hq, hd, D), True),)),
             ParamRule(("layers", i, "post_attention_norm", "weight"),
                       (HFTensor(p + "post_attention_layernorm.weight", (D,), (D,), False),)),
@@ -91,6 +104,21 @@ def hf_layout(config: LlamaConfig) -> list[ParamRule]:
     rules.append(ParamRule(("final_norm", "weight"), (HFTensor("model.norm.weight", (D,), (D,), False),)))
     if not config.tie_word_embeddings:
         rules.append(ParamRule(("lm_head",), (_linear("lm_head.weight", (V,), D),)))
+    return rules
+
+
+def _attention_options(config: LlamaConfig, p: str, attn: tuple) -> list[ParamRule]:
+    """The rules of the options beside Llama's attention weights: Qwen2's q/k/v biases, Qwen3's q/k norms."""
+    hd, Hq, Hkv = config.head_dim, config.num_heads, config.num_kv_heads
+    rules = []
+    if config.qkv_bias:
+        rules.append(ParamRule(attn + ("qkv_bias",), tuple(
+            HFTensor(p + f"self_attn.{n}_proj.bias", (heads * hd,), (heads, hd), False)
+            for n, heads in (("q", Hq), ("k", Hkv), ("v", Hkv))),
+            fuse=lambda parts: fuse_qkv_bias(*parts), split=lambda b: list(split_qkv_bias(b, config))))
+    if config.qk_norm:
+        rules += [ParamRule(attn + (f"{n}_norm", "weight"), (HFTensor(p + f"self_attn.{n}_norm.weight", (hd,), (hd,),
+                                                                       False),)) for n in ("q", "k")]
     return rules
 
 

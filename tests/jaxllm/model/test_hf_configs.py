@@ -1,5 +1,6 @@
 """Real checkpoints' config.json files: both RoPE styles transformers writes, every Llama RoPE type, against
-the float64 NumPy oracle past the original window; explicit head_dim; the Llama-3 presets; malformed configs."""
+the float64 NumPy oracle past the original window; explicit head_dim; the Llama-3 presets; Qwen2 / Qwen3 / Mistral
+configs with and without a window that applies; malformed and unsupported configs."""
 
 from __future__ import annotations
 
@@ -99,6 +100,32 @@ def _hf(**changes) -> dict:
 
 _DROP = object()
 _LLAMA3 = HF_CONFIGS["llama3_gqa_tied-rope_parameters"]["rope_parameters"]
+_HF_TINY = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_tiny")
+
+
+def _qwen(name: str, **changes) -> dict:
+    """A config.json transformers wrote (tests/jaxllm/data/hf_tiny/<name>), with changes (_DROP removes a key)."""
+    with open(os.path.join(_HF_TINY, name, "config.json")) as f:
+        raw = json.load(f)
+    for key, value in changes.items():
+        if value is _DROP:
+            raw.pop(key)
+        else:
+            raw[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("name,changes", [
+    ("qwen2", {}),  # sliding_window null, use_sliding_window false, every layer full_attention
+    ("qwen2", dict(use_sliding_window=False, sliding_window=131072)),  # Qwen2.5's own configs: a window, unused
+    ("qwen3", dict(use_sliding_window=True, sliding_window=None)),  # transformers: no window to apply
+    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=2, layer_types=_DROP)),  # no layer
+    ("mistral", {}),  # sliding_window null: Mistral-7B-v0.2 / v0.3
+    ("mistral", dict(head_dim=_DROP)),  # head_dim null or absent: hidden / heads
+])
+def test_unwindowed_checkpoints_load(name, changes):
+    config = LlamaConfig.from_hf(_qwen(name, **changes))
+    assert config.architecture == _qwen(name)["architectures"][0]
 
 
 @pytest.mark.parametrize("raw,message", [
@@ -113,8 +140,21 @@ _LLAMA3 = HF_CONFIGS["llama3_gqa_tied-rope_parameters"]["rope_parameters"]
     (_hf(rope_parameters={"full_attention": _LLAMA3}), r"nested per layer type"),
     (_hf(vocab_size=_DROP), r"missing required key 'vocab_size'"),
     (_hf(num_hidden_layers="two"), r"num_hidden_layers must be an integer, got 'two'"),
-    (_hf(architectures=["MistralForCausalLM"]), r"architectures \['MistralForCausalLM'\] is not a Llama model"),
-    (_hf(model_type="gemma"), r"model_type 'gemma' is not a Llama model"),
+    (_hf(architectures=["GemmaForCausalLM"]), r"architectures \['GemmaForCausalLM'\] is not supported; jaxllm "
+                                               r"loads one of \['LlamaForCausalLM', 'MistralForCausalLM'"),
+    (_hf(architectures=_DROP, model_type="gemma"), r"model_type 'gemma' is not supported; jaxllm loads \['llama', "),
+    (_hf(model_type="qwen2"), r"model_type 'qwen2' does not match architectures \['LlamaForCausalLM'\] \(expected "
+                              r"'llama'\)"),
+    (_hf(attention_bias=True), r"attention_bias True is not supported \(LlamaForCausalLM without biases loads\)"),
+    (_qwen("qwen3", attention_bias=True), r"attention_bias True is not supported \(Qwen3ForCausalLM"),
+    (_qwen("mistral", sliding_window=4096), r"sliding_window 4096 is not supported: every layer of this Mistral "
+                                            r"checkpoint attends only to its last 4096 tokens, and jaxllm has no "
+                                            r"windowed attention"),
+    (_qwen("mistral", sliding_window=_DROP), r"sliding_window 4096 \(transformers' default: config.json sets none\)"),
+    (_qwen("qwen2", use_sliding_window=True, sliding_window=64, layer_types=_DROP, max_window_layers=1),
+     r"use_sliding_window true with sliding_window 64 is not supported: layers 1\.\.1 .* no windowed attention"),
+    (_qwen("qwen3", use_sliding_window=True, sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
+     r"use_sliding_window true with sliding_window 64 is not supported: layers 0\.\.0"),
     (_hf(mlp_bias=True), r"mlp_bias True is not supported"),
     (_hf(partial_rotary_factor=0.5), r"partial_rotary_factor 0\.5 is not supported"),
     (_hf(eos_token_id=[128001, "x"]), r"eos_token_id must be an integer, got 'x'"),

@@ -189,3 +189,39 @@ def test_qkv_grouping_keeps_each_kv_heads_group_whole(num_heads, num_kv_heads):
         np.testing.assert_array_equal(grouped[:, j, g], flat[:, num_heads + j])
         np.testing.assert_array_equal(grouped[:, j, g + 1], flat[:, num_heads + num_kv_heads + j])
     np.testing.assert_array_equal(np.asarray(ungroup_qkv(jnp.asarray(grouped))), flat)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_kernel_backend_runs_the_qwen_options(architecture):
+    """Qwen2's q/k/v bias and Qwen3's q/k norms on the kernel backend (interpret mode, head_dim 64): a short prefill
+    and a decode step take the skinny matmul's split-K partials, which the options sum before adding the bias and
+    normalising (the RoPE + KV-write kernel then reads the result), and equal the reference backend's logits (which
+    tests/jaxllm/model/test_hf_architectures.py checks against transformers)."""
+    config = LlamaConfig(**dict(SMALL, hidden_size=256), num_kv_heads=2, rope_theta=500.0, architecture=architecture)
+    model = init_model(config, seed=fixed_seed(58492))
+    rng = np.random.default_rng(3)
+    for layer in model.layers:  # the options' weights away from their ones and zeros
+        for param in ([layer.attention.qkv_bias] if config.qkv_bias else
+                      [layer.attention.q_norm.weight, layer.attention.k_norm.weight]):
+            value = param[...] + jnp.asarray(0.5 * rng.standard_normal(param[...].shape), jnp.float32)
+            param.set_value(value) if hasattr(param, "set_value") else setattr(param, "value", value)
+    ids = rng.integers(0, config.vocab_size, size=19)
+    block_size, T = 16, len(ids)
+    slot = lambda pos: pos  # rBlocks 0 and 1
+    tables = jnp.asarray([[0, 1]], jnp.int32)
+
+    def last_logits(backend):
+        kernels = default_kernels(backend, head_dim=config.head_dim)
+        kv = init_kv_cache(config, 2, block_size, "float32")
+        pos = np.arange(T - 1)
+        prefill = AttentionBatch(tables, jnp.asarray([T - 1], jnp.int32), jnp.asarray([0, T - 1], jnp.int32),
+                                 jnp.asarray(slot(pos), jnp.int32))
+        hidden, kv = model(jnp.asarray(ids[:-1], jnp.int32), jnp.asarray(pos, jnp.int32), kv, prefill, kernels=kernels)
+        decode = AttentionBatch(tables, jnp.asarray([T], jnp.int32), jnp.asarray([0, 1], jnp.int32),
+                                jnp.asarray([slot(T - 1)], jnp.int32), single_query=True)
+        last, _ = model(jnp.asarray(ids[-1:], jnp.int32), jnp.asarray([T - 1], jnp.int32), kv, decode, kernels=kernels)
+        return np.asarray(model.logits(jnp.concatenate([hidden, last])), np.float64)
+
+    ours, ref = last_logits("triton"), last_logits("reference")
+    rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5, f"relative error {rel}"

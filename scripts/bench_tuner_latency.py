@@ -27,12 +27,12 @@ import numpy as np
 from scripts.common import harness
 
 
-def _plans(decode: bool, bucket: int, heads, count: int):
+def _plans(kind, bucket: int, heads, count: int):
     from jaxllm.contract import kv_extent_of
     from jaxllm.tuner.learned import sample_shapes
 
     out = []
-    for f in sample_shapes(decode, bucket, heads=heads, max_context=512 * 1024, count=count, seed=7):
+    for f in sample_shapes(kind, bucket, heads=heads, max_context=512 * 1024, count=count, seed=7):
         kv = f.kv_lens.astype(np.int32)
         cu = np.concatenate([[0], np.cumsum(f.q_lens)]).astype(np.int32)
         out.append(types.SimpleNamespace(kv_lens=kv, cu_q_lens=cu,
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 
     from jaxllm.tuner import LearnedTuner, model_path
     from jaxllm.tuner.cost_model import CostModel
-    from jaxllm.contract import kv_extent_of
+    from jaxllm.contract import StepKind, kv_extent_of
     from jaxllm.tuner.features import StepFeatures, plan_key
     from jaxllm.tuner.learned import op_ranker
     from pallas_kernels.dispatch import Kernels
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     base = Kernels(decode_attention="triton", prefill_attention="mosaic", rope_kv_write="pallas", decode_layer="pallas")
     heads = (32, 8, 128)
     rows = []
-    for decode, bucket in ((True, 1), (True, 16), (True, 256), (False, 16), (False, 512), (False, 8192)):
+    D, P = StepKind.DECODE, StepKind.PREFILL
+    for decode, bucket in ((D, 1), (D, 16), (D, 256), (P, 16), (P, 512), (P, 8192)):  # decode: the step's kind
         plans, seen = [], set()
         for p in _plans(decode, bucket, heads, args.shapes):  # distinct keys only: every first call misses
             k = plan_key(p, decode, bucket)
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
         feats = [StepFeatures(decode, bucket, p.kv_lens, np.diff(p.cu_q_lens), heads) for p in plans]
         feats = [(f.vector().tolist(), f.stats()) for f in feats]
         names = tuner.variant_names(decode, bucket)
-        op = "decode" if decode else "prefill"
+        op = decode.label
         ranker = op_ranker(model, op, names, kv_heads=heads[1], block_size=256)
         fwd_us = _per_call_us(lambda f: ranker.best(*f), feats, args.passes)
         row = dict(op=op, bucket=bucket, variants=variants, shapes=len(plans), distinct_keys=distinct,

@@ -70,6 +70,7 @@ def _train_split(rows: list[dict], args, seed: int) -> tuple[dict, dict, list[di
 
 def evaluate(model, rows, base, block: int) -> list[dict]:
     """Per held-out row: chosen, default and best candidate with their measured times, and model ranks."""
+    from jaxllm.contract import StepKind
     from jaxllm.tuner import LearnedTuner
     from jaxllm.tuner.learned import op_ranker
     from jaxllm.tuner.train import row_features
@@ -80,9 +81,9 @@ def evaluate(model, rows, base, block: int) -> list[dict]:
         if heads not in tuners:
             tuners[heads] = LearnedTuner(base, model, heads=heads, block_size=block)
         tuner = tuners[heads]
-        decode = r["op"] == "decode"
-        names = tuner.variant_names(decode, r["bucket"])
-        chosen = names[tuner.choose(_plan_of(r), decode, r["bucket"])]
+        kind = StepKind.from_label(r["op"])
+        names = tuner.variant_names(kind, r["bucket"])
+        chosen = names[tuner.choose(_plan_of(r), kind, r["bucket"])]
         us = r["us"]
         measured = tuple(n for n in model.names[r["op"]] if n in us)
         key = (r["op"], measured, heads[1], r["block"])

@@ -15,16 +15,26 @@ import enum
 __all__ = ["StepKind"]
 
 
-class StepKind(enum.IntEnum):
-    """A step's kind; an int so a multi-process call carries it as one word (jaxllm.executor.calls)."""
+class StepKind(enum.Enum):
+    """A step's kind. Not an int (nor a bool): a stray boolean from before the kinds equals no kind, and every kind
+    is truthy, so `if kind` can never stand for "is decode"."""
 
-    DECODE = 0
-    PREFILL = 1
+    DECODE = "decode"
+    PREFILL = "prefill"
 
     @property
     def label(self) -> str:
         """Its name in metrics, tables and training rows: "decode", "prefill"."""
-        return self.name.lower()
+        return self.value
+
+    @property
+    def wire(self) -> int:
+        """Its number in a multi-process call's words (jaxllm.executor.calls)."""
+        return _WIRE.index(self)
+
+    @classmethod
+    def from_wire(cls, word: int) -> StepKind:
+        return _WIRE[word]
 
     @property
     def size_unit(self) -> str:
@@ -41,7 +51,10 @@ class StepKind(enum.IntEnum):
     @classmethod
     def from_label(cls, label: str) -> StepKind:
         """The kind of a label ("decode" / "prefill"); ValueError naming the label and the kinds otherwise."""
-        for kind in cls:
-            if kind.label == label:
-                return kind
-        raise ValueError(f"unknown step kind {label!r}: one of {[k.label for k in cls]}")
+        try:
+            return cls(label)
+        except ValueError:
+            raise ValueError(f"unknown step kind {label!r}: one of {[k.label for k in cls]}") from None
+
+
+_WIRE = tuple(StepKind)  # in declaration order; a new kind is appended, so old numbers keep their meaning

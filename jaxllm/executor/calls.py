@@ -46,13 +46,13 @@ class StepCall:
     source: TokenSource = TokenSource.FRESH
 
     def to_wire(self) -> np.ndarray:
-        return np.array([self.op, self.kind, self.greedy, self.logprobs, self.variant, self.borrowed, self.source],
-                        np.int32)
+        return np.array([self.op, self.kind.wire, self.greedy, self.logprobs, self.variant, self.borrowed,
+                         self.source], np.int32)
 
     @classmethod
     def from_wire(cls, words: np.ndarray) -> StepCall:
         op, kind, greedy, logprobs, variant, borrowed, source = (int(w) for w in words)
-        return cls(Op(op), StepKind(kind), bool(greedy), bool(logprobs), variant, bool(borrowed), TokenSource(source))
+        return cls(Op(op), StepKind.from_wire(kind), bool(greedy), bool(logprobs), variant, bool(borrowed), TokenSource(source))
 
     @property
     def program(self) -> str:

@@ -116,10 +116,6 @@ KV_HOST_COPIED_BLOCKS = Metric("jaxllm_kv_host_copied_blocks_total", "counter",
 KV_HOST_COPY_SECONDS = Metric("jaxllm_kv_host_copy_seconds_total", "counter",
                               "seconds each direction had a copy between the tiers in flight", ("direction",))
 
-_FRONT_COUNTS_REQUESTS = ("the servers count their requests by final status themselves (jaxllm_requests_total, "
-                          "jaxllm_http_requests_total)")
-_FRONT_TIMES_REQUESTS = ("the servers observe every request's TTFT and TPOT in histograms of their own "
-                         "(jaxllm_time_to_first_token_seconds, ...), queueing in the front end included")
 
 
 # ----- the parts -----
@@ -142,8 +138,9 @@ class CoreStats(_Part):
     ttft/tpot: count and sum of per-request samples (seconds); their mean is sum / count.
     """
 
-    requests_total: int = unexported(_FRONT_COUNTS_REQUESTS, kind="counter")
-    requests_finished: int = unexported(_FRONT_COUNTS_REQUESTS, kind="counter")
+    requests_total: int = counter("jaxllm_engine_requests_total", "requests the engine admitted (every front end's)")
+    requests_finished: int = counter("jaxllm_engine_requests_finished_total",
+                                     "requests that ended other than by a cancel (a stop, EOS, the length limit)")
     requests_cancelled: int = counter("jaxllm_engine_requests_cancelled_total",
                                       "requests cancelled (client gone, deadline, shutdown)")
     requests_rejected: int = counter("jaxllm_engine_requests_rejected_total",
@@ -151,10 +148,15 @@ class CoreStats(_Part):
     prompt_tokens_total: int = counter("jaxllm_prompt_tokens_total", "prompt tokens accepted")
     generated_tokens_total: int = counter("jaxllm_generation_tokens_total", "tokens generated")
     steps_total: int = counter("jaxllm_engine_steps_total", "engine steps run")
-    ttft_count: int = unexported(_FRONT_TIMES_REQUESTS, kind="counter")
-    ttft_sum_s: float = unexported(_FRONT_TIMES_REQUESTS, kind="counter", default=0.0)
-    tpot_count: int = unexported(_FRONT_TIMES_REQUESTS, kind="counter")
-    tpot_sum_s: float = unexported(_FRONT_TIMES_REQUESTS, kind="counter", default=0.0)
+    ttft_count: int = counter("jaxllm_engine_time_to_first_token_seconds_count",
+                              "requests timed to their first token, inside the engine")
+    ttft_sum_s: float = counter("jaxllm_engine_time_to_first_token_seconds_sum",
+                                "seconds from admission to the first token, summed over those requests", default=0.0)
+    tpot_count: int = counter("jaxllm_engine_time_per_output_token_seconds_count",
+                              "requests timed per output token after the first, inside the engine")
+    tpot_sum_s: float = counter("jaxllm_engine_time_per_output_token_seconds_sum",
+                                "mean seconds per output token after the first, summed over those requests",
+                                default=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +185,7 @@ class HostTierStats(_Part):
     blocks: int = exported(KV_TIER_BLOCKS.at(tier="host"))  # slots (rBlocks) the tier has
     blocks_used: int = exported(KV_TIER_USED_BLOCKS.at(tier="host"))  # held by swapped sequences or cached prefixes
     cached_blocks: int = gauge("jaxllm_host_cache_blocks", "KV rBlocks the host tier's prefix cache holds")
-    swapped_sequences: int = unexported("not on /metrics today (blocks_used counts their rBlocks); tests read it",
-                                        kind="gauge")
+    swapped_sequences: int = gauge("jaxllm_host_swapped_sequences", "preempted sequences whose KV waits in the host tier")
     swap_outs_total: int = counter("jaxllm_kv_swap_outs_total",
                                    "preempted sequences swapped to the host tier instead of recomputed")
     swap_ins_total: int = counter("jaxllm_kv_swap_ins_total", "swapped sequences copied back from the host tier")

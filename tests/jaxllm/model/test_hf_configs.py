@@ -88,14 +88,18 @@ def test_max_context_per_rope_type():
     assert LlamaConfig(**dict(base, max_position_embeddings=131072), rope_scaling=yarn).max_context == 131072
 
 
-def _hf(**changes) -> dict:
-    raw = json.loads(json.dumps(HF_CONFIGS["llama3_gqa_tied-rope_parameters"]))
+def _changed(raw: dict, changes: dict) -> dict:
+    """raw with `changes` (_DROP removes a key)."""
     for key, value in changes.items():
         if value is _DROP:
             raw.pop(key)
         else:
             raw[key] = value
     return raw
+
+
+def _hf(**changes) -> dict:
+    return _changed(json.loads(json.dumps(HF_CONFIGS["llama3_gqa_tied-rope_parameters"])), changes)
 
 
 _DROP = object()
@@ -106,13 +110,7 @@ _HF_TINY = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_
 def _qwen(name: str, **changes) -> dict:
     """A config.json transformers wrote (tests/jaxllm/data/hf_tiny/<name>), with changes (_DROP removes a key)."""
     with open(os.path.join(_HF_TINY, name, "config.json")) as f:
-        raw = json.load(f)
-    for key, value in changes.items():
-        if value is _DROP:
-            raw.pop(key)
-        else:
-            raw[key] = value
-    return raw
+        return _changed(json.load(f), changes)
 
 
 @pytest.mark.parametrize("name,changes", [

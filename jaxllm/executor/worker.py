@@ -5,14 +5,17 @@ It runs `StepCall`s (jaxllm.executor.calls) on inputs already laid out (jaxllm.e
 order on its launcher thread (jaxllm.executor.launcher), and knows nothing of plans, buckets or the tuner's
 choice: the ModelRunner (jaxllm.executor.model_runner) decides which call a plan is, this part runs it. Every
 process of a multi-process mesh holds a Worker over the same mesh: process 0 announces each call through a
-CallChannel before running it, and every other process runs `follow()`, which receives and repeats them.
+CallChannel as it submits it (a host message, sent while its own launcher may still be busy, in the launcher's
+order), and every other process runs `follow()`, which receives each call and launches it at once.
 Memory analysis lives here too: `working_bytes` compiles a call's program again and reads what XLA says it
 allocates, so the engine can size its pool before one exists (the pool may be abstract).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -81,6 +84,7 @@ class Worker:
                                      replicated_io=multi_process, penalty_state=self._penalty_state)
         self._inert_penalties: dict[tuple, PenaltyInputs] = {}  # placed once per shape (place says why)
         self.channel = CallChannel() if multi_process else None
+        self._submitting = threading.Lock()  # announcements in the launcher's order
         self.last: InFlight | None = None  # the last step dispatched (a continuation's only possible source)
         self.copied_blocks = 0  # rBlocks copied between instances (recalls), warm-up's not counted
         self.block_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
@@ -136,9 +140,21 @@ class Worker:
                                                                  self._penalty_state, **self.statics(call, inputs))
         return out
 
-    def launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None) -> Launched:
-        """On the launcher thread: announce the call, place its inputs (or take the continued step's), run it."""
-        self.announce(call, inputs)
+    def launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None) -> concurrent.futures.Future:
+        """Queue a step: announced now, then on the launcher thread its inputs placed (or the continued step's
+        taken) and run; the Future of its Launched."""
+        return self._submit(call, inputs, self._launch, call, inputs, source)
+
+    def launch_logits(self, call: StepCall, inputs: StepInputs) -> concurrent.futures.Future:
+        """Queue a logits call (announced now, placed and run on the launcher thread); the Future of its output."""
+        return self._submit(call, inputs, self._launch_logits, call, inputs)
+
+    def _submit(self, call: StepCall, inputs, fn, *args) -> concurrent.futures.Future:
+        with self._submitting:
+            self.announce(call, inputs)
+            return self.launcher.submit(fn, *args)
+
+    def _launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None) -> Launched:
         inputs = self.place(inputs) if source is None else continued(inputs, source.launched())
         out = self.run(call, inputs)
         if not call.logprobs:
@@ -146,9 +162,7 @@ class Worker:
         tokens, sampled, prompt = out
         return Launched(tokens, sampled, inputs, prompt)
 
-    def launch_logits(self, call: StepCall, inputs: StepInputs):
-        """On the launcher thread: a logits call, announced, placed and run; its device output."""
-        self.announce(call, inputs)
+    def _launch_logits(self, call: StepCall, inputs: StepInputs):
         return self.run(call, self.place(inputs))
 
     def place(self, inputs: StepInputs) -> StepInputs:
@@ -187,7 +201,8 @@ class Worker:
         m = pow2_at_least(len(copies), 8)
         src, dst = np.full(m, -1, np.int32), np.full(m, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = copies[:, 0], copies[:, 1]
-        self.launcher.submit(self._launch_copy, BlockCopies(src, dst))
+        copies = BlockCopies(src, dst)
+        self._submit(StepCall(Op.COPY), copies, self._launch_copy, copies)
         self.copied_blocks += len(copies)
 
     def copy_host(self, copies: HostCopies, *, out: bool) -> None:
@@ -211,7 +226,6 @@ class Worker:
         self._pool = (store.copy_out if out else store.copy_in)(self._pool, copies)
 
     def _launch_copy(self, copies: BlockCopies) -> None:
-        self.announce(StepCall(Op.COPY), copies)
         self._pool = self.programs.copy_blocks(self._pool, copies.src, copies.dst)
 
     def _warm_host_copies(self) -> None:
@@ -220,13 +234,14 @@ class Worker:
     # ----- multi-process runs -----
 
     def announce(self, call: StepCall, inputs) -> None:
-        """Process 0: hand one call to every other process (their follow() runs it too)."""
+        """Process 0: hand one call to every other process (their follow() runs it too); `_submit` calls it, in
+        submission order."""
         if self.channel is not None:
             self.channel.send(call, inputs)
 
     def follow(self) -> int:
-        """Processes other than 0: run every call process 0 sends, as it runs them, until it stops; returns the
-        number of calls run."""
+        """Processes other than 0: launch every call process 0 sends as it arrives, in its order, until it stops;
+        returns the number of calls run."""
         if self.channel is None or multihost.is_leader():
             raise ValueError("follow runs on the processes other than 0 of a multi-process run "
                              f"(this is process {jax.process_index()} of {jax.process_count()})")
@@ -255,8 +270,9 @@ class Worker:
         """Process 0 at shutdown: the other processes' follow() returns (they exit). Idempotent; a no-op on
         one process."""
         if self.channel is not None and multihost.is_leader():
-            self.launcher.run(self.channel.stop)  # after every call already submitted
-            self.channel = None
+            with self._submitting:  # after every call already announced
+                self.channel.stop()
+                self.channel = None
 
 
 def working_bytes(stats) -> int:

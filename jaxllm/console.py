@@ -112,8 +112,8 @@ def library_stdout_to_stderr() -> None:
     text = os.dup(fd)
     os.dup2(err, fd)
     _library_stdout_moved = True
-    moved = open(text, "w", encoding=stream.encoding, errors=getattr(stream, "errors", None),
-                 line_buffering=bool(getattr(stream, "line_buffering", False)))
+    moved = open(text, "w", buffering=1 if getattr(stream, "line_buffering", False) else -1,
+                 encoding=stream.encoding, errors=getattr(stream, "errors", None))
     if isinstance(stream, _Guarded):
         stream.moved(moved)
     else:

@@ -92,7 +92,8 @@ def _requests(args):
 
 
 def _follow(args, config) -> dict:
-    """A follower: launch every step process 0 sends; per received step, (arrival ns, loop CPU ns, wait, late)."""
+    """A follower: launch every step process 0 sends; per received step, (arrival ns, loop CPU ns, wait, late,
+    the whole process's CPU ns)."""
     from jaxllm import build_engine
     from sharding import multihost
 
@@ -103,7 +104,8 @@ def _follow(args, config) -> dict:
     def recording():
         got = receive()
         stats = channel.stats()
-        samples.append((time.monotonic_ns(), _thread_cpu_ns(me), round(stats.wait_s * 1e9), round(stats.late_s * 1e9)))
+        samples.append((time.monotonic_ns(), _thread_cpu_ns(me), round(stats.wait_s * 1e9), round(stats.late_s * 1e9),
+                        time.process_time_ns()))
         return got
 
     channel.receive = recording  # this bench's own probe on its own object
@@ -127,7 +129,7 @@ def _lead(args, config) -> dict:
         prefill, decode, tokens = [], [], None
         messages0 = channel.stats().messages if channel else 0
         send0 = channel.stats().send_s if channel else 0.0
-        cpu0, t0 = _host_cpu_ns(threads), time.monotonic_ns()
+        cpu0, t0, process0 = _host_cpu_ns(threads), time.monotonic_ns(), time.process_time_ns()
         for _ in range(args.passes):
             last = time.perf_counter()
 
@@ -142,7 +144,7 @@ def _lead(args, config) -> dict:
             if tokens is not None and got != tokens:
                 raise AssertionError("greedy tokens differ between passes of one arm")
             tokens = got
-        t1, cpu1 = time.monotonic_ns(), _host_cpu_ns(threads)
+        t1, cpu1, process1 = time.monotonic_ns(), _host_cpu_ns(threads), time.process_time_ns()
         stats = channel.stats() if channel else None
         steps = len(prefill) + len(decode)
         return dict(role="leader", window_ns=[t0, t1], messages=[messages0, stats.messages if stats else 0],
@@ -150,6 +152,7 @@ def _lead(args, config) -> dict:
                     decode_ms=1e3 * float(np.median(decode)), decode_spread=harness.spread([1e3 * t for t in decode]),
                     prefill_ms=1e3 * float(np.median(prefill)),
                     host_cpu_ms_per_step={k: (cpu1[k] - cpu0[k]) / 1e6 / steps for k in cpu0},
+                    process_cpu_ms_per_step=(process1 - process0) / 1e6 / steps, wall_ms_per_step=(t1 - t0) / 1e6 / steps,
                     send_ms_per_step=1e3 * ((stats.send_s if stats else 0.0) - send0) / steps,
                     compiles_while_timed=llm.compile_count - compiles, tokens=tokens)
     finally:
@@ -235,6 +238,7 @@ def _arm_row(results: list[dict]) -> dict:
                compiles_while_timed=lead["compiles_while_timed"],
                leader_host_cpu_ms_per_step=lead["host_cpu_ms_per_step"],
                leader_host_ms_per_step=sum(lead["host_cpu_ms_per_step"].values()),
+               process_cpu_ms_per_step=lead["process_cpu_ms_per_step"], wall_ms_per_step=lead["wall_ms_per_step"],
                send_ms_per_step=lead["send_ms_per_step"], followers=[])
     m0, m1 = lead["messages"]
     for f in results[1:]:
@@ -245,6 +249,7 @@ def _arm_row(results: list[dict]) -> dict:
         row["followers"].append(dict(process=f["process"], host_ms_per_step=(b[1] - a[1]) / 1e6 / steps,
                                      wait_ms_per_step=(b[2] - a[2]) / 1e6 / steps,
                                      late_ms_per_step=(b[3] - a[3]) / 1e6 / steps,
+                                     process_cpu_ms_per_step=(b[4] - a[4]) / 1e6 / steps,
                                      zmq_io_ms_per_message=f["zmq_io_ns"] / 1e6 / max(f["calls"], 1)))
     late = max((f["late_ms_per_step"] for f in row["followers"]), default=0.0)
     row["handover_ms_per_step"] = row["send_ms_per_step"] + late

@@ -23,7 +23,9 @@ A message, frames:
              int64 CLOCK_MONOTONIC ns at the send (a follower on the same host measures the delivery)
     layout   (b"L" only) pickled (tree structure, [(shape, dtype)]): sent when it changes, which a step's
              bucketed shapes make rare; pickle only for this, from process 0 over its own connection
-    leaves   one frame per array, its raw bytes (C order)
+    data     every array's raw bytes (C order), one after another, each padded to a multiple of 8 bytes: one
+             frame, so a send is three frames whatever the tree (a frame each cost ~1.5 us and a release of the
+             GIL); the follower's arrays are views into it
 
 A follower answers the stop with b"bye" once it has taken it, so process 0 can wait until every follower
 has every message before it leaves (`Sender.stop`).
@@ -46,6 +48,8 @@ __all__ = ["ChannelStats", "PeerGone", "Receiver", "Sender", "require_zmq"]
 _HEADER = struct.Struct("<cQq")  # kind, sequence number, monotonic ns at the send
 _DATA, _LAYOUT, _STOP = b"D", b"L", b"S"
 _HELLO, _BYE = b"hello", b"bye"
+_ALIGN = 8  # each array's bytes start at a multiple of this in the data frame (views stay aligned)
+_PAD = bytes(_ALIGN)
 
 
 def require_zmq():
@@ -77,6 +81,10 @@ class ChannelStats:
 
 def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _padded(nbytes: int) -> int:
+    return nbytes + -nbytes % _ALIGN
 
 
 def _wire_leaves(tree, flatten) -> tuple[object, list[np.ndarray]]:
@@ -147,7 +155,12 @@ class Sender:
         with self._lock:
             if self._stopped:
                 raise ValueError("the step channel was stopped: no more steps can be sent")
-            frames = [x.reshape(-1) for x in arrays]  # 1-d views: their buffers are the bytes
+            parts = []
+            for x in arrays:
+                parts.append(x.reshape(-1))  # a 1-d view: its buffer is the bytes
+                if x.nbytes % _ALIGN:
+                    parts.append(_PAD[:-x.nbytes % _ALIGN])
+            frames = [b"".join(parts)]
             if key != self._layout_key:
                 kind, frames = _LAYOUT, [pickle.dumps((treedef, list(key[1]))), *frames]
             else:
@@ -230,7 +243,7 @@ class Receiver:
             self._sock.setsockopt(zmq.IPV6, 1)  # a name may resolve to IPv6
         self._sock.connect(_endpoint(host, int(port)))
         self._sock.send_multipart([token.encode(), str(process_id).encode(), _HELLO])
-        self._treedef, self._shapes = None, []
+        self._treedef, self._leaves, self._nbytes = None, [], 0
         self._seq = 0
         self._messages, self._wait_ns, self._late_ns = 0, 0, 0
         self._closed = False
@@ -253,16 +266,24 @@ class Receiver:
         if kind == _STOP:
             self._close()
             return None
-        leaves = frames[1:]
         if kind == _LAYOUT:
-            self._treedef, self._shapes = pickle.loads(leaves[0])
-            leaves = leaves[1:]
-        if kind not in (_DATA, _LAYOUT) or self._treedef is None or len(leaves) != len(self._shapes):
+            self._set_layout(frames[1])
+        if kind not in (_DATA, _LAYOUT) or self._treedef is None or len(frames[-1]) != self._nbytes:
             raise ConnectionError(f"process {self.process_id}: a malformed message on process 0's step channel")
         self._messages += 1
-        arrays = [np.frombuffer(frame, np.dtype(dtype)).reshape(shape)
-                  for frame, (shape, dtype) in zip(leaves, self._shapes)]
+        data = frames[-1]
+        arrays = [np.frombuffer(data, dtype, count, offset).reshape(shape)
+                  for shape, dtype, count, offset in self._leaves]
         return self._unflatten(self._treedef, arrays)
+
+    def _set_layout(self, layout: bytes) -> None:
+        self._treedef, shapes = pickle.loads(layout)
+        self._leaves, offset = [], 0  # (shape, dtype, count, offset in the data frame)
+        for shape, dtype in shapes:
+            dtype, count = np.dtype(dtype), int(np.prod(shape, dtype=np.int64))
+            self._leaves.append((tuple(shape), dtype, count, offset))
+            offset += _padded(count * dtype.itemsize)
+        self._nbytes = offset
 
     def stats(self) -> ChannelStats:
         return ChannelStats(messages=self._messages, wait_s=self._wait_ns / 1e9, late_s=self._late_ns / 1e9)

@@ -69,7 +69,7 @@ def test_every_follower_gets_every_message_in_order_then_the_stop():
     assert receivers[0].receive() is None  # stays stopped
 
 
-def test_the_layout_travels_only_when_it_changes():
+def test_the_layout_travels_only_when_it_changes_and_the_arrays_in_one_frame():
     sender, (receiver,) = _pair()
     frames = []
     real = sender._sock.send_multipart  # noqa: SLF001 (the test counts the frames on the wire)
@@ -79,10 +79,10 @@ def test_the_layout_travels_only_when_it_changes():
         return real(parts, *args, **kwargs)
 
     sender._sock.send_multipart = counting  # noqa: SLF001
-    same = {"tokens": np.arange(4, dtype=np.int32)}
+    same = _message(0)  # four arrays, a 0-d bool among them (the bytes of each padded to 8)
     for _ in range(3):
         sender.send(same)
-    # routing id + header + (layout) + one leaf
+    # routing id + header + (layout) + the arrays' bytes
     assert frames == [4, 3, 3]
     for _ in range(3):
         _same(receiver.receive(), same)

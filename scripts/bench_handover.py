@@ -14,9 +14,10 @@ sequence a prompt of --prompt-tokens and --new-tokens greedy tokens (ignore_eos)
 Reported per arm and, over the rounds, per layout: decode ms a step (the gap between steps' tokens reaching
 process 0's host, median), the prefill step's ms; each process's host CPU time a step (process 0: its engine
 and launcher threads, a follower: its loop, which receives, places and launches each step; both: ZeroMQ's I/O
-thread; the devices' compute threads not counted), and the hand-over's own share: process 0's time inside
-`send` a step, and the followers' wait beyond each send (from the moment process 0 sent a step to its arrival,
-where the follower was already waiting: the host clock is one on one machine). The greedy tokens must be the
+thread; the devices' compute threads not counted), and the hand-over's own share of the decode step: process
+0's CPU time inside `send` a step (its wall time beside it: on a busy machine it also holds the waits for a
+core after waking ZeroMQ's I/O thread), plus the followers' wait beyond each send (from the moment process 0
+sent a step to its arrival, where the follower was already waiting: the host clock is one on one machine). The greedy tokens must be the
 same in every arm (`same_tokens`). Writes JSON and a Markdown table under benchmarks/results/
 (`<device>-<date>-<HHMM>-handover.json`) and prints the table.
 """
@@ -128,7 +129,7 @@ def _lead(args, config) -> dict:
         compiles = llm.compile_count
         prefill, decode, tokens = [], [], None
         messages0 = channel.stats().messages if channel else 0
-        send0 = channel.stats().send_s if channel else 0.0
+        send0 = channel.stats() if channel else None
         cpu0, t0, process0 = _host_cpu_ns(threads), time.monotonic_ns(), time.process_time_ns()
         for _ in range(args.passes):
             last = time.perf_counter()
@@ -153,7 +154,8 @@ def _lead(args, config) -> dict:
                     prefill_ms=1e3 * float(np.median(prefill)),
                     host_cpu_ms_per_step={k: (cpu1[k] - cpu0[k]) / 1e6 / steps for k in cpu0},
                     process_cpu_ms_per_step=(process1 - process0) / 1e6 / steps, wall_ms_per_step=(t1 - t0) / 1e6 / steps,
-                    send_ms_per_step=1e3 * ((stats.send_s if stats else 0.0) - send0) / steps,
+                    send_ms_per_step=1e3 * (stats.send_s - send0.send_s) / steps if stats else 0.0,
+                    send_cpu_ms_per_step=1e3 * (stats.send_cpu_s - send0.send_cpu_s) / steps if stats else 0.0,
                     compiles_while_timed=llm.compile_count - compiles, tokens=tokens)
     finally:
         llm.close()
@@ -239,7 +241,8 @@ def _arm_row(results: list[dict]) -> dict:
                leader_host_cpu_ms_per_step=lead["host_cpu_ms_per_step"],
                leader_host_ms_per_step=sum(lead["host_cpu_ms_per_step"].values()),
                process_cpu_ms_per_step=lead["process_cpu_ms_per_step"], wall_ms_per_step=lead["wall_ms_per_step"],
-               send_ms_per_step=lead["send_ms_per_step"], followers=[])
+               send_ms_per_step=lead["send_ms_per_step"], send_cpu_ms_per_step=lead["send_cpu_ms_per_step"],
+               followers=[])
     m0, m1 = lead["messages"]
     for f in results[1:]:
         s = f["samples"]  # s[i]: after the (i + 1)-th message
@@ -252,8 +255,9 @@ def _arm_row(results: list[dict]) -> dict:
                                      process_cpu_ms_per_step=(b[4] - a[4]) / 1e6 / steps,
                                      zmq_io_ms_per_message=f["zmq_io_ns"] / 1e6 / max(f["calls"], 1)))
     late = max((f["late_ms_per_step"] for f in row["followers"]), default=0.0)
-    row["handover_ms_per_step"] = row["send_ms_per_step"] + late
+    row["handover_ms_per_step"] = row["send_cpu_ms_per_step"] + late
     row["handover_share"] = row["handover_ms_per_step"] / row["decode_ms"]
+    row["handover_wall_share"] = (row["send_ms_per_step"] + late) / row["decode_ms"]  # the send's waits for a core too
     return row
 
 
@@ -265,9 +269,11 @@ def _summary(rows: dict[int, list[dict]]) -> dict:
                one_process_prefill_ms=med([r["prefill_ms"] for r in one]),
                processes_prefill_ms=med([r["prefill_ms"] for r in many]),
                send_ms_per_step=med([r["send_ms_per_step"] for r in many]),
+               send_cpu_ms_per_step=med([r["send_cpu_ms_per_step"] for r in many]),
                late_ms_per_step=med([max((f["late_ms_per_step"] for f in r["followers"]), default=0.0)
                                      for r in many]),
                handover_share=med([r["handover_share"] for r in many]),
+               handover_wall_share=med([r["handover_wall_share"] for r in many]),
                leader_host_ms_per_step=med([r["leader_host_ms_per_step"] for r in many]),
                one_process_host_ms_per_step=med([r["leader_host_ms_per_step"] for r in one]),
                follower_host_ms_per_step=med([f["host_ms_per_step"] for r in many for f in r["followers"]]))
@@ -278,13 +284,15 @@ def _summary(rows: dict[int, list[dict]]) -> dict:
 
 def _table(layouts: dict, devices: int, processes: int) -> str:
     header = ["layout", f"1 x {devices} decode ms", f"{processes} x {devices // processes} decode ms", "ratio",
-              "prefill ms (1 / P)", "send ms", "late ms", "hand-over share", "host ms a step (1 / p0 / followers)"]
+              "prefill ms (1 / P)", "send ms CPU (wall)", "late ms", "hand-over share",
+              "host ms a step (1 / p0 / followers)"]
     rows = []
     for name, layout in layouts.items():
         s = layout["summary"]
         rows.append([name, f"{s['one_process_decode_ms']:.2f}", f"{s['processes_decode_ms']:.2f}",
                      f"{s['decode_ratio']:.2f}", f"{s['one_process_prefill_ms']:.1f} / {s['processes_prefill_ms']:.1f}",
-                     f"{s['send_ms_per_step']:.3f}", f"{s['late_ms_per_step']:.3f}", f"{s['handover_share']:.1%}",
+                     f"{s['send_cpu_ms_per_step']:.3f} ({s['send_ms_per_step']:.3f})", f"{s['late_ms_per_step']:.3f}",
+                     f"{s['handover_share']:.1%}",
                      f"{s['one_process_host_ms_per_step']:.2f} / {s['leader_host_ms_per_step']:.2f} / "
                      f"{s['follower_host_ms_per_step']:.2f}"])
     return harness.markdown_table(header, rows)

@@ -4,8 +4,11 @@ Every process runs the same program (docs/ARCHITECTURE.md, decision 7). Process 
 program it runs it sends the call and its host inputs to the others on the step channel (sharding.step_channel:
 ZeroMQ messages, no device collective), which `initialize` opens and `step_channel()` returns. The others launch
 each step on receipt, so every process runs ahead of its devices as one process does; the data plane stays the
-collectives inside the programs (NCCL, gloo). When process 0 stops it sends a stop, and the others' `receive`
-returns None.
+collectives inside the programs (NCCL, gloo). The rows of a step's outputs that only other processes' devices
+hold (an instance there) come back to process 0 on a second channel (sharding.step_results: `step_results()`),
+so a step that borrows nothing runs no collective across processes either; `put` places host inputs without the
+cross-process comparison jax.device_put makes (a collective). When process 0 stops it sends a stop, and the
+others' `receive` returns None.
 
 Joining: `initialize` takes the coordinator, the process count and this process's id from its arguments, else
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from a cluster launcher's environment
@@ -30,8 +33,9 @@ import threading
 import time
 
 import jax
+import numpy as np
 
-from sharding import liveness, step_channel as channels
+from sharding import liveness, step_channel as channels, step_results as returns
 
 _ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 _ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -40,9 +44,11 @@ ENV_TIMEOUT = "JAXLLM_COORDINATOR_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 _WATCH_KEY = "jaxllm/watch"  # process 0's watch address in jax's key-value store
 _STEPS_KEY = "jaxllm/steps"  # process 0's step-channel address, beside it
+_RESULTS_KEY = "jaxllm/results"  # and its results channel's port
 
 _watch: liveness.LeaderWatch | liveness.FollowerWatch | None = None  # set by initialize, for this process's run
 _channel: channels.Sender | channels.Receiver | None = None  # likewise
+_results: returns.Collector | returns.Returner | None = None  # likewise
 
 
 def _env_int(name: str) -> int | None:
@@ -159,8 +165,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         give_up.cancel()
         raise
     give_up.phase = "watch"
-    global _watch, _channel
-    _watch, _channel = _open_run(host.strip("[]"), process_id, num_processes, give_up, prog)
+    global _watch, _channel, _results
+    _watch, _channel, _results = _open_run(host.strip("[]"), process_id, num_processes, give_up, prog)
     give_up.cancel()
     return True
 
@@ -222,21 +228,23 @@ def _answers(host: str, port: int) -> bool:
 
 
 def _open_run(host: str, process_id: int, num_processes: int, give_up: _GiveUp, prog: str):
-    """(watch, step channel). Process 0 listens on both and publishes their ports in jax's key-value store; every
-    follower connects to both. Bounded by the same deadline as the coordinator."""
+    """(watch, step channel, results channel). Process 0 listens on all three and publishes their ports in jax's
+    key-value store; every follower connects to them. Bounded by the same deadline as the coordinator."""
     client = jax._src.distributed.global_state.client  # jax's key-value store: no public spelling
     if process_id == 0:
         watch = liveness.LeaderWatch(num_processes, prog=prog)
         client.key_value_set(_WATCH_KEY, watch.published)
         sender = channels.Sender(num_processes, flatten=jax.tree.flatten, before_stop=watch.stopping)
         client.key_value_set(_STEPS_KEY, sender.published)
+        collector = returns.Collector(dead=watch.died)
+        client.key_value_set(_RESULTS_KEY, str(collector.port))
         for what, joined, port in (("watch", watch.wait_joined, watch.port), ("step channel", sender.wait_joined,
                                                                              sender.port)):
             missing = joined(give_up.left())
             if missing:
                 give_up.fail(f"process(es) {', '.join(map(str, missing))} did not connect to process 0's {what} "
                              f"(port {port} on this host)")
-        return watch, sender
+        return watch, sender, collector
     what = "watch"
     try:
         published = client.blocking_key_value_get(_WATCH_KEY, max(int(give_up.left() * 1000), 1))
@@ -246,7 +254,9 @@ def _open_run(host: str, process_id: int, num_processes: int, give_up: _GiveUp, 
         published = client.blocking_key_value_get(_STEPS_KEY, max(int(give_up.left() * 1000), 1))
         receiver = channels.Receiver(process_id, num_processes, host, published, unflatten=jax.tree.unflatten,
                                      on_stop=watch.close)  # goodbye: this process's end is no failure now
-        return watch, receiver
+        what = "results channel"
+        port = client.blocking_key_value_get(_RESULTS_KEY, max(int(give_up.left() * 1000), 1))
+        return watch, receiver, returns.Returner(process_id, host, int(port))
     except Exception as e:  # jax's key-value store raises its own error type; a refused connection OSError
         give_up.fail(f"cannot reach process 0's {what} at {host}: {type(e).__name__}: {str(e).splitlines()[0]}")
         raise  # not reached: give_up ends the process
@@ -256,6 +266,28 @@ def step_channel() -> channels.Sender | channels.Receiver | None:
     """This process's end of the step channel (sharding.step_channel): process 0's Sender, another process's
     Receiver; None on one process (nothing to hand over)."""
     return _channel
+
+
+def step_results() -> returns.Collector | returns.Returner | None:
+    """This process's end of the results channel (sharding.step_results): process 0's Collector, another
+    process's Returner; None on one process."""
+    return _results
+
+
+def put(tree, sharding):
+    """Host arrays (the same on every process) and device arrays onto `sharding`, as jax.device_put; on a sharding
+    that spans processes each process places its own shards of a host array, where jax.device_put would first
+    compare every process's copy (multihost_utils.assert_equal: a collective and a device sync, each call)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.device_put(x, sharding)  # placed already: kept (or resharded) as jax does
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(one, tree)
 
 
 def on_end(callback) -> None:

@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-__all__ = ["ChannelStats", "PeerGone", "Receiver", "Sender", "require_zmq"]
+__all__ = ["ChannelStats", "PeerGone", "Receiver", "Sender", "endpoint", "require_zmq"]
 
 _HEADER = struct.Struct("<cQq")  # kind, sequence number, monotonic ns at the send
 _DATA, _LAYOUT, _STOP = b"D", b"L", b"S"
@@ -68,18 +68,22 @@ class PeerGone(ConnectionError):
 
 @dataclasses.dataclass(frozen=True)
 class ChannelStats:
-    """What one end of the channel did. Process 0: `messages` sent and `send_s`, seconds inside `send` (layout
-    and bytes to every follower). A follower: `messages` received; `wait_s`, seconds blocked for them; `late_s`,
-    the part of that wait past the moment process 0 sent each message (its delivery, while the follower was
-    already waiting: the hand-over's own latency; on one host only, where both ends read one monotonic clock)."""
+    """What one end of the channel did. Process 0: `messages` sent; `send_s`, seconds inside `send` (layout and
+    bytes to every follower), and `send_cpu_s`, this thread's CPU time in them (on a busy machine the wall time
+    also holds the moments the thread waited for a core after waking ZeroMQ's I/O thread). A follower:
+    `messages` received; `wait_s`, seconds blocked for them; `late_s`, the part of that wait past the moment
+    process 0 sent each message (its delivery, while the follower was already waiting: the hand-over's own
+    latency; on one host only, where both ends read one monotonic clock)."""
 
     messages: int = 0
     send_s: float = 0.0
+    send_cpu_s: float = 0.0
     wait_s: float = 0.0
     late_s: float = 0.0
 
 
-def _endpoint(host: str, port: int) -> str:
+def endpoint(host: str, port: int) -> str:
+    """ZeroMQ's TCP address of host:port (an IPv6 literal in brackets)."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
@@ -123,7 +127,7 @@ class Sender:
         self._peers: dict[int, bytes] = {}  # process id -> its routing id, once its hello came
         self._layout_key = None
         self._seq = 0
-        self._messages, self._send_ns = 0, 0
+        self._messages, self._send_ns, self._send_cpu_ns = 0, 0, 0
         self._stopped = False
 
     @property
@@ -147,9 +151,10 @@ class Sender:
                 # anything else (a stray connection, a bad token) is dropped
             return [i for i in range(1, self.num_processes) if i not in self._peers]
 
-    def send(self, tree) -> None:
-        """Hand `tree` (a pytree of arrays) to every follower; raises PeerGone where one's connection is gone."""
-        start = time.perf_counter_ns()
+    def send(self, tree) -> int:
+        """Hand `tree` (a pytree of arrays) to every follower; returns its sequence number (0, 1, ...: the messages
+        sent before it). Raises PeerGone where a follower's connection is gone."""
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
         treedef, arrays = _wire_leaves(tree, self._flatten)
         key = (treedef, tuple((x.shape, x.dtype.str) for x in arrays))
         with self._lock:
@@ -165,10 +170,12 @@ class Sender:
                 kind, frames = _LAYOUT, [pickle.dumps((treedef, list(key[1]))), *frames]
             else:
                 kind = _DATA
-            self._send_all(kind, frames)
+            seq = self._send_all(kind, frames)
             self._layout_key = key
             self._messages += 1
             self._send_ns += time.perf_counter_ns() - start
+            self._send_cpu_ns += time.thread_time_ns() - start_cpu
+            return seq
 
     def stop(self, timeout: float = 60.0) -> list[int]:
         """Tell every follower there are no more steps, then wait up to `timeout` seconds until each has taken
@@ -199,11 +206,12 @@ class Sender:
 
     def stats(self) -> ChannelStats:
         with self._lock:
-            return ChannelStats(messages=self._messages, send_s=self._send_ns / 1e9)
+            return ChannelStats(messages=self._messages, send_s=self._send_ns / 1e9, send_cpu_s=self._send_cpu_ns / 1e9)
 
-    def _send_all(self, kind: bytes, frames: list) -> None:
+    def _send_all(self, kind: bytes, frames: list) -> int:
         zmq = self._zmq
-        header = _HEADER.pack(kind, self._seq, time.monotonic_ns())
+        seq = self._seq
+        header = _HEADER.pack(kind, seq, time.monotonic_ns())
         self._seq += 1
         gone = []
         for process_id, ident in self._peers.items():
@@ -218,6 +226,7 @@ class Sender:
                 del self._peers[process_id]
             raise PeerGone(f"process(es) {', '.join(map(str, gone))} of {self.num_processes} left process 0's step "
                            "channel (their connection closed)")
+        return seq
 
 
 class Receiver:
@@ -241,10 +250,11 @@ class Receiver:
             self._sock.setsockopt(option, value)
         if ":" in host or socket.has_dualstack_ipv6():
             self._sock.setsockopt(zmq.IPV6, 1)  # a name may resolve to IPv6
-        self._sock.connect(_endpoint(host, int(port)))
+        self._sock.connect(endpoint(host, int(port)))
         self._sock.send_multipart([token.encode(), str(process_id).encode(), _HELLO])
         self._treedef, self._leaves, self._nbytes = None, [], 0
         self._seq = 0
+        self.last_seq = -1  # the sequence number of the last message received
         self._messages, self._wait_ns, self._late_ns = 0, 0, 0
         self._closed = False
 
@@ -262,6 +272,7 @@ class Receiver:
             raise ConnectionError(f"process {self.process_id} missed steps {self._seq}..{seq - 1} of process 0's "
                                   "step channel (its connection dropped): the processes no longer run the same "
                                   "programs")
+        self.last_seq = seq
         self._seq += 1
         if kind == _STOP:
             self._close()

@@ -79,19 +79,21 @@ class CallChannel:
             raise ValueError(f"this is process {jax.process_index()} of a {jax.process_count()}-process run with no "
                              "step channel: join multi-process runs through sharding.multihost.initialize")
 
-    def send(self, call: StepCall, inputs) -> None:
-        """Process 0: hand one call and its inputs to every other process (at once: a host message)."""
+    def send(self, call: StepCall, inputs) -> int:
+        """Process 0: hand one call and its inputs to every other process (at once: a host message); returns its
+        sequence number, which names the call's outputs on the results channel."""
         try:
-            self._channel.send({"call": call.to_wire(), "inputs": inputs})
+            return self._channel.send({"call": call.to_wire(), "inputs": inputs})
         except ConnectionError as e:  # a follower is gone: the watch's message naming it says why, where it has one
             raise ValueError(multihost.peer_lost(2.0) or str(e)) from None
 
-    def receive(self) -> tuple[StepCall, object] | None:
-        """The next call and its inputs (NumPy leaves, read-only), or None once process 0 stopped."""
+    def receive(self) -> tuple[StepCall, object, int] | None:
+        """The next call, its inputs (NumPy leaves, read-only) and its sequence number, or None once process 0
+        stopped."""
         message = self._channel.receive()
         if message is None:
             return None
-        return StepCall.from_wire(message["call"]), message["inputs"]
+        return StepCall.from_wire(message["call"]), message["inputs"], self._channel.last_seq
 
     def stop(self) -> None:
         """Process 0: no more calls; returns once every other process has taken every call (or after a minute)."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxllm.contract import ExecutorStats, HostStoreStats, StepKind, StepPlan
 from jaxllm.executor.calls import Op, StepCall, TokenSource
-from jaxllm.executor.in_flight import InFlight, Launched, host_array
+from jaxllm.executor.in_flight import InFlight, Launched
 from jaxllm.executor.inputs import InputLayout, StepBatch, token_rows
 from jaxllm.executor.worker import Worker
 from jaxllm.tuner.buckets import Buckets
@@ -154,7 +154,7 @@ class ModelRunner:
             self.worker.copy_host(host, out=False)
         batch = self.layout.build(plan)
         call = StepCall(Op.LOGITS, variant=self._choose(batch), borrowed=batch.borrowed)
-        out = host_array(self.worker.launch_logits(call, batch.inputs).result())
+        out = self.worker.launch_logits(call, batch.inputs).result()
         rows = token_rows(plan, self.layout.instances, batch.inputs.num_tokens)
         return out.reshape(-1, out.shape[-1])[rows]
 

@@ -139,6 +139,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             coordinator, num_processes, process_id = run.coordinator, run.num_processes, run.process_id
             local_device_ids = run.local_device_ids
     if coordinator is None and (num_processes or 1) <= 1:
+        size = _env_int("OMPI_COMM_WORLD_SIZE")  # mpirun started this process, and jax read nothing of it
+        if launcher is None and size is not None and size > 1:
+            raise ValueError(f"mpirun started {size} processes (OMPI_COMM_WORLD_SIZE={size}), but jax's cluster "
+                             "detection finds no Open MPI run here (it reads OMPI_MCA_orte_hnp_uri, which Open MPI "
+                             "4's mpirun sets): give the coordinator (JAX_COORDINATOR_ADDRESS=HOST:PORT, or "
+                             "--coordinator) with JAX_NUM_PROCESSES and JAX_PROCESS_ID")
         return False
     if coordinator is None or num_processes is None or process_id is None:
         raise ValueError(f"a multi-process run needs a coordinator (HOST:PORT), num_processes and process_id; got "

@@ -109,12 +109,15 @@ class Returner:
 
 
 class Collector:
-    """Process 0's end: binds (`port`, to publish), takes the followers' pieces on its thread, and `read(x, seq, k)`
-    returns output k of step call `seq` whole on the host. dead() -> a message once a process of the run died
-    (the wait for its pieces then ends with that message, as ValueError)."""
+    """Process 0's end: binds (`port`, to publish), and `read(x, seq, k)` returns output k of step call `seq` whole
+    on the host, taking the followers' pieces off the socket itself (no thread of its own: one wake-up fewer
+    between a follower's send and the reader; pieces of other calls that come first are kept for their readers).
+    dead() -> a message once a process of the run died (a wait for its pieces then ends with that message, as
+    ValueError). Thread-safe (one lock)."""
 
     def __init__(self, *, dead=lambda: None):
         zmq = require_zmq()
+        self._zmq = zmq
         self._dead = dead
         self._context = zmq.Context(io_threads=1)
         self._sock = self._context.socket(zmq.PULL)
@@ -125,16 +128,17 @@ class Collector:
         self.port = self._sock.bind_to_random_port("tcp://*")
         self._got: dict[tuple[int, int, int], list[bytes]] = {}  # (seq, k, process) -> the pieces' bytes
         self._newest = -1
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="jaxllm-results", daemon=True)
-        self._thread.start()
 
     def read(self, x, seq: int, k: int, timeout: float = 600.0) -> np.ndarray:
         """Output `k` of step call `seq` (`x`, as process 0 holds it) on the host, whole."""
         out = np.empty(x.shape, x.dtype)
+        seen = set()
         for shard in x.addressable_shards:
-            out[shard.index] = np.asarray(shard.data)
+            if (key := _key(shard.index)) not in seen:  # a replica once
+                seen.add(key)
+                out[shard.index] = np.asarray(shard.data)
         owed = _pieces(x.sharding, tuple(x.shape))
         deadline = time.monotonic() + timeout
         for process, indices in owed.items():
@@ -148,36 +152,30 @@ class Collector:
         return out
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._sock.close()
+            self._context.term()
 
     def _take(self, key, deadline: float) -> list[bytes]:
-        with self._cond:
+        with self._lock:
             while key not in self._got:
+                if self._closed:
+                    raise ValueError("the results channel is closed")
                 message = self._dead()
                 if message:
                     raise ValueError(message)
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
-                    raise ValueError(f"process {key[2]}'s outputs of step {key[0]} did not come")
-                self._cond.wait(min(left, 0.5))
+                if left <= 0:
+                    raise ValueError(f"process {key[2]}'s outputs of step {key[0]} did not come in time")
+                if self._sock.poll(max(int(min(left, 0.5) * 1000), 1), self._zmq.POLLIN):
+                    self._keep(self._sock.recv_multipart())
             return self._got.pop(key)
 
-    def _run(self) -> None:
-        zmq = require_zmq()
-        while not self._closed:
-            try:
-                if not self._sock.poll(500, zmq.POLLIN):
-                    continue
-                frames = self._sock.recv_multipart()
-            except zmq.ZMQError:
-                return
-            seq, k, process = _HEADER.unpack(frames[0])
-            with self._cond:
-                self._got[(seq, k, process)] = frames[1:]
-                if seq > self._newest:
-                    self._newest = seq
-                    for old in [key for key in self._got if key[0] < seq - _KEEP]:
-                        del self._got[old]
-                self._cond.notify_all()
+    def _keep(self, frames: list[bytes]) -> None:
+        seq, k, process = _HEADER.unpack(frames[0])
+        self._got[(seq, k, process)] = frames[1:]
+        if seq > self._newest:
+            self._newest = seq
+            for old in [key for key in self._got if key[0] < seq - _KEEP]:
+                del self._got[old]

@@ -88,3 +88,12 @@ def test_a_missing_pyzmq_is_named(no_run):
         step_channel.require_zmq()
     with pytest.raises(ValueError, match="pip install pyzmq"):  # said before joining anything
         multihost.initialize("127.0.0.1:1", 2, 1)
+
+
+def test_an_mpirun_run_jax_cannot_read_is_no_silent_single_process(no_run):
+    """Open MPI 5's mpirun sets the ranks but not the URI jax reads: every rank would serve alone."""
+    no_run.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    no_run.setenv("OMPI_COMM_WORLD_RANK", "1")
+    assert multihost.launcher_run() is None
+    with pytest.raises(ValueError, match="mpirun started 2 processes .*JAX_COORDINATOR_ADDRESS"):
+        multihost.initialize()

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--passes", type=int, default=3, help="timed passes an arm (after its untimed one)")
-    p.add_argument("--rounds", type=int, default=2, help="times each arm runs, in turns (default: 2)")
+    p.add_argument("--rounds", type=int, default=3, help="times each arm runs, in turns (default: 3)")
     p.add_argument("--arm-timeout", type=int, default=900)
     p.add_argument("--out", default=harness.RESULTS_DIR)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

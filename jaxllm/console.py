@@ -7,6 +7,11 @@ anywhere (a progress bar, a shutdown message, a worker thread), and once more wh
 the stream's file descriptor at /dev/null (so later writes, C++ logs and the flush at exit go there
 quietly) and marks the stream closed; `closed("stdout")` tells a caller whose output is the product
 (generate) to stop.
+
+Stdout holds the product alone. A library that writes to file descriptor 1 itself (gloo, a multi-process CPU
+run's collectives, prints `[Gloo] Rank 0 is connected to 1 peer ranks. ...` with std::cout when it connects,
+in the middle of a streamed completion) is pointed at stderr by `library_stdout_to_stderr()`, while sys.stdout
+keeps the real stdout on a descriptor of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ class _Guarded(io.TextIOBase):
             os.close(devnull)
         except (OSError, ValueError, AttributeError):  # no descriptor to redirect: drop writes only
             pass
+
+    def moved(self, stream) -> None:
+        """Write to `stream` from now on (library_stdout_to_stderr: the same file on another descriptor)."""
+        self._stream = stream
 
     def write(self, text: str) -> int:
         if not self.lost:
@@ -83,3 +92,32 @@ def closed(name: str = "stdout") -> bool:
     """Whether the reader of sys.stdout (or "stderr") went away (False for a stream guard() has not wrapped)."""
     stream = getattr(sys, name)
     return isinstance(stream, _Guarded) and stream.lost
+
+
+def library_stdout_to_stderr() -> None:
+    """Point file descriptor 1 at stderr for the C and C++ code of this process, and sys.stdout at a copy of the
+    real stdout (the module docstring says why). Before such a library first writes; idempotent; nothing is done
+    where stdout has no descriptor (a test's capture) or is already stderr's file."""
+    global _library_stdout_moved
+    if _library_stdout_moved:
+        return
+    stream = sys.stdout
+    try:
+        fd, err = stream.fileno(), sys.stderr.fileno()
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return
+    if os.path.sameopenfile(fd, err):
+        return
+    stream.flush()
+    text = os.dup(fd)
+    os.dup2(err, fd)
+    _library_stdout_moved = True
+    moved = open(text, "w", buffering=1 if getattr(stream, "line_buffering", False) else -1,
+                 encoding=stream.encoding, errors=getattr(stream, "errors", None))
+    if isinstance(stream, _Guarded):
+        stream.moved(moved)
+    else:
+        sys.stdout = moved
+
+
+_library_stdout_moved = False

@@ -3,7 +3,9 @@
     --tensor-parallel N --instances M                 the mesh (EngineOptions.tensor_parallel / instances)
     --coordinator HOST:PORT --num-processes P --process-id I
                                                       a multi-process run (or JAX_COORDINATOR_ADDRESS,
-                                                      JAX_NUM_PROCESSES, JAX_PROCESS_ID)
+                                                      JAX_NUM_PROCESSES, JAX_PROCESS_ID; with none of
+                                                      them, a run `srun` or `mpirun` started joins
+                                                      through jax's own cluster detection)
     --coordinator-timeout S                           how long joining may take (or
                                                       JAXLLM_COORDINATOR_TIMEOUT; default 300 s)
 
@@ -28,7 +30,8 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
                         "they lend, so one sequence may use every instance's pool)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address, the same on every process of a multi-process run "
-                        "(default: $JAX_COORDINATOR_ADDRESS; none: one process)")
+                        "(default: $JAX_COORDINATOR_ADDRESS, else the one jax derives under srun or mpirun; "
+                        "none: one process)")
     g.add_argument("--num-processes", type=int, default=None, metavar="P",
                    help="processes in the run (default: $JAX_NUM_PROCESSES, else 1)")
     g.add_argument("--process-id", type=int, default=None, metavar="I",
@@ -39,16 +42,19 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def start_processes(args: argparse.Namespace, prog: str) -> bool:
-    """Join the multi-process run the flags (or the JAX_* variables) name; whether this is one. Raises
-    ValueError on an incomplete or malformed set; a run that does not start in time ends the process
-    (status 2, `prog: error: ...` naming the coordinator). A follower's SIGTERM / SIGINT then goes to
-    process 0, which stops the whole run (sharding.liveness)."""
+    """Join the multi-process run the flags (or the JAX_* variables, or a cluster launcher's environment) name;
+    whether this is one. Raises ValueError on an incomplete or malformed set; a run that does not start in time
+    ends the process (status 2, `prog: error: ...` naming the coordinator). A follower's SIGTERM / SIGINT then
+    goes to process 0, which stops the whole run (sharding.liveness); what libraries write to stdout's
+    descriptor (gloo's connection lines) goes to stderr, so stdout holds the product alone (jaxllm.console)."""
+    from jaxllm import console
     from sharding import multihost
 
     joined = multihost.initialize(args.coordinator, args.num_processes, args.process_id,
                                   timeout=args.coordinator_timeout, prog=prog)
     if joined:
         multihost.forward_signals()
+        console.library_stdout_to_stderr()
     return joined
 
 

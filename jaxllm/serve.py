@@ -268,7 +268,7 @@ def _step_error(e: Exception) -> str:
 
 def _follow(args, options: EngineOptions) -> int:
     """A process other than 0: the same model on this process's devices, running every step process 0
-    sends (sharding.multihost.StepBroadcast) until it stops; no port, no scheduler."""
+    sends on the step channel (sharding.step_channel) until it stops; no port, no scheduler."""
     import jax
 
     try:

@@ -6,8 +6,9 @@ Each process gets the command with `--coordinator 127.0.0.1:PORT --num-processes
 appended (and the same in JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, which
 sharding.multihost.initialize reads when the flags are not parsed). --cpu-devices D gives each process
 D CPU devices (JAX_PLATFORMS=cpu, collectives through gloo); --gpus-per-process G gives process I the
-GPUs I*G .. I*G + G - 1 (CUDA_VISIBLE_DEVICES). Output is prefixed with the process id (and dropped,
-not blocked, once this script's own stdout is closed).
+GPUs I*G .. I*G + G - 1 (CUDA_VISIBLE_DEVICES). Each process's stdout goes to this script's stdout and its
+stderr to this script's stderr, line by line, each line prefixed with the process id (and dropped, not blocked,
+once the stream it goes to is closed): what a program prints as its product stays apart from its logs.
 
 Ending: when one process fails the others get SIGTERM; the exit status is the first failure's. SIGTERM or
 SIGINT to this script goes to every process (each runs in its own session, so a terminal's Ctrl-C reaches
@@ -56,10 +57,10 @@ def process_env(base: dict, *, coordinator: str, num_processes: int, process_id:
     return env
 
 
-def _pump(stream, prefix: str) -> None:
-    """Copy a process's output to ours, line by line; once ours is closed, keep reading (so the process
-    never blocks on a full pipe) and drop it."""
-    out = sys.stdout
+def _pump(stream, prefix: str, name: str) -> None:
+    """Copy a process's output to ours (sys.stdout or sys.stderr, by `name`), line by line; once ours is closed,
+    keep reading (so the process never blocks on a full pipe) and drop it."""
+    out = getattr(sys, name)
     for line in iter(stream.readline, b""):
         if out is None:
             continue
@@ -95,11 +96,12 @@ def launch(command: list[str], *, num_processes: int, cpu_devices: int | None = 
             env = process_env(os.environ, coordinator=coordinator, num_processes=num_processes, process_id=i,
                               cpu_devices=cpu_devices, gpus_per_process=gpus_per_process)
             proc = subprocess.Popen(command + (flags if append_flags else []), env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.PIPE, start_new_session=True)
             procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{i}] "), daemon=True)
-            pump.start()
-            pumps.append(pump)
+            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+                pump = threading.Thread(target=_pump, args=(stream, f"[{i}] ", name), daemon=True)
+                pump.start()
+                pumps.append(pump)
         if signals:  # one came while starting: the processes started since have not had it
             _send(procs, signals[0])
         return _wait(procs, pumps, signals, timeout, grace_period)

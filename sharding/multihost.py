@@ -1,26 +1,33 @@
-"""Multi-process start-up and process 0's hand-over of each step's inputs, through JAX itself.
+"""Multi-process start-up, the run's watch and process 0's step channel, through JAX itself.
 
 Every process runs the same program (docs/ARCHITECTURE.md, decision 7). Process 0 schedules; before each
-step it sends the step's inputs (a pytree of NumPy arrays) to the others with
-`multihost_utils.broadcast_one_to_all`, a collective over all devices: no home-made RPC. A step's
-shapes come from a few buckets, so the inputs' layout (tree structure, shapes, dtypes) is sent only
-when it changes; a steady decode loop costs two broadcasts a step (an 8-byte header and the arrays).
-The broadcast sums over processes in JAX, so leaves travel as 8-, 16- or 32-bit numbers (bool as uint8;
-64-bit ones are refused unless jax_enable_x64 is on, as JAX would silently narrow them).
-When process 0 shuts down it sends a stop, and the others' `receive` returns None.
+program it runs it sends the call and its host inputs to the others on the step channel (sharding.step_channel:
+ZeroMQ messages, no device collective), which `initialize` opens and `step_channel()` returns. The others launch
+each step on receipt, so every process runs ahead of its devices as one process does; the data plane stays the
+collectives inside the programs (NCCL, gloo). The rows of a step's outputs that only other processes' devices
+hold (an instance there) come back to process 0 on a second channel (sharding.step_results: `step_results()`),
+so a step that borrows nothing runs no collective across processes either; `put` places host inputs without the
+cross-process comparison jax.device_put makes (a collective). When process 0 stops it sends a stop, and the
+others' `receive` returns None.
+
+Joining: `initialize` takes the coordinator, the process count and this process's id from its arguments, else
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from a cluster launcher's environment
+(SLURM's `srun`, Open MPI's `mpirun`), read by jax's own cluster detection (`launcher_run`), as a bare
+`jax.distributed.initialize()` would. Process 0 then publishes the ports of its watch and its step channel in
+jax's key-value store; the others connect to both on the coordinator's host.
 
 Faults (README, "Several GPUs and hosts"): joining waits for the coordinator at most `timeout` seconds
 (default 300, or $JAXLLM_COORDINATOR_TIMEOUT) and then ends the process with one line naming the
 address, status 2. jax's own timeout cannot be used: it aborts the process with a C++ trace, and while
 jax.distributed.initialize blocks no Python exception can leave it, so a timer thread leaves first.
 Once joined, every process is watched (sharding.liveness): a process that dies ends the others within
-milliseconds, instead of leaving them in a collective that never returns.
+milliseconds, instead of leaving them in a collective (or a wait for the next step) that never returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import pickle
 import socket
 import threading
 import time
@@ -28,7 +35,7 @@ import time
 import jax
 import numpy as np
 
-from sharding import liveness
+from sharding import liveness, step_channel as channels, step_results as returns
 
 _ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 _ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -36,11 +43,12 @@ _ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_TIMEOUT = "JAXLLM_COORDINATOR_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 _WATCH_KEY = "jaxllm/watch"  # process 0's watch address in jax's key-value store
+_STEPS_KEY = "jaxllm/steps"  # process 0's step-channel address, beside it
+_RESULTS_KEY = "jaxllm/results"  # and its results channel's port
 
 _watch: liveness.LeaderWatch | liveness.FollowerWatch | None = None  # set by initialize, for this process's run
-
-# Header words: what follows (data / stop) and the byte length of a new layout (0: unchanged).
-_DATA, _STOP = 0, 1
+_channel: channels.Sender | channels.Receiver | None = None  # likewise
+_results: returns.Collector | returns.Returner | None = None  # likewise
 
 
 def _env_int(name: str) -> int | None:
@@ -51,6 +59,36 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherRun:
+    """A run a cluster launcher started (launcher_run): its name, the coordinator address jax derives from the
+    launcher's environment, the process count, this process's id, and the devices jax gives it (None: all)."""
+
+    launcher: str
+    coordinator: str
+    num_processes: int
+    process_id: int
+    local_device_ids: list[int] | None
+
+
+def launcher_run(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+                 local_device_ids: list[int] | None = None) -> LauncherRun | None:
+    """The run SLURM (`srun`) or Open MPI (`mpirun`) started this process in, None outside both: the values not
+    given, read from the launcher's environment by jax's own cluster detection (what a bare
+    `jax.distributed.initialize()` does; JAX_COORDINATOR_PORT overrides the port jax derives from the job id).
+    Under a launcher jax gives each process the one device of its local rank (JAX_LOCAL_DEVICE_IDS, or
+    local_device_ids, instead). Reads nothing but the environment."""
+    from jax._src import clusters  # jax's detection has no public spelling but jax.distributed.initialize()
+
+    for env, name in ((clusters.OmpiCluster, "Open MPI"), (clusters.SlurmCluster, "SLURM")):  # jax's own order
+        if env.is_env_present():
+            found = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+                coordinator, num_processes, process_id, local_device_ids, env.name, None)
+            ids = None if found[3] is None else [int(i) for i in found[3]]
+            return LauncherRun(name, found[0], int(found[1]), int(found[2]), ids)
+    return None
 
 
 def coordinator_timeout(timeout: float | None = None) -> float:
@@ -71,22 +109,42 @@ def coordinator_timeout(timeout: float | None = None) -> float:
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                *, local_device_ids: list[int] | None = None, timeout: float | None = None,
                prog: str = "jaxllm") -> bool:
-    """Join a multi-process run (`jax.distributed.initialize`); returns whether one was joined.
+    """Join a multi-process run (`jax.distributed.initialize`) and open its watch and step channel; returns
+    whether one was joined.
 
-    Each argument left None is read from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
-    With no coordinator and at most one process this is a single-process run: nothing is done. Must be
-    called before anything touches a device. CPU devices exchange collectives through gloo (the CPU
-    client has no other cross-process transport); GPUs use NCCL whatever this sets.
+    Each argument left None is read from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, and
+    what is still missing from a cluster launcher's environment (launcher_run: SLURM, Open MPI). With no
+    coordinator and at most one process (a launcher's single task too) this is a single-process run: nothing
+    is done. Must be called before anything touches a device. CPU devices exchange collectives through gloo
+    (the CPU client has no other cross-process transport); GPUs use NCCL whatever this sets.
 
     Prints "waiting for the coordinator at HOST:PORT (process I of P) ..." on stderr, and waits at most
-    `timeout` seconds (coordinator_timeout) for every process to join and open its watch; past that it
-    prints one line naming the address and the timeout, `prog: error: ...`, and ends the process with
-    status 2 (see the module docstring for why it cannot raise). Raises ValueError on bad arguments.
+    `timeout` seconds (coordinator_timeout) for every process to join and connect to process 0's watch and step
+    channel; past that it prints one line naming the address and the timeout, `prog: error: ...`, and ends the
+    process with status 2 (see the module docstring for why it cannot raise). Raises ValueError on bad
+    arguments, and where pyzmq (the step channel's transport) is not installed.
     """
     coordinator = coordinator or os.environ.get(_ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(_ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(_ENV_PROCESS_ID)
+    launcher = None
+    if None in (coordinator, num_processes, process_id):
+        if local_device_ids is None and os.environ.get("JAX_LOCAL_DEVICE_IDS"):  # as jax.distributed reads it
+            local_device_ids = [int(i) for i in os.environ["JAX_LOCAL_DEVICE_IDS"].split(",")]
+        run = launcher_run(coordinator, num_processes, process_id, local_device_ids)
+        if run is not None:
+            if run.num_processes <= 1:
+                return False  # one task: nothing to join
+            launcher = run.launcher
+            coordinator, num_processes, process_id = run.coordinator, run.num_processes, run.process_id
+            local_device_ids = run.local_device_ids
     if coordinator is None and (num_processes or 1) <= 1:
+        size = _env_int("OMPI_COMM_WORLD_SIZE")  # mpirun started this process, and jax read nothing of it
+        if launcher is None and size is not None and size > 1:
+            raise ValueError(f"mpirun started {size} processes (OMPI_COMM_WORLD_SIZE={size}), but jax's cluster "
+                             "detection finds no Open MPI run here (it reads OMPI_MCA_orte_hnp_uri, which Open MPI "
+                             "4's mpirun sets): give the coordinator (JAX_COORDINATOR_ADDRESS=HOST:PORT, or "
+                             "--coordinator) with JAX_NUM_PROCESSES and JAX_PROCESS_ID")
         return False
     if coordinator is None or num_processes is None or process_id is None:
         raise ValueError(f"a multi-process run needs a coordinator (HOST:PORT), num_processes and process_id; got "
@@ -99,7 +157,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} is outside [0, {num_processes})")
     timeout = coordinator_timeout(timeout)
-    who = f"process {process_id} of {num_processes}"
+    channels.require_zmq()  # before joining: a missing package is said at once, not after the others wait
+    who = f"process {process_id} of {num_processes}" + (f", started by {launcher}" if launcher else "")
     liveness.say(prog, f"waiting for the coordinator at {coordinator} ({who}) ...", 0)
     give_up = _GiveUp(prog, coordinator, host.strip("[]"), int(port), process_id, num_processes, timeout)
     try:
@@ -112,8 +171,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         give_up.cancel()
         raise
     give_up.phase = "watch"
-    global _watch
-    _watch = _open_watch(host.strip("[]"), process_id, num_processes, give_up, prog)
+    global _watch, _channel, _results
+    _watch, _channel, _results = _open_run(host.strip("[]"), process_id, num_processes, give_up, prog)
     give_up.cancel()
     return True
 
@@ -174,25 +233,67 @@ def _answers(host: str, port: int) -> bool:
         return False
 
 
-def _open_watch(host: str, process_id: int, num_processes: int, give_up: _GiveUp, prog: str):
-    """Process 0 listens and publishes its watch address in jax's key-value store; every follower
-    connects to it. Bounded by the same deadline as the coordinator."""
+def _open_run(host: str, process_id: int, num_processes: int, give_up: _GiveUp, prog: str):
+    """(watch, step channel, results channel). Process 0 listens on all three and publishes their ports in jax's
+    key-value store; every follower connects to them. Bounded by the same deadline as the coordinator."""
     client = jax._src.distributed.global_state.client  # jax's key-value store: no public spelling
     if process_id == 0:
         watch = liveness.LeaderWatch(num_processes, prog=prog)
         client.key_value_set(_WATCH_KEY, watch.published)
-        missing = watch.wait_joined(give_up.left())
-        if missing:
-            give_up.fail(f"process(es) {', '.join(map(str, missing))} did not connect to process 0's watch "
-                        f"(port {watch.port} on this host)")
-        return watch
+        sender = channels.Sender(num_processes, flatten=jax.tree.flatten, before_stop=watch.stopping)
+        client.key_value_set(_STEPS_KEY, sender.published)
+        collector = returns.Collector(dead=watch.died)
+        client.key_value_set(_RESULTS_KEY, str(collector.port))
+        for what, joined, port in (("watch", watch.wait_joined, watch.port), ("step channel", sender.wait_joined,
+                                                                             sender.port)):
+            missing = joined(give_up.left())
+            if missing:
+                give_up.fail(f"process(es) {', '.join(map(str, missing))} did not connect to process 0's {what} "
+                             f"(port {port} on this host)")
+        return watch, sender, collector
+    what = "watch"
     try:
         published = client.blocking_key_value_get(_WATCH_KEY, max(int(give_up.left() * 1000), 1))
-        return liveness.FollowerWatch(process_id, num_processes, host, published, timeout=give_up.left() + 1.0,
-                                      prog=prog)
+        watch = liveness.FollowerWatch(process_id, num_processes, host, published, timeout=give_up.left() + 1.0,
+                                       prog=prog)
+        what = "step channel"
+        published = client.blocking_key_value_get(_STEPS_KEY, max(int(give_up.left() * 1000), 1))
+        receiver = channels.Receiver(process_id, num_processes, host, published, unflatten=jax.tree.unflatten,
+                                     on_stop=watch.close)  # goodbye: this process's end is no failure now
+        what = "results channel"
+        port = client.blocking_key_value_get(_RESULTS_KEY, max(int(give_up.left() * 1000), 1))
+        return watch, receiver, returns.Returner(process_id, host, int(port))
     except Exception as e:  # jax's key-value store raises its own error type; a refused connection OSError
-        give_up.fail(f"cannot reach process 0's watch at {host}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        give_up.fail(f"cannot reach process 0's {what} at {host}: {type(e).__name__}: {str(e).splitlines()[0]}")
         raise  # not reached: give_up ends the process
+
+
+def step_channel() -> channels.Sender | channels.Receiver | None:
+    """This process's end of the step channel (sharding.step_channel): process 0's Sender, another process's
+    Receiver; None on one process (nothing to hand over)."""
+    return _channel
+
+
+def step_results() -> returns.Collector | returns.Returner | None:
+    """This process's end of the results channel (sharding.step_results): process 0's Collector, another
+    process's Returner; None on one process."""
+    return _results
+
+
+def put(tree, sharding):
+    """Host arrays (the same on every process) and device arrays onto `sharding`, as jax.device_put; on a sharding
+    that spans processes each process places its own shards of a host array, where jax.device_put would first
+    compare every process's copy (multihost_utils.assert_equal: a collective and a device sync, each call)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.device_put(x, sharding)  # placed already: kept (or resharded) as jax does
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(one, tree)
 
 
 def on_end(callback) -> None:
@@ -219,7 +320,7 @@ def peer_lost(timeout: float = 0.0) -> str | None:
 
 
 def stopping() -> None:
-    """Process 0: tell the followers the run is stopping on purpose (StepBroadcast.stop does; an entry
+    """Process 0: tell the followers the run is stopping on purpose (the step channel's stop does; an entry
     point that leaves before any step does it itself). No-op elsewhere."""
     if isinstance(_watch, liveness.LeaderWatch):
         _watch.stopping()
@@ -228,78 +329,3 @@ def stopping() -> None:
 def is_leader() -> bool:
     """Process 0: the one that schedules, serves and sends every step's inputs."""
     return jax.process_index() == 0
-
-
-def _wire(x: np.ndarray) -> np.ndarray:
-    """How a leaf travels: the broadcast adds the processes' copies (all zero but the source's), and
-    JAX adds booleans as integers."""
-    return x.astype(np.uint8) if x.dtype == np.bool_ else x
-
-
-def _broadcast(tree):
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.broadcast_one_to_all(tree, is_source=is_leader())
-
-
-class StepBroadcast:
-    """Process 0's `send(inputs)` / `stop()` paired with every other process's `receive()`, in lock step.
-
-    inputs: any pytree of arrays whose node types every process can import (the step's inputs
-    dataclass). Each send must be matched by one receive on every other process.
-    """
-
-    def __init__(self):
-        self._layout: bytes | None = None  # the last layout sent / received (pickled treedef, shapes, dtypes)
-        self._treedef = None
-        self._shapes: list[tuple[tuple[int, ...], np.dtype]] = []
-
-    def _header(self, kind: int, layout_bytes: int) -> tuple[int, int]:
-        header = _broadcast(np.array([kind, layout_bytes], np.int32))
-        return int(header[0]), int(header[1])
-
-    def _set_layout(self, layout: bytes) -> None:
-        self._layout = layout
-        self._treedef, self._shapes = pickle.loads(layout)
-
-    def send(self, inputs) -> None:
-        """Process 0: hand `inputs` to every process (the caller keeps using its own copy)."""
-        if not is_leader():
-            raise ValueError(f"StepBroadcast.send runs on process 0 only (this is process {jax.process_index()})")
-        leaves, treedef = jax.tree.flatten(inputs)
-        leaves = [np.asarray(x) for x in leaves]
-        for x in leaves:
-            if x.dtype.itemsize > 4 and not jax.config.jax_enable_x64:
-                raise ValueError(f"step input of dtype {x.dtype} {x.shape}: 64-bit leaves would be narrowed by the "
-                                 "broadcast; send 32-bit arrays")
-        layout = pickle.dumps((treedef, [(x.shape, x.dtype.str) for x in leaves]))
-        changed = layout != self._layout
-        self._header(_DATA, len(layout) if changed else 0)
-        if changed:
-            _broadcast(np.frombuffer(layout, np.uint8))
-            self._set_layout(layout)
-        _broadcast([_wire(x) for x in leaves])
-
-    def stop(self) -> None:
-        """Process 0: tell the others there are no more steps."""
-        if not is_leader():
-            raise ValueError(f"StepBroadcast.stop runs on process 0 only (this is process {jax.process_index()})")
-        stopping()  # before the stop: a follower may leave as soon as it has it
-        self._header(_STOP, 0)
-
-    def receive(self):
-        """Other processes: the next inputs process 0 sent (NumPy leaves), or None once it stopped."""
-        if is_leader():
-            raise ValueError("StepBroadcast.receive runs on processes other than 0")
-        kind, layout_bytes = self._header(_DATA, 0)
-        if kind == _STOP:
-            if isinstance(_watch, liveness.FollowerWatch):
-                _watch.close()  # goodbye: this process's end is no failure now
-            return None
-        if layout_bytes:
-            layout = _broadcast(np.zeros(layout_bytes, np.uint8))
-            self._set_layout(np.asarray(layout, np.uint8).tobytes())
-        placeholders = [_wire(np.zeros(shape, np.dtype(dtype))) for shape, dtype in self._shapes]
-        leaves = _broadcast(placeholders)
-        return jax.tree.unflatten(self._treedef, [np.asarray(x).astype(np.dtype(dtype))
-                                                  for x, (_, dtype) in zip(leaves, self._shapes)])

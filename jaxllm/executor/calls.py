@@ -1,10 +1,10 @@
 """What process 0 tells the other processes of a multi-process run before each program it runs.
 
 Every process runs every program (docs/ARCHITECTURE.md, decision 7: one SPMD program over the mesh): process 0 plans, and
-before each call it sends a `StepCall` (which program, with which statics) and its host inputs through
-`CallChannel`; every other process receives them in `Worker.follow()` and runs the same call. The call's
-fields travel as a few int32 words beside the inputs (sharding.multihost.StepBroadcast, a JAX collective);
-their meaning is written here once.
+as it submits each call it sends a `StepCall` (which program, with which statics) and its host inputs through
+`CallChannel`; every other process receives them in `Worker.follow()` and launches the same call on receipt. The
+call's fields travel as a few int32 words beside the inputs, raw bytes on the step channel (a host message:
+sharding.step_channel, opened by sharding.multihost.initialize); their meaning is written here once.
 """
 
 from __future__ import annotations
@@ -70,20 +70,31 @@ class BlockCopies:
 
 
 class CallChannel:
-    """Process 0's `send(call, inputs)` / `stop()`, paired with every other process's `receive()`."""
+    """Process 0's `send(call, inputs)` / `stop()`, paired with every other process's `receive()`, over this
+    process's end of the step channel (sharding.multihost.step_channel)."""
 
     def __init__(self):
-        self._broadcast = multihost.StepBroadcast()
+        self._channel = multihost.step_channel()
+        if self._channel is None:
+            raise ValueError(f"this is process {jax.process_index()} of a {jax.process_count()}-process run with no "
+                             "step channel: join multi-process runs through sharding.multihost.initialize")
 
-    def send(self, call: StepCall, inputs) -> None:
-        self._broadcast.send({"call": call.to_wire(), "inputs": inputs})
+    def send(self, call: StepCall, inputs) -> int:
+        """Process 0: hand one call and its inputs to every other process (at once: a host message); returns its
+        sequence number, which names the call's outputs on the results channel."""
+        try:
+            return self._channel.send({"call": call.to_wire(), "inputs": inputs})
+        except ConnectionError as e:  # a follower is gone: the watch's message naming it says why, where it has one
+            raise ValueError(multihost.peer_lost(2.0) or str(e)) from None
 
-    def receive(self) -> tuple[StepCall, object] | None:
-        """The next call and its inputs (NumPy leaves), or None once process 0 stopped."""
-        message = self._broadcast.receive()
+    def receive(self) -> tuple[StepCall, object, int] | None:
+        """The next call, its inputs (NumPy leaves, read-only) and its sequence number, or None once process 0
+        stopped."""
+        message = self._channel.receive()
         if message is None:
             return None
-        return StepCall.from_wire(message["call"]), message["inputs"]
+        return StepCall.from_wire(message["call"]), message["inputs"], self._channel.last_seq
 
     def stop(self) -> None:
-        self._broadcast.stop()
+        """Process 0: no more calls; returns once every other process has taken every call (or after a minute)."""
+        self._channel.stop()

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxllm.contract import ExecutorStats, HostStoreStats, StepKind, StepPlan
 from jaxllm.executor.calls import Op, StepCall, TokenSource
-from jaxllm.executor.in_flight import InFlight, Launched, host_array
+from jaxllm.executor.in_flight import InFlight, Launched
 from jaxllm.executor.inputs import InputLayout, StepBatch, token_rows
 from jaxllm.executor.worker import Worker
 from jaxllm.tuner.buckets import Buckets
@@ -137,7 +137,7 @@ class ModelRunner:
             if np.any(plan.token_ids < 0):
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
             call = self._call(plan, batch, variant)
-        launched = worker.launcher.submit(worker.launch, call, batch.inputs, token_source)
+        launched = worker.launch(call, batch.inputs, token_source)
         scored = None if plan.targets is None else token_rows(plan, self.layout.instances, batch.inputs.num_tokens)
         worker.last = InFlight(plan, launched, batch.rows, greedy=call.greedy, token_rows=scored)
         return worker.last
@@ -154,7 +154,7 @@ class ModelRunner:
             self.worker.copy_host(host, out=False)
         batch = self.layout.build(plan)
         call = StepCall(Op.LOGITS, variant=self._choose(batch), borrowed=batch.borrowed)
-        out = host_array(self.worker.launcher.run(self.worker.launch_logits, call, batch.inputs))
+        out = self.worker.launch_logits(call, batch.inputs).result()
         rows = token_rows(plan, self.layout.instances, batch.inputs.num_tokens)
         return out.reshape(-1, out.shape[-1])[rows]
 
@@ -237,7 +237,7 @@ class ModelRunner:
         with Progress(len(plan) + copies + 2 * len(runs), "warm-up compiles", enabled=progress) as bar:
             for call, size in plan:
                 inputs = self.layout.inert(call.kind, size, call.borrowed)
-                jax.block_until_ready(worker.launcher.run(worker.launch, call, inputs, None).tokens)
+                jax.block_until_ready(worker.launch(call, inputs, None).result().tokens)
                 bar.update(1, detail=f"{call.program} {size}{' greedy' if call.greedy else ''}"
                                      f"{' logprobs' if call.logprobs else ''}"
                                      f"{f' variant {call.variant}' if call.variant else ''}"

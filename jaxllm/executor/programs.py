@@ -8,9 +8,10 @@ stacked on a leading instance axis [I, ...]:
   - several: the step runs per instance inside a `shard_map` manual over `instance` (the `tensor` axis stays
     with XLA; the tensor wrappers of sharding/ go manual over `tensor` only inside it), each instance on its
     own rows and its own pool and penalty-state shards. Inputs and outputs are split over `instance`, so a step
-    in which nothing
-    is borrowed moves nothing between devices: no collective. (A multi-process run keeps them replicated:
-    process 0 reads every instance's tokens, and the other processes get their inputs by broadcast.)
+    in which nothing is borrowed moves nothing between devices: no collective, on one process or several (a
+    mesh over processes takes the packed host inputs whole on every device, the sampling arrays split as placed
+    by the worker, and process 0 reads the rows of the instances on other processes' devices from the results
+    channel: sharding.step_results).
 The recall copy (`copy_blocks`) moves rBlocks between instances' pools; `gather_blocks` and `scatter_blocks`
 take a run of rBlocks out of the pool into a compact array and put one back (the host tier's copies:
 jaxllm.executor.host_store), a run's length a power of two; on several instances the run (global ids, any
@@ -22,6 +23,7 @@ back the rows it holds. Every trace of a program is counted
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -68,25 +70,31 @@ class StepPrograms:
     """The step programs of one engine (see the module docstring).
 
     graphdef: the model's (nnx.split); state, pool, penalty_state: placed on `mesh` already (their shardings are
-    the programs'; penalty_state None: penalties off); instances: the mesh's instance axis; replicated_io: inputs
-    and outputs whole on every device (a multi-process run) instead of split over `instance`.
+    the programs'; penalty_state None: penalties off); instances: the mesh's instance axis (inputs and outputs are
+    split over it, on every device of it where there is none).
     """
 
-    def __init__(self, graphdef, state, pool, mesh, *, instances: int, replicated_io: bool, penalty_state=None):
+    def __init__(self, graphdef, state, pool, mesh, *, instances: int, penalty_state=None):
         self.graphdef = graphdef
         self.mesh = mesh
         self.instances = instances
         self.compile_count = 0
         self.xla_compiles = 0  # executables XLA compiled for these programs (compile_cache.CompileEvents)
         self.persistent_cache_hits = 0  # ... and those read from the persistent compilation cache instead
-        split = instances > 1 and not replicated_io
-        self.io_sharding = NamedSharding(mesh, P(INSTANCE) if split else P())
+        self.io_sharding = NamedSharding(mesh, P(INSTANCE) if instances > 1 else P())
+        # The host inputs a step takes as they are (the packed integers, a borrowed step's DistParts) go in whole to
+        # every device of a mesh over processes (each program's first op then slices its instance's rows, on the
+        # device): jit takes no host array for a split over processes, and placing one by hand (multihost.put)
+        # cost the launch thread ~0.3 ms a step more than jit's own copy.
+        host = NamedSharding(mesh, P()) if not self.io_sharding.is_fully_addressable else self.io_sharding
+        io = StepInputs(**{f.name: self.io_sharding for f in dataclasses.fields(StepInputs)})
+        self._input_shardings = dataclasses.replace(io, packed=host, parts=host)
         self.pool_shardings = jax.tree.map(lambda x: x.sharding, pool)
         penalty_shardings = jax.tree.map(lambda x: x.sharding, penalty_state)
         # The state travels as its flat list of leaves: flattening an nnx State (a Python call per Variable, ~200
         # for a 32-layer model) on every step costs host time a step cannot spare; the program rebuilds it.
         leaves, self.state_treedef = jax.tree.flatten(state)
-        shardings = ([x.sharding for x in leaves], self.pool_shardings, self.io_sharding, penalty_shardings)
+        shardings = ([x.sharding for x in leaves], self.pool_shardings, self._input_shardings, penalty_shardings)
         jit = functools.partial(_jit_on_mesh, in_shardings=shardings, donate=(1, 3),
                                 out_shardings=(self.io_sharding, self.pool_shardings, penalty_shardings))
         self._decode = jit(self._per_instance(decode_step), static_argnames=("kernels", "greedy", "logprobs"))

@@ -2,7 +2,7 @@
 StepKind (`decode_step`, `prefill_step`) beside the teacher-forced `logits_step`.
 
 A step is `(graphdef, state, kv_pool, inputs, penalty_state, *, kernels)`: `inputs` is what a mesh shards
-(in_specs) and what process 0 broadcasts each step on a multi-host run; `kernels` (pallas_kernels.dispatch.Kernels)
+(in_specs) and what process 0 sends each step on a multi-host run (the step channel); `kernels` (pallas_kernels.dispatch.Kernels)
 is the static description of each op's implementation and schedule that a tuner supplies. The executor
 jits these functions with the KV pool and the penalty state donated (jaxllm.executor.programs, per instance on a
 mesh of several); a plan becomes StepInputs in jaxllm.executor.inputs. Nothing here reads a live Sequence or

@@ -5,14 +5,19 @@ It runs `StepCall`s (jaxllm.executor.calls) on inputs already laid out (jaxllm.e
 order on its launcher thread (jaxllm.executor.launcher), and knows nothing of plans, buckets or the tuner's
 choice: the ModelRunner (jaxllm.executor.model_runner) decides which call a plan is, this part runs it. Every
 process of a multi-process mesh holds a Worker over the same mesh: process 0 announces each call through a
-CallChannel before running it, and every other process runs `follow()`, which receives and repeats them.
+CallChannel as it submits it (a host message, sent while its own launcher may still be busy, in the launcher's
+order), and every other process runs `follow()`, which receives each call and launches it at once, and hands the
+outputs process 0 cannot read on its own devices (the rows of instances on this process's devices) to the results
+channel (sharding.step_results), which sends them once they are computed.
 Memory analysis lives here too: `working_bytes` compiles a call's program again and reads what XLA says it
 allocates, so the engine can size its pool before one exists (the pool may be abstract).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -24,7 +29,7 @@ from jaxllm.contract import HostCopies, StepKind
 from jaxllm.executor.calls import BlockCopies, CallChannel, Op, StepCall, TokenSource
 from jaxllm.executor.host_store import HostStore
 from jaxllm.executor.host_transfer import AsyncHostTransfer, HostTransfer
-from jaxllm.executor.in_flight import InFlight, Launched
+from jaxllm.executor.in_flight import InFlight, Launched, host_array, numbered_outputs
 from jaxllm.executor.launcher import Launcher
 from jaxllm.executor.penalties import PenaltyInputs, init_penalty_state
 from jaxllm.executor.programs import StepPrograms
@@ -78,9 +83,13 @@ class Worker:
         self._penalty_state = (init_penalty_state(instances * penalty_rows, model.config.vocab_size, rows)
                                if penalty_rows else None)
         self.programs = StepPrograms(graphdef, self.state, kv_cache, mesh, instances=instances,
-                                     replicated_io=multi_process, penalty_state=self._penalty_state)
+                                     penalty_state=self._penalty_state)
         self._inert_penalties: dict[tuple, PenaltyInputs] = {}  # placed once per shape (place says why)
         self.channel = CallChannel() if multi_process else None
+        results, leader = multihost.step_results(), multihost.is_leader()  # the results channel's end (or None)
+        self._collector = results if leader else None  # process 0: the followers' rows of each output come here
+        self._returner = None if leader else results  # a follower: its rows process 0 lacks go there
+        self._submitting = threading.Lock()  # announcements in the launcher's order
         self.last: InFlight | None = None  # the last step dispatched (a continuation's only possible source)
         self.copied_blocks = 0  # rBlocks copied between instances (recalls), warm-up's not counted
         self.block_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kv_cache)) // kv_cache.num_blocks
@@ -136,36 +145,50 @@ class Worker:
                                                                  self._penalty_state, **self.statics(call, inputs))
         return out
 
-    def launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None) -> Launched:
-        """On the launcher thread: announce the call, place its inputs (or take the continued step's), run it."""
-        self.announce(call, inputs)
-        inputs = self.place(inputs) if source is None else continued(inputs, source.launched())
-        out = self.run(call, inputs)
-        if not call.logprobs:
-            return Launched(out, None, inputs)
-        tokens, sampled, prompt = out
-        return Launched(tokens, sampled, inputs, prompt)
+    def launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None) -> concurrent.futures.Future:
+        """Queue a step: announced now, then on the launcher thread its inputs placed (or the continued step's
+        taken) and run; the Future of its Launched."""
+        return self._submit(call, inputs, self._launch, call, inputs, source)
 
-    def launch_logits(self, call: StepCall, inputs: StepInputs):
-        """On the launcher thread: a logits call, announced, placed and run; its device output."""
-        self.announce(call, inputs)
-        return self.run(call, self.place(inputs))
+    def launch_logits(self, call: StepCall, inputs: StepInputs) -> concurrent.futures.Future:
+        """Queue a logits call (announced now, placed and run on the launcher thread); the Future of its output."""
+        return self._submit(call, inputs, self._launch_logits, call, inputs)
+
+    def _submit(self, call: StepCall, inputs, fn, *args) -> concurrent.futures.Future:
+        with self._submitting:
+            seq = self.announce(call, inputs)
+            return self.launcher.submit(fn, *args, self.reader(seq))
+
+    def reader(self, seq: int | None):
+        """How process 0 reads call `seq`'s outputs on the host, `read(x, k)` (Launched.read): whole from its own
+        devices, or with the other processes' rows from the results channel."""
+        collector = self._collector
+        if seq is None or collector is None:
+            return host_array
+        return lambda x, k: collector.read(x, seq, k)
+
+    def _launch(self, call: StepCall, inputs: StepInputs, source: InFlight | None, read) -> Launched:
+        inputs = self.place(inputs) if source is None else continued(inputs, source.launched())
+        return _launched(call, self.run(call, inputs), inputs, read)
+
+    def _launch_logits(self, call: StepCall, inputs: StepInputs, read) -> np.ndarray:
+        return read(self.run(call, self.place(inputs)), 0)
 
     def place(self, inputs: StepInputs) -> StepInputs:
         """Tokens, sampling arrays and penalty inputs on the devices once, so the continuations that reuse them
         transfer nothing (and jit sees the same committed arguments every step: a host array and a committed one
         of one shape are traced apart). Penalty inputs with no penalty and no bias in any row (most steps) are
         the same for every step of their shape: placed once."""
-        placed = jax.device_put(tuple(getattr(inputs, name) for name in _SAMPLING), self.programs.io_sharding)
+        placed = multihost.put(tuple(getattr(inputs, name) for name in _SAMPLING), self.programs.io_sharding)
         inputs = dataclasses.replace(inputs, **dict(zip(_SAMPLING, placed)))
         rows = inputs.penalties
         if rows is None:
             return inputs
         if np.any(rows.slot >= 0) or np.any(rows.bias_ids >= 0):
-            return dataclasses.replace(inputs, penalties=jax.device_put(rows, self.programs.io_sharding))
+            return dataclasses.replace(inputs, penalties=multihost.put(rows, self.programs.io_sharding))
         key = (rows.slot.shape, rows.bias_ids.shape)
         if key not in self._inert_penalties:
-            self._inert_penalties[key] = jax.device_put(rows, self.programs.io_sharding)
+            self._inert_penalties[key] = multihost.put(rows, self.programs.io_sharding)
         return dataclasses.replace(inputs, penalties=self._inert_penalties[key])
 
     def compiled(self, call: StepCall, inputs: StepInputs):
@@ -187,7 +210,8 @@ class Worker:
         m = pow2_at_least(len(copies), 8)
         src, dst = np.full(m, -1, np.int32), np.full(m, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = copies[:, 0], copies[:, 1]
-        self.launcher.submit(self._launch_copy, BlockCopies(src, dst))
+        padded = BlockCopies(src, dst)
+        self._submit(StepCall(Op.COPY), padded, self._launch_copy, padded)
         self.copied_blocks += len(copies)
 
     def copy_host(self, copies: HostCopies, *, out: bool) -> None:
@@ -210,8 +234,7 @@ class Worker:
         store = self.host_store
         self._pool = (store.copy_out if out else store.copy_in)(self._pool, copies)
 
-    def _launch_copy(self, copies: BlockCopies) -> None:
-        self.announce(StepCall(Op.COPY), copies)
+    def _launch_copy(self, copies: BlockCopies, read) -> None:
         self._pool = self.programs.copy_blocks(self._pool, copies.src, copies.dst)
 
     def _warm_host_copies(self) -> None:
@@ -219,44 +242,50 @@ class Worker:
 
     # ----- multi-process runs -----
 
-    def announce(self, call: StepCall, inputs) -> None:
-        """Process 0: hand one call to every other process (their follow() runs it too)."""
+    def announce(self, call: StepCall, inputs) -> int | None:
+        """Process 0: hand one call to every other process (their follow() runs it too); `_submit` calls it, in
+        submission order. Its sequence number on a multi-process run, else None."""
         if self.channel is not None:
-            self.channel.send(call, inputs)
+            return self.channel.send(call, inputs)
+        return None
 
     def follow(self) -> int:
-        """Processes other than 0: run every call process 0 sends, as it runs them, until it stops; returns the
-        number of calls run."""
+        """Processes other than 0: launch every call process 0 sends as it arrives, in its order, until it stops;
+        returns the number of calls run."""
         if self.channel is None or multihost.is_leader():
             raise ValueError("follow runs on the processes other than 0 of a multi-process run "
                              f"(this is process {jax.process_index()} of {jax.process_count()})")
         calls = 0
         while (received := self.channel.receive()) is not None:
-            call, inputs = received
+            call, inputs, seq = received
             if call.op is Op.COPY:
                 self._pool = self.programs.copy_blocks(self._pool, inputs.src, inputs.dst)
             elif call.source == TokenSource.CONTINUED:
                 inputs = continued(inputs, self.last.launched())
-                self.last = self._followed(call, inputs)
+                self.last = self._followed(call, inputs, seq)
             else:
-                self.last = self._followed(call, self.place(inputs))
+                self.last = self._followed(call, self.place(inputs), seq)
             calls += 1
         self.channel = None
+        self._returner.close()  # what is queued goes first
         return calls
 
-    def _followed(self, call: StepCall, inputs: StepInputs) -> InFlight:
+    def _followed(self, call: StepCall, inputs: StepInputs, seq: int) -> InFlight:
         out = self.run(call, inputs)
         if call.op is Op.LOGITS:
+            self._returner.send(seq, [out])
             return self.last
-        tokens = out[0] if call.logprobs else out  # the logprob variant also returns its (unread) arrays
-        return InFlight(None, Launched(tokens, None, inputs), np.zeros(0, np.int64), greedy=call.greedy)
+        launched = _launched(call, out, inputs, host_array)
+        self._returner.send(seq, numbered_outputs(launched))
+        return InFlight(None, launched, np.zeros(0, np.int64), greedy=call.greedy)
 
     def stop_followers(self) -> None:
         """Process 0 at shutdown: the other processes' follow() returns (they exit). Idempotent; a no-op on
         one process."""
         if self.channel is not None and multihost.is_leader():
-            self.launcher.run(self.channel.stop)  # after every call already submitted
-            self.channel = None
+            with self._submitting:  # after every call already announced
+                self.channel.stop()
+                self.channel = None
 
 
 def working_bytes(stats) -> int:
@@ -265,6 +294,14 @@ def working_bytes(stats) -> int:
     if stats is None:  # a backend without the analysis
         return 0
     return int(stats.temp_size_in_bytes + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0))
+
+
+def _launched(call: StepCall, out, inputs: StepInputs, read) -> Launched:
+    """A step program's outputs as a Launched (the logprob variant's are (tokens, sampled, prompt))."""
+    if not call.logprobs:
+        return Launched(out, None, inputs, read=read)
+    tokens, sampled, prompt = out
+    return Launched(tokens, sampled, inputs, prompt, read=read)
 
 
 def continued(inputs: StepInputs, source: Launched) -> StepInputs:

@@ -57,8 +57,29 @@ def test_generate_two_processes_two_instances_lending_equals_one_process():
     want = _completions(single.stdout)
     assert len(want) == 1
     assert _completions(proc.stdout, "[0] ") == want, proc.stdout[-3000:]
-    lent = re.search(r"\[0\] \[.*, (\d+) rBlocks lent between instances, (\d+) preemptions\]", proc.stdout)
-    assert lent and int(lent.group(1)) > 0 and int(lent.group(2)) == 0, proc.stdout[-3000:]
+    # generate's closing line is on stderr (launch.py keeps each process's stdout and stderr apart)
+    lent = re.search(r"\[0\] \[.*, (\d+) rBlocks lent between instances, (\d+) preemptions\]", proc.stderr)
+    assert lent and int(lent.group(1)) > 0 and int(lent.group(2)) == 0, proc.stderr[-3000:]
+
+
+def test_streamed_completion_is_all_of_stdout():
+    """The README's example: a streamed completion over 2 processes x 2 CPU devices. gloo prints its connection
+    lines (`[Gloo] Rank 0 is connected to 1 peer ranks. ...`) with std::cout as the step's collectives first
+    connect, which once landed inside the text; stdout now holds the completion alone, as one process's does."""
+    args = ["-m", "jaxllm.generate", "--max-new-tokens", "8", "The capital of France is"]
+    # Bytes: the tiny model's text may hold any character (a form feed or a carriage return is no line's end to
+    # launch.py, which splits lines on "\n" alone).
+    single = subprocess.run([sys.executable, *args], env=repository_env(), cwd=ROOT, capture_output=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert single.stdout.startswith(b"The capital of France is") and single.stdout.endswith(b"\n"), single.stdout
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--cpu-devices",
+                           "2", "--timeout", "300", "--", sys.executable, *args, "--tensor-parallel", "4"],
+                          env=repository_env(), cwd=ROOT, capture_output=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # launch.py prefixes each line with the process's id; process 1 prints nothing on stdout
+    want = b"".join(b"[0] " + line + b"\n" for line in single.stdout.split(b"\n")[:-1])
+    assert proc.stdout == want, (proc.stdout, proc.stderr[-3000:])
+    assert b"[Gloo]" not in proc.stdout
 
 
 def test_serve_two_processes_grpc_then_sigterm_stops_both():

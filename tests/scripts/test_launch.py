@@ -88,3 +88,17 @@ def test_a_closed_stdout_blocks_no_process():
     assert proc.wait(timeout=60) == 0
     stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+def test_stdout_and_stderr_stay_apart():
+    """A process's product (stdout) and its logs (stderr) reach launch's stdout and stderr, each line prefixed
+    with its process id, so a log line cannot land inside the product's text."""
+    child = ("import os, sys\n"
+             "sys.stdout.write('text of ' + os.environ['JAX_PROCESS_ID']); sys.stdout.flush()\n"
+             "print('a log line', file=sys.stderr, flush=True)\n"
+             "print(' and its end')\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/launch.py"), "--num-processes", "2", "--no-flags", "--",
+                           sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[0] text of 0 and its end", "[1] text of 1 and its end"]
+    assert sorted(proc.stderr.splitlines()) == ["[0] a log line", "[1] a log line"]

@@ -1,8 +1,10 @@
 """One process of the 2-process test (test_multihost.py starts it through scripts/launch.py).
 
-Process 0 broadcasts two step-input pytrees (the second with new shapes) and a stop; the others check they
-arrive identical. Then every process takes part in column- and row-parallel matmuls over all global
-devices, checked against NumPy. Prints "worker <id> ok" on success; any failure exits non-zero.
+Process 0 sends three step-input pytrees on the step channel (the second with new shapes, the third the first's
+again) and a stop; the others check they arrive identical, in order. Then every process takes part in column-
+and row-parallel matmuls over all global devices, checked against NumPy. Prints "worker <id> of <count> ok" on
+success; any failure exits non-zero. With no flags it joins the run its environment names (JAX_* variables, or a
+cluster launcher's: test_multihost.py feeds it Open MPI's).
 """
 
 import argparse
@@ -34,22 +36,23 @@ def main():
 
     from sharding.mesh import TENSOR, make_mesh
 
-    assert jax.process_count() == args.num_processes and jax.device_count() == 2 * args.num_processes
+    assert jax.process_count() == (args.num_processes or jax.process_count()) > 1
+    assert jax.device_count() == 2 * jax.process_count()
 
-    broadcast = multihost.StepBroadcast()
+    channel = multihost.step_channel()
     for step in range(3):
         if multihost.is_leader():
-            broadcast.send(_inputs(step % 2))
+            channel.send(_inputs(step % 2))
         else:
-            got = broadcast.receive()
+            got = channel.receive()
             want = _inputs(step % 2)
             assert jax.tree.structure(got) == jax.tree.structure(want), (got, want)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), (a, b)
     if multihost.is_leader():
-        broadcast.stop()
+        assert channel.stop() == []  # every follower took every message
     else:
-        assert broadcast.receive() is None
+        assert channel.receive() is None
 
     mesh = make_mesh(jax.device_count())
     rng = np.random.default_rng(0)
@@ -67,7 +70,7 @@ def main():
         y = jax.jit(jnp.dot, out_shardings=whole)(xg, wg)
         got = np.asarray(y.addressable_data(0))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    print(f"worker {jax.process_index()} ok", flush=True)
+    print(f"worker {jax.process_index()} of {jax.process_count()} ok", flush=True)
 
 
 if __name__ == "__main__":

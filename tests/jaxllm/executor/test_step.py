@@ -95,7 +95,7 @@ def test_plans_past_the_limits_raise():
 
 
 def test_inputs_are_one_pytree():
-    """What a mesh shards and process 0 broadcasts: one value of eleven array leaves, moved as one."""
+    """What a mesh shards and process 0 sends: one value of eleven array leaves, moved as one."""
     _, plan, _ = _plans()
     inputs = make_step_inputs(plan, **LIMITS)
     leaves, treedef = jax.tree_util.tree_flatten(inputs)

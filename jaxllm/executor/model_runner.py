@@ -94,12 +94,12 @@ class ModelRunner:
     def stats(self) -> ExecutorStats:
         """What it compiled and ran, the tuner's counters and the host store's (jaxllm.contract.stats), a snapshot
         (safe beside the engine thread: it only reads)."""
-        steps = sorted(list(self.bucket_steps.items()))  # one C-level copy
+        steps = list(self.bucket_steps.items())  # one C-level copy: safe beside the engine thread
         store = self.worker.host_store
         return ExecutorStats(
             compile_count=self.compile_count, xla_compiles=self.xla_compiles,
             persistent_cache_hits=self.persistent_cache_hits,
-            bucket_steps=tuple((kind.label, size, n) for (kind, size), n in steps),
+            bucket_steps=tuple(sorted((kind.label, size, n) for (kind, size), n in steps)),
             padding_tokens_total=self.padding_tokens, dist_steps_total=self.borrowed_steps,
             tuner=tuple(sorted((str(k), int(v)) for k, v in self.tuner.stats().items())),
             kv_block_bytes=self.block_bytes, host_store=HostStoreStats() if store is None else store.stats())

@@ -26,6 +26,7 @@ from jaxllm.engine.instances import InstanceSchedulers
 from jaxllm.engine.requests import RequestLimits
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.scheduling import StepScheduler
+from jaxllm.engine.speculative import NgramProposer, Proposer, Speculation
 from jaxllm.engine_config import EngineConfig, EngineOptions
 from jaxllm.executor.executor import build_executor
 from jaxllm.executor.model_runner import ModelRunner
@@ -110,10 +111,13 @@ class BuiltEngine:
         self.executor.worker.stop_followers()
 
 
-def build_engine(config: EngineConfig, *, progress: bool = True) -> BuiltEngine:
+def build_engine(config: EngineConfig, *, progress: bool = True, proposer: Proposer | None = None) -> BuiltEngine:
     """Build every part of the engine `config` describes (see the module docstring); ValueError for a model, an
-    option or a mesh this run cannot serve, MemoryError where no pool fits."""
+    option or a mesh this run cannot serve, MemoryError where no pool fits. proposer: speculative decoding's draft
+    source in place of the one EngineOptions.speculative names (benchmarks' and tests' own), drafting up to
+    EngineOptions.num_speculative_tokens tokens a step."""
     options = config.options
+    proposer = _proposer(options, proposer)
     cache_dir = resolve_cache_dir(options.compile_cache_dir)
     # Before anything compiles, so loading's small programs are cached too.
     compile_cache_dir = enable_persistent_cache(cache_dir) if cache_dir is not None else None
@@ -150,7 +154,8 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> BuiltEngine:
         return build_executor(step_model, pool, max_seqs=options.max_seqs, max_tokens_per_step=max_step,
                         table_width=-(-longest // block_size), kernels=base, mesh=mesh, instances=instances,
                         borrowing=options.lending and instances > 1, max_logprobs=options.max_logprobs, tuner=tuner,
-                        penalties=options.penalties, max_logit_bias=options.max_logit_bias, host_tier=host_tier)
+                        penalties=options.penalties, max_logit_bias=options.max_logit_bias, host_tier=host_tier,
+                        verify_queries=options.speculative_tokens + 1 if proposer is not None else 0)
 
     memory_plan = None
     num_blocks = options.num_blocks
@@ -163,13 +168,14 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> BuiltEngine:
             step_memory=lambda blocks: executor(blocks, None, 0, abstract=True).step_memory())
     tuner = _tuner(options, base, step_model.config, pool_dtype, block_size, max_context, progress)
     runner = executor(num_blocks, tuner, host_blocks)
-    scheduler = _scheduler(options, mesh, num_blocks, block_size, max_step, host_blocks)
+    scheduler = _scheduler(options, mesh, num_blocks, block_size, max_step, host_blocks, proposer)
     # The one RequestLimits: the core checks against it, and every front end reads it from there.
     limits = RequestLimits(context_limit=min(max_context, num_blocks * reach * block_size),
                            vocab_size=model_config.vocab_size, max_logprobs=options.max_logprobs,
                            default_max_tokens=options.default_max_tokens, max_stop_strings=options.max_stop_strings,
                            max_stop_length=options.max_stop_length, penalties=options.penalties,
-                           max_logit_bias=options.max_logit_bias)
+                           max_logit_bias=options.max_logit_bias,
+                           max_speculative_tokens=options.speculative_tokens if proposer is not None else 0)
     tokenizer = load_tokenizer(tokenizer_dir)
     core = EngineCore(scheduler, runner, tokenizer, limits, pipeline=options.pipeline)
     return BuiltEngine(config=config, model_config=model_config, model=step_model, mesh=mesh, tokenizer=tokenizer,
@@ -231,17 +237,37 @@ def _tuner(options: EngineOptions, base: Kernels, config: LlamaConfig, pool_dtyp
     return tuner
 
 
+def _proposer(options: EngineOptions, given: Proposer | None) -> Proposer | None:
+    """Speculative decoding's draft source: the one given, else the one EngineOptions.speculative names; None: off.
+    ValueError where a k has no source or a source no k."""
+    if given is not None:
+        if not isinstance(given, Proposer):
+            raise TypeError(f"proposer must implement jaxllm.engine.speculative.Proposer, got {type(given).__name__}")
+        if options.speculative is not None or options.num_speculative_tokens is None:
+            raise ValueError("a proposer handed to the builder drafts EngineOptions.num_speculative_tokens tokens a "
+                             "step, with EngineOptions.speculative unset")
+        return given
+    if options.speculative is not None:
+        return NgramProposer()
+    if options.num_speculative_tokens is not None:
+        raise ValueError(f"num_speculative_tokens {options.num_speculative_tokens} needs a draft source: "
+                         "EngineOptions.speculative ('ngram') or a proposer handed to the builder")
+    return None
+
+
 def _scheduler(options: EngineOptions, mesh, num_blocks: int, block_size: int, max_step: int,
-               host_blocks: int) -> StepScheduler:
+               host_blocks: int, proposer: Proposer | None) -> StepScheduler:
     """One instance's Scheduler, or the InstanceSchedulers of several (num_blocks rBlocks each)."""
+    k = options.speculative_tokens
     if options.instances > 1:
         return InstanceSchedulers(options.instances, num_blocks, block_size, max_tokens_per_step=max_step,
                                   max_seqs=options.max_seqs, lending=options.lending,
                                   prefix_caching=options.prefix_caching, hosts=instance_hosts(mesh),
-                                  host_blocks=host_blocks)
+                                  host_blocks=host_blocks, proposer=proposer, speculative_tokens=k)
     host = HostTier(host_blocks) if host_blocks else None
     # The device prefix cache spills what it evicts to the host tier (kept there, least recently spilled evicted
     # first); a sequence swapped out keeps its slots until it resumes.
     allocator = BlockAllocator(num_blocks, on_evict=None if host is None else host.spill)
     return Scheduler(allocator, block_size, max_tokens_per_step=max_step, max_seqs=options.max_seqs,
-                     prefix_caching=options.prefix_caching, host_tier=host)
+                     prefix_caching=options.prefix_caching, host_tier=host,
+                     speculation=None if proposer is None else Speculation(proposer, k))

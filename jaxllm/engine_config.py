@@ -11,6 +11,9 @@ from jaxllm.model.checkpoints.common import resolve_dtype
 from pallas_kernels.dispatch import BACKENDS
 
 TUNERS = ("auto", "fixed")
+# The most draft tokens a verify step checks a sequence (k): its k + 1 query rows of a KV head fill one 16-row tile of
+# the decode kernel under MHA (pallas_kernels.verify_attention), and acceptance falls off long before.
+MAX_SPECULATIVE_TOKENS = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,14 @@ class EngineOptions:
     default_max_tokens: int = 256
     max_stop_strings: int = 16
     max_stop_length: int = 256
+    # Speculative decoding (docs/ARCHITECTURE.md, decision 13): "ngram:K" drafts up to K tokens a step by prompt
+    # lookup (the longest match of the last 2..4 tokens in the sequence's own tokens, vLLM's `ngram`); a verify step
+    # checks every draft at once and keeps what the target model would have produced (greedy: the same tokens;
+    # sampled: the same distribution). num_speculative_tokens: K for a proposer handed to the builder
+    # (build_engine(..., proposer=): benchmarks, tests), or the same as "ngram:K" with speculative "ngram". A
+    # request may ask for fewer (SamplingParams.num_speculative_tokens; 0: off for it). None: off.
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("tensor_parallel", "instances", "default_max_tokens", "max_stop_strings", "max_stop_length"):
@@ -103,6 +114,32 @@ class EngineOptions:
         if self.compile_cache_dir is not None and (not isinstance(self.compile_cache_dir, str)
                                                    or not self.compile_cache_dir):
             raise ValueError(f"compile_cache_dir must be a non-empty path or None, got {self.compile_cache_dir!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                              or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.speculative is None:
+            return
+        method, _, count = self.speculative.partition(":") if isinstance(self.speculative, str) else ("", "", "")
+        if method != "ngram" or (count and not count.isdigit()) or (not count and k is None):
+            raise ValueError(f"speculative {self.speculative!r} is not 'ngram:K' (K draft tokens a step, 1..."
+                             f"{MAX_SPECULATIVE_TOKENS}), nor 'ngram' with num_speculative_tokens")
+        if count and not 1 <= int(count) <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative {self.speculative!r}: K must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if count and k is not None and int(count) != k:
+            raise ValueError(f"speculative {self.speculative!r} and num_speculative_tokens {k} disagree")
+
+    @property
+    def speculative_tokens(self) -> int:
+        """k, the most draft tokens a sequence takes a step (0: no speculative decoding)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        if self.speculative is not None:
+            return int(self.speculative.partition(":")[2])
+        return 0
 
 
 @dataclasses.dataclass(frozen=True)

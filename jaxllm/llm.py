@@ -38,12 +38,14 @@ class LLM:
 
     Args: model (or a whole EngineConfig in its place), dtype, max_context, allow_long_context and options as EngineConfig's (jaxllm.engine_config:
     a preset name or a checkpoint directory, the dtype, the longest sequence accepted, past the model's window
-    or not, the pool and batching limits); progress: print loading, planning and warm-up progress.
+    or not, the pool and batching limits); progress: print loading, planning and warm-up progress; proposer:
+    speculative decoding's draft source in place of EngineOptions.speculative's (build_engine's: benchmarks, tests).
     `engine` holds every part (jaxllm.builder.BuiltEngine); the ones callers read most are attributes here too.
     """
 
     def __init__(self, model: str | EngineConfig, *, dtype=None, max_context: int | None = None,
-                 allow_long_context: bool = False, options: EngineOptions | None = None, progress: bool = True):
+                 allow_long_context: bool = False, options: EngineOptions | None = None, progress: bool = True,
+                 proposer=None):
         if isinstance(model, EngineConfig):
             if (dtype, max_context, allow_long_context, options) != (None, None, False, None):
                 raise ValueError("LLM(EngineConfig) takes its dtype, max_context, allow_long_context and options "
@@ -52,7 +54,7 @@ class LLM:
         else:
             config = EngineConfig(model, dtype=dtype, max_context=max_context, allow_long_context=allow_long_context,
                                   options=options or EngineOptions())
-        self._attach(build_engine(config, progress=progress))
+        self._attach(build_engine(config, progress=progress, proposer=proposer))
 
     def _attach(self, engine: BuiltEngine) -> None:
         self.engine = engine
@@ -157,7 +159,8 @@ class LLM:
                  seed: int = 0, stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None) -> list[Completion]:
+                 repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
+                 num_speculative_tokens: int | None = None) -> list[Completion]:
         """Complete each prompt (text, or a list of token ids); all prompts run together, continuously batched.
 
         A prompt may have at most context_limit - 1 tokens, and max_new_tokens may be at most the room
@@ -175,6 +178,8 @@ class LLM:
         ({token id: bias in [-100, 100]}, at most EngineOptions.max_logit_bias entries): vLLM's semantics
         (jaxllm.contract.sampling_params), applied before temperature / top-k / top-p and the greedy argmax;
         log-probabilities stay the model's raw ones.
+        num_speculative_tokens: on an engine with speculative decoding (EngineOptions.speculative), the most draft
+        tokens a step for these prompts (None: the engine's k; 0: off); the tokens are the same either way.
         """
         temperature, top_k, top_p = self.generation_defaults.resolve(temperature, top_k, top_p)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -185,7 +190,8 @@ class LLM:
                         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, frequency_penalty=frequency_penalty,
                         presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
-                        logit_bias=logit_bias, max_tokens_name="max_new_tokens")
+                        logit_bias=logit_bias, num_speculative_tokens=num_speculative_tokens,
+                        max_tokens_name="max_new_tokens")
         outputs = self.run(self._requests(prompts, sampling))
         completions = []
         for outs in outputs.values():
@@ -200,7 +206,8 @@ class LLM:
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                stop: str | Seq[str] | None = None, stop_token_ids: Seq[int] | None = None,
                ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-               repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None) -> Iterator[str]:
+               repetition_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
+               num_speculative_tokens: int | None = None) -> Iterator[str]:
         """Yield text pieces of one completion as its tokens are produced (arguments as generate's).
 
         Text that could still grow into a stop string is held back until it cannot.
@@ -210,6 +217,7 @@ class LLM:
                         stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                         repetition_penalty=repetition_penalty, logit_bias=logit_bias,
+                        num_speculative_tokens=num_speculative_tokens,
                         max_tokens_name="max_new_tokens")
         # Checked now, so a bad argument raises here rather than at the first next(); queued when iterated.
         return self._stream(self._requests([prompt], sampling)[0])

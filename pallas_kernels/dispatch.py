@@ -27,6 +27,7 @@ Backend = Literal["auto", "reference", "triton", "mosaic"]
 BACKENDS = ("auto", "reference", "triton", "mosaic")
 DECODE_ATTENTION = ("reference", "triton")
 PREFILL_ATTENTION = ("reference", "triton", "mosaic")
+VERIFY_ATTENTION = ("decode", "prefill")
 ROPE_KV_WRITE = ("reference", "pallas")
 DECODE_LAYER = ("reference", "pallas")
 # Prefill steps shorter than one Mosaic CTA tile (2 x 64 query rows) stay on the Triton kernel: they
@@ -52,6 +53,9 @@ class Kernels:
       only, int8 pools take the reference).
     decode_layer: "reference" | "pallas": steps of at most fused_norm_max_tokens tokens take the one-pass
       add + RMSNorm kernel and the skinny matmul's unreduced split-K partials (the next kernel sums them).
+    verify_attention: "decode" | "prefill": a verify step's attention (Q query tokens a sequence) as a decode over
+      the earlier keys with the decode_attention implementation plus a causal part among the Q
+      (pallas_kernels.verify_attention), or as a prefill step through prefill_attention.
     *_block_sizes / mosaic_prefill: each kernel's schedule; None is the kernel's own default.
     interpret: run the Pallas kernels in the interpreter (the CPU, tests).
     per_shard: None (one device, or a mesh where XLA partitions the reference ops), or a hashable
@@ -68,6 +72,7 @@ class Kernels:
     prefill_attention: str = "reference"
     rope_kv_write: str = "reference"
     decode_layer: str = "reference"
+    verify_attention: str = "decode"
     decode_block_sizes: DecodeBlockSizes | None = None
     prefill_block_sizes: PrefillBlockSizes | None = None
     mosaic_prefill: MosaicPrefillConfig | None = None
@@ -81,7 +86,8 @@ class Kernels:
 
     def __post_init__(self):
         for name, allowed in (("decode_attention", DECODE_ATTENTION), ("prefill_attention", PREFILL_ATTENTION),
-                              ("rope_kv_write", ROPE_KV_WRITE), ("decode_layer", DECODE_LAYER)):
+                              ("rope_kv_write", ROPE_KV_WRITE), ("decode_layer", DECODE_LAYER),
+                              ("verify_attention", VERIFY_ATTENTION)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Kernels.{name} {getattr(self, name)!r} is not one of {allowed}")
         if self.mosaic_min_tokens < 1:
@@ -102,8 +108,10 @@ class AttentionBatch:
     block_tables [num_seqs, max_blocks] int32, kv_lens [num_seqs] int32 (after this step's tokens are
     written), cu_q_lens [num_seqs + 1] int32 (packed query tokens per sequence), slot_mapping [num_tokens]
     int32 (block * block_size + row; -1 for padding tokens). `single_query` (static) marks steps where every
-    sequence has exactly one query token (a decode step). parts: None, or the arrays of a step whose rBlocks lie on
-    several instances, read only by `Kernels.distributed` (sharding.dist_attention.DistParts).
+    sequence has exactly one query token (a decode step); `verify_queries` (static) those where every sequence has
+    exactly that many, packed in sequence order (a verify step: pallas_kernels.verify_attention; 0 otherwise).
+    parts: None, or the arrays of a step whose rBlocks lie on several instances, read only by
+    `Kernels.distributed` (sharding.dist_attention.DistParts).
     """
 
     block_tables: jax.Array
@@ -112,6 +120,7 @@ class AttentionBatch:
     slot_mapping: jax.Array
     parts: Any = None
     single_query: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    verify_queries: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 def default_kernels(backend: Backend | None = "auto", *, head_dim: int | None = None, on_gpu: bool | None = None,
@@ -176,6 +185,7 @@ def ragged_attention(
     num_q_heads: int | None = None,
     query_starts: jax.Array | None = None,
     return_residuals: bool = False,
+    verify_queries: int = 0,
 ):
     """Causal attention of packed query tokens to their sequences' KV in the pool.
 
@@ -185,23 +195,28 @@ def ragged_attention(
     arange), which lets the decode kernel split long KV across programs. query_starts: optional [num_seqs],
     where each row's first query sits relative to its first key (a part of a sequence: DistAttention's
     prefill rows); return_residuals: also return (row max, row sum of exponentials) [T, Hq] float32, for
-    an exact merge with other parts (pallas_kernels.residuals). Returns [T, Hq, D] (heads in group order,
-    h = kv_head * G + g), or (out, (row_max, row_sum)). Semantics are ragged_prefill_reference's.
+    an exact merge with other parts (pallas_kernels.residuals). verify_queries (static): every sequence has
+    exactly this many query tokens, packed in sequence order (T == num_seqs x verify_queries, kv_lens >= it or 0):
+    under verify_attention "decode" they take pallas_kernels.verify_attention. Returns [T, Hq, D] (heads in group
+    order, h = kv_head * G + g), or (out, (row_max, row_sum)). Semantics are ragged_prefill_reference's.
     """
     extra = dict(query_starts=query_starts, return_residuals=return_residuals)
     if kernels.per_shard is not None:
         local = dataclasses.replace(kernels, per_shard=None)
         return kernels.per_shard.attention(functools.partial(ragged_attention, kernels=local))(
             q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens, single_query=single_query, k_scale=k_scale,
-            v_scale=v_scale, num_q_heads=num_q_heads, **extra)
+            v_scale=v_scale, num_q_heads=num_q_heads, verify_queries=verify_queries, **extra)
     if single_query and query_starts is not None:
         raise ValueError("query_starts places prefill rows; a decode step's one query token sees every key")
-    if single_query and kernels.decode_attention == "triton":
-        from pallas_kernels.ragged_decode import ragged_decode
+    if verify_queries > 1 and kernels.verify_attention == "decode" and query_starts is None:
+        from pallas_kernels.verify_attention import verify_attention
 
-        return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
-                             num_q_heads=num_q_heads, block_sizes=kernels.decode_block_sizes,
-                             return_residuals=return_residuals, interpret=kernels.interpret)
+        return verify_attention(q, k_pool, v_pool, block_tables, kv_lens, queries=verify_queries,
+                                past=functools.partial(_decode_attention, kernels=kernels), k_scale=k_scale,
+                                v_scale=v_scale, num_q_heads=num_q_heads, return_residuals=return_residuals)
+    if single_query and kernels.decode_attention == "triton":
+        return _decode_attention(q, k_pool, v_pool, block_tables, kv_lens, kernels=kernels, k_scale=k_scale,
+                                 v_scale=v_scale, num_q_heads=num_q_heads, return_residuals=return_residuals)
     if q.ndim == 4:
         group = q.shape[2] if num_q_heads is None else num_q_heads // q.shape[1]
         q = q[:, :, :group].reshape(q.shape[0], -1, q.shape[-1])  # [T, Hq, D]
@@ -221,6 +236,23 @@ def ragged_attention(
                               block_sizes=kernels.prefill_block_sizes, interpret=kernels.interpret, **extra)
     return ragged_prefill_reference(q, k_pool, v_pool, block_tables, kv_lens, cu_q_lens,
                                     k_scale=k_scale, v_scale=v_scale, **extra)
+
+
+def _decode_attention(q, k_pool, v_pool, block_tables, kv_lens, *, kernels: Kernels, k_scale=None, v_scale=None,
+                      num_q_heads: int | None = None, return_residuals: bool = False):
+    """Decode attention (one query position a sequence, q grouped [S, Hkv, Gh, D]) by decode_attention's kernel."""
+    if kernels.decode_attention == "triton":
+        from pallas_kernels.ragged_decode import ragged_decode
+
+        return ragged_decode(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
+                             num_q_heads=num_q_heads, block_sizes=kernels.decode_block_sizes,
+                             return_residuals=return_residuals, interpret=kernels.interpret)
+    from pallas_kernels.ragged_decode import ragged_decode_reference
+
+    group = (q.shape[1] * q.shape[2] if num_q_heads is None else num_q_heads) // q.shape[1]
+    q = q[:, :, :group].reshape(q.shape[0], -1, q.shape[-1])  # [S, Hq, D]
+    return ragged_decode_reference(q, k_pool, v_pool, block_tables, kv_lens, k_scale=k_scale, v_scale=v_scale,
+                                   return_residuals=return_residuals)
 
 
 def paged_attention(k_pool, v_pool, k_scale, v_scale, qkv, cos, sin, batch: AttentionBatch, *, num_q_heads: int,
@@ -243,7 +275,7 @@ def paged_attention(k_pool, v_pool, k_scale, v_scale, qkv, cos, sin, batch: Atte
     q, k_pool, v_pool, k_scale, v_scale = rope_write_kv(k_pool, v_pool, qkv, cos, sin, batch.slot_mapping, k_scale,
                                                         v_scale, dtype=dtype, kernels=kernels)
     out = ragged_attention(q, k_pool, v_pool, batch.block_tables, batch.kv_lens, batch.cu_q_lens,
-                           single_query=batch.single_query,
+                           single_query=batch.single_query, verify_queries=batch.verify_queries,
                            k_scale=k_scale, v_scale=v_scale, num_q_heads=num_q_heads, kernels=kernels)
     return out, k_pool, v_pool, k_scale, v_scale
 

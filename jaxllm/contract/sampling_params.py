@@ -53,6 +53,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Speculative decoding on an engine that has it (EngineOptions.speculative): None takes the engine's k, 0 turns
+    # it off for this request, k > 0 asks for at most k draft tokens a step (at most the engine's; checked by
+    # jaxllm.engine.requests). Output is the same either way (greedy: the same tokens; sampled: the same
+    # distribution); a penalized request never speculates.
+    num_speculative_tokens: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -114,6 +119,11 @@ class SamplingParams:
                              f"got {self.repetition_penalty!r}")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0):
+            raise ValueError(f"num_speculative_tokens must be None (the engine's), 0 (off) or an integer > 0, got {k!r}")
+        if k is not None:
+            object.__setattr__(self, "num_speculative_tokens", int(k))
 
 
 def _is_number(value) -> bool:

@@ -2,8 +2,8 @@
 
 Each part produces its own snapshot: the core its `CoreStats` (requests, tokens, steps; the threaded Engine adds
 what it queued and refused), a scheduler its `SchedulerStats` (queue and pool, with the host tier ledger's
-`HostTierStats` and the lending ledger's `LendingStats`), the executor its `ExecutorStats` (compiles, buckets,
-padding, the tuner's counters, with the host store's `HostStoreStats`). `EngineCore.stats()` composes the parts'
+`HostTierStats`, the lending ledger's `LendingStats` and speculative decoding's `SpeculativeStats`), the executor
+its `ExecutorStats` (compiles, buckets, padding, the tuner's counters, with the host store's `HostStoreStats`). `EngineCore.stats()` composes the parts'
 snapshots as they come; `LLM.stats()`, the threaded `Engine.stats()` and the Prometheus exporter
 (`serve.metrics.register_engine_metrics`) read that tree, no field copied on the way.
 
@@ -26,8 +26,8 @@ import dataclasses
 import functools
 
 __all__ = ["CoreStats", "EngineStats", "ExecutorStats", "Export", "HostStoreStats", "HostTierStats", "Leaf",
-           "LendingStats", "Metric", "SchedulerStats", "Series", "counters", "exports", "leaves", "read",
-           "since"]
+           "LendingStats", "Metric", "SchedulerStats", "Series", "SpeculativeStats", "counters", "exports", "leaves",
+           "read", "since"]
 
 KINDS = ("counter", "gauge")
 
@@ -202,6 +202,30 @@ class HostTierStats(_Part):
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeStats(_Part):
+    """Speculative decoding's verify steps so far (all 0 without it; the steps themselves are the executor's
+    bucket_steps of kind "verify"), vLLM's metrics: draft tokens proposed, draft tokens accepted, and drafts (a
+    sequence's draft checked in one verify step)."""
+
+    draft_tokens_total: int = counter("jaxllm_spec_decode_num_draft_tokens_total",
+                                      "draft tokens proposed and checked by verify steps")
+    accepted_tokens_total: int = counter("jaxllm_spec_decode_num_accepted_tokens_total",
+                                         "draft tokens the target model accepted")
+    drafts_total: int = counter("jaxllm_spec_decode_num_drafts_total",
+                                "drafts checked (one per sequence with draft tokens in a verify step)")
+
+    @derived(Metric("jaxllm_spec_decode_acceptance_rate", "gauge",
+                    "accepted draft tokens / draft tokens proposed, so far").at())
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens_total / self.draft_tokens_total if self.draft_tokens_total else 0.0
+
+    @derived(Metric("jaxllm_spec_decode_mean_acceptance_length", "gauge",
+                    "tokens a draft gave on average (its accepted tokens + the one the verify step draws)").at())
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens_total / self.drafts_total if self.drafts_total else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerStats(_Part):
     """A snapshot of a scheduler's queue and pool (several instances' summed), its lending ledger and host tier."""
 
@@ -219,6 +243,7 @@ class SchedulerStats(_Part):
                                "full KV rBlocks registered in the prefix cache (held or evictable)")
     lending: LendingStats = dataclasses.field(default_factory=LendingStats)
     host: HostTierStats = dataclasses.field(default_factory=HostTierStats)
+    speculative: SpeculativeStats = dataclasses.field(default_factory=SpeculativeStats)
 
     @derived(Metric("jaxllm_kv_pool_usage_ratio", "gauge", "fraction of KV rBlocks in use").at())
     def pool_usage(self) -> float:

@@ -1,11 +1,12 @@
 """`StepKind`: what a step is, carried by its plan, its call, its program, its bucket and the tuner's key.
 
-A step's kind decides its program (jaxllm.executor.step: `decode_step` or `prefill_step`), how it is padded to
-a bucket (jaxllm.tuner.buckets: a decode step by its sequences, a prefill step by its tokens) and which
-schedules the tuner lists for it. Today there are two: DECODE (one query token per sequence, each the token
-sampled after the last) and PREFILL (chunks of any length, a mixed step of prompt chunks and decodes included).
-A multi-token verify step (speculative decoding: k + 1 query tokens a sequence over its cached KV) is a third
-kind with a program, a bucket rule and tuner variants of its own, added beside these.
+A step's kind decides its program (jaxllm.executor.step: `decode_step`, `prefill_step` or `verify_step`), how it
+is padded to a bucket (jaxllm.tuner.buckets: a decode or verify step by its sequences, a prefill step by its
+tokens) and which schedules the tuner lists for it. Three kinds: DECODE (one query token per sequence, each the
+token sampled after the last), PREFILL (chunks of any length, a mixed step of prompt chunks and decodes included)
+and VERIFY (speculative decoding: every sequence has the engine's k + 1 tokens, its last token, its draft tokens
+and fillers after them, over its cached KV; every position's logits are computed and the drafts accepted or
+rejected on the device: jaxllm.executor.acceptance).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ class StepKind(enum.Enum):
 
     DECODE = "decode"
     PREFILL = "prefill"
+    VERIFY = "verify"
 
     @property
     def label(self) -> str:
-        """Its name in metrics, tables and training rows: "decode", "prefill"."""
+        """Its name in metrics, tables and training rows: "decode", "prefill", "verify"."""
         return self.value
 
     @property
@@ -38,19 +40,21 @@ class StepKind(enum.Enum):
 
     @property
     def size_unit(self) -> str:
-        """What a bucket of this kind counts: a decode step is shaped by its sequences, a prefill step by its
-        tokens."""
-        return "sequences" if self is StepKind.DECODE else "tokens"
+        """What a bucket of this kind counts: a decode or verify step is shaped by its sequences (a verify step has
+        k + 1 tokens each), a prefill step by its tokens."""
+        return "tokens" if self is StepKind.PREFILL else "sequences"
 
     @property
     def queries_per_seq(self) -> int | None:
         """Query tokens every sequence has in a step of this kind (the attention kernels' promise,
-        pallas_kernels.dispatch.AttentionBatch), None where they vary."""
+        pallas_kernels.dispatch.AttentionBatch): 1 for decode; None where they vary (prefill) or are the engine's
+        (verify: k + 1)."""
         return 1 if self is StepKind.DECODE else None
 
     @classmethod
     def from_label(cls, label: str) -> StepKind:
-        """The kind of a label ("decode" / "prefill"); ValueError naming the label and the kinds otherwise."""
+        """The kind of a label ("decode" / "prefill" / "verify"); ValueError naming the label and the kinds
+        otherwise."""
         try:
             return cls(label)
         except ValueError:

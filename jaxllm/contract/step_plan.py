@@ -104,8 +104,10 @@ class StepPlan:
     instances [S] int32: each sequence's home instance on an engine of several instances (rows grouped by
     instance, in instance order; block ids are then global: instance * blocks_per_instance + local); None
     on one instance (every row's home is instance 0).
-    targets [T] int32: for a token whose sequence wants prompt log-probabilities, the prompt token that follows it
-    (whose log-probability its logits give); -1 elsewhere. None: no token of the step wants one.
+    targets [T] int32: the token that follows a token where the step checks it against the token's logits: in a
+    prefill or decode step, for a token whose sequence wants prompt log-probabilities, the prompt token after it
+    (whose log-probability its logits give); in a verify step the draft token after it (accepted or rejected by
+    its logits). -1 elsewhere. None: no token of the step has one.
     block_copies [M, 2] int32: rBlocks (global source id, global destination id) the device copies before
     this step, all reads before any write (DistKV recalls: borrowed rBlocks going home); None: none.
     host_copies: HostCopies, rBlocks the device copies to and from the host tier before this step (its out copies
@@ -116,7 +118,10 @@ class StepPlan:
     continuation its source's, grown by one token a sequence: the tuner's per-step key reads it, so a steady
     decode step costs no reduction over the batch).
     kind: the step's StepKind; derived here unless given: DECODE when every sequence has one token (T == S),
-    else PREFILL. A DECODE plan must have one token a sequence.
+    else PREFILL. A DECODE plan must have one token a sequence. A VERIFY plan (speculative decoding; always given)
+    has Q >= 2 tokens in every row (the engine's k + 1): its last token, its draft tokens (targets names them, at
+    the token before each), then fillers (tokens whose KV is written but never kept); every row samples, and no row
+    has penalties.
     """
 
     seq_ids: np.ndarray
@@ -171,6 +176,13 @@ class StepPlan:
             object.__setattr__(self, "kind", StepKind.DECODE if t == s else StepKind.PREFILL)
         elif self.kind is StepKind.DECODE and t != s:
             raise ValueError(f"a decode StepPlan has one token a sequence; this one has {t} tokens for {s} sequences")
+        elif self.kind is StepKind.VERIFY:
+            q_lens = np.diff(self.cu_q_lens)
+            if s and (q_lens[0] < 2 or np.any(q_lens != q_lens[0])):
+                raise ValueError(f"a verify StepPlan has the same k + 1 >= 2 tokens in every row, got {q_lens.tolist()}")
+            if not bool(np.all(self.sample)) or self.penalties is not None or self.targets is None:
+                raise ValueError("a verify StepPlan's rows all sample, none has penalties, and targets names the "
+                                 "drafts")
 
     @property
     def num_seqs(self) -> int:
@@ -184,11 +196,30 @@ class StepPlan:
         return len(self.seq_ids)
 
     @property
+    def verify_queries(self) -> int:
+        """Q, the tokens every row of a verify step has (the engine's k + 1); 0 for any other step."""
+        if self.kind is not StepKind.VERIFY or not self.num_seqs:
+            return 0
+        return int(self.cu_q_lens[1] - self.cu_q_lens[0])
+
+    @property
+    def draft_lens(self) -> np.ndarray:
+        """[S] int: each row's draft tokens in a verify step; zeros in any other step."""
+        if self.kind is not StepKind.VERIFY:
+            return np.zeros(self.num_seqs, np.int64)
+        return (self.targets >= 0).reshape(self.num_seqs, -1).sum(axis=1).astype(np.int64)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Some token of the step is a prompt token whose sequence wants the prompt's log-probabilities."""
+        return self.targets is not None and self.kind is not StepKind.VERIFY
+
+    @property
     def wants_logprobs(self) -> bool:
         """Some sequence samples a token in this step and wants its log-probabilities, or some token of the step
         is a prompt token whose sequence wants the prompt's."""
         sampled = self.logprobs is not None and bool(np.any(self.sample & (self.logprobs >= 0)))
-        return sampled or self.targets is not None
+        return sampled or self.scores_prompt
 
     def instance_bounds(self, instances: int) -> np.ndarray:
         """[instances + 1] row offsets: instance i's rows are [bounds[i], bounds[i + 1]) (rows are grouped by

@@ -62,6 +62,11 @@ class BlockPool(Protocol):
         """seq_id's rBlocks go back (registered ones stay cached); idempotent."""
         ...
 
+    def shrink(self, seq_id: int, num_blocks_total: int) -> None:
+        """Keep the first num_blocks_total rBlocks of seq_id's table; the rest go back (a verify step's rejected
+        drafts: never registered, so none stays cached)."""
+        ...
+
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The cached rBlocks of the longest run of keys from the first."""
         ...
@@ -140,14 +145,34 @@ class BlockAllocator:
         # Last rBlock first: a table's cached tail then leaves the cache before its head, which other
         # prompts may share (a lookup stops at the first missing rBlock, so a chain is only as good as its start).
         for block in reversed(self._owned.pop(seq_id, [])):
-            self._holders[block] -= 1
-            if self._holders[block]:
-                continue
-            del self._holders[block]
-            if block in self._key_of:
-                self._evictable[block] = None  # newest last
-            else:
-                bisect.insort(self._free, block)
+            self._release(block)
+
+    def shrink(self, seq_id: int, num_blocks_total: int) -> None:
+        """Keep the first num_blocks_total rBlocks of seq_id's table; the rest go back (last first, as free's)."""
+        owned = self._owned.get(seq_id, [])
+        if len(owned) > num_blocks_total:
+            self.release(seq_id, owned[num_blocks_total:])
+
+    def release(self, seq_id: int, blocks: list[int]) -> None:
+        """These rBlocks of seq_id's table (any of them, in any order) go back; the rest of its table stays."""
+        owned = self._owned.get(seq_id, [])
+        gone = set(blocks)
+        if not gone <= set(owned):
+            raise ValueError(f"sequence {seq_id} does not hold rBlocks {sorted(gone - set(owned))}")
+        self._owned[seq_id] = [b for b in owned if b not in gone]
+        for block in reversed(blocks):
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        """One holder of `block` lets it go: the last one frees it (or leaves it cached, if registered)."""
+        self._holders[block] -= 1
+        if self._holders[block]:
+            return
+        del self._holders[block]
+        if block in self._key_of:
+            self._evictable[block] = None  # newest last
+        else:
+            bisect.insort(self._free, block)
 
     # ----- lending (DistKV) -----
 

@@ -245,8 +245,13 @@ class EngineCore:
                 continue  # not a request of this core (logits())
             live = self._live[request_id]
             new_ids = seq.output_ids[live.sent:]
-            for token in new_ids:
+            for j, token in enumerate(new_ids):
                 live.text.push(token)
+                if live.text.stopped:
+                    if j + 1 < len(new_ids):  # a verify step kept tokens past the stop string: not generated
+                        seq.truncate_output(live.sent + j + 1)
+                        new_ids = new_ids[:j + 1]
+                    break
             live.clock.tokens_at(now, len(new_ids))
             self._counts["generated_tokens_total"] += len(new_ids)
             if live.text.stopped and seq.status is not Status.FINISHED:

@@ -232,6 +232,20 @@ class RManager:
             table.extend(self._gm.borrow(self.instance, request, need - local))
         return self.table(request)
 
+    def shrink(self, request: int, num_blocks_total: int) -> None:
+        """Keep the first num_blocks_total entries of `request`'s table; the others go back to their pools (lent
+        ones to their creditors), as if it had never grown past them."""
+        table = self._own_table(request)
+        if len(table) <= num_blocks_total:
+            return
+        self._gm.check_no_plan(f"shrink request {request}")
+        dropped = table[num_blocks_total:]
+        del table[num_blocks_total:]
+        local = [p.block for p in dropped if p.instance == self.instance]
+        if local:
+            self.pool.release(request, local)
+        self._gm.give_back(request, [p for p in dropped if p.instance != self.instance])
+
     def finish(self, request: int) -> None:
         """The request ended: its rBlocks go back to their pools (lent ones to their creditors)."""
         self._end(request, "finished")
@@ -391,14 +405,18 @@ class GManager:
 
     def repay(self, request: int, placements: list[Placement], how: str) -> None:
         """`request` ended ("finished" or "cancelled"): its borrowed rBlocks go back to their creditors."""
+        self.give_back(request, placements)
+        self.counters[how] += 1
+        self.forget(request)
+
+    def give_back(self, request: int, placements: list[Placement]) -> None:
+        """These borrowed rBlocks of `request` go back to their creditors (it ended, or shrank)."""
         for p in placements:
             loan = self._loans.pop(p, None)
             if loan is None or loan.request != request:
                 raise ValueError(f"request {request} holds {p}, which the ledger has not lent to it ({loan})")
             self._rms[p.instance].take_back([p.block])
         self.counters["returned"] += len(placements)
-        self.counters[how] += 1
-        self.forget(request)
 
     # ----- recalls -----
 

@@ -20,6 +20,11 @@ its pool's prefix cache spilling there. A step's host copies are every instance'
 before the recall copies (a spill reads an evicted rBlock that a recall may be about to fill) and read a recalled
 rBlock at its source (`HostTier.moved`), the copies in after them. A spill caused by another instance's loan
 (the creditor's pool evicts) rides on the same step: every tier's copies are taken after every instance planned.
+
+Speculative decoding: one step runs one program, so a step verifies on every instance or on none. Each instance
+plans its rows without speculating; when every instance's plan may become a verify step (Scheduler.draft_requests)
+the proposer drafts for all of their rows at once (one batch: a draft model's step serves every instance) and each
+instance turns its plan into its verify rows (an instance whose rows got no draft too: they verify nothing).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.lending import LendingAllocator
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence
+from jaxllm.engine.speculative import Proposer, Speculation
 
 __all__ = ["InstanceSchedulers", "join_plans"]
 
@@ -47,11 +53,13 @@ class InstanceSchedulers:
 
     def __init__(self, instances: int, blocks_per_instance: int, block_size: int, *, max_tokens_per_step: int,
                  max_seqs: int, lending: bool = True, prefix_caching: bool = True, hosts: list[int] | None = None,
-                 reserve: int = 0, host_blocks: int = 0):
+                 reserve: int = 0, host_blocks: int = 0, proposer: Proposer | None = None,
+                 speculative_tokens: int = 0):
         """instances: the mesh's instance axis; blocks_per_instance: each instance's pool; max_tokens_per_step
         and max_seqs: each instance's step budget (a step runs every instance's rows side by side);
         hosts: each instance's host (lending prefers the same host); reserve: rBlocks an instance keeps from
-        lending; host_blocks: the slots of each instance's host tier (0: none)."""
+        lending; host_blocks: the slots of each instance's host tier (0: none); proposer and speculative_tokens:
+        speculative decoding's draft source and k (None: off), each instance counting its own verify rows."""
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances}")
         hosts = hosts or [0] * instances
@@ -74,10 +82,13 @@ class InstanceSchedulers:
             allocator.rmanager.pool.on_evict = functools.partial(self._spill, i)
         self._pending_copies: list[HostCopies] = []  # of continuations that were dropped: ride on the next plan
         # Sequence ids i, i + n, i + 2n, ...: an id names its instance (id % n) engine-wide.
+        self.proposer = proposer
         self.schedulers = [Scheduler(a, block_size, max_tokens_per_step=max_tokens_per_step, max_seqs=max_seqs,
                                      prefix_caching=prefix_caching, seq_ids=itertools.count(i, instances),
                                      host_tier=self.host_tiers[i] if self.host_tiers else None,
-                                     takes_host_copies=False)
+                                     takes_host_copies=False,
+                                     speculation=None if proposer is None else Speculation(proposer,
+                                                                                           speculative_tokens))
                            for i, a in enumerate(self.allocators)]
         self._last: tuple[StepPlan, list[tuple[int, StepPlan]]] | None = None  # the last joined plan, its parts
 
@@ -126,14 +137,34 @@ class InstanceSchedulers:
         for tier in self.host_tiers:
             tier.moved = moved
         try:
-            plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan()) is not None]
+            plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan(speculate=False)) is not None]
         finally:
             for tier in self.host_tiers:
                 tier.moved = {}
+        if self.proposer is not None and plans:
+            plans = self._verified(plans) or plans
         host = self._host_copies()
         if not plans and copies is None and host is None:
             return None
         return self._joined(plans, copies, host)
+
+    def _verified(self, plans: list[tuple[int, StepPlan]]) -> list[tuple[int, StepPlan]] | None:
+        """Every instance's plan as its verify rows (the module docstring), or None when some instance's may not
+        be one, no row got a draft, or some instance lacks the rBlocks (those grown for others stay theirs)."""
+        requests = [self.schedulers[i].draft_requests(p) for i, p in plans]
+        if any(r is None for r in requests):
+            return None
+        asked = [(seq, k) for r in requests for seq, k in r if k]
+        drafts = {seq.seq_id: d for (seq, _), d in zip(asked, self.proposer.propose(asked)) if d}
+        if not drafts:
+            return None
+        verified = []
+        for i, p in plans:
+            v = self.schedulers[i].verify(p, drafts, force=True)
+            if v is None:
+                return None
+            verified.append((i, v))
+        return verified
 
     def _joined(self, plans: list[tuple[int, StepPlan]], copies: np.ndarray | None = None,
                 host: HostCopies | None = None) -> StepPlan:
@@ -228,7 +259,8 @@ class InstanceSchedulers:
 def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | None = None,
                host_copies: HostCopies | None = None) -> StepPlan:
     """Instances' plans as one StepPlan: rows in instance order, tokens packed likewise, `instances` naming
-    each row's home. Block tables are padded to the widest. No plans: a step of copies alone."""
+    each row's home. Block tables are padded to the widest. No plans: a step of copies alone. Verify plans (all
+    of them or none) join into a verify plan."""
     if not plans:
         return StepPlan.copies_only(block_copies=block_copies, host_copies=host_copies, instances=True)
     width = max(p.block_tables.shape[1] for _, p in plans)
@@ -253,4 +285,5 @@ def join_plans(plans: list[tuple[int, StepPlan]], block_copies: np.ndarray | Non
         host_copies=host_copies,
         penalties=RowPenalties.join([p.penalties for _, p in plans], [p.num_seqs for _, p in plans]),
         logit_bias=LogitBias.join([p.logit_bias for _, p in plans], [p.num_seqs for _, p in plans]),
-        kv_extent=(sum(p.kv_extent[0] for _, p in plans), max(p.kv_extent[1] for _, p in plans)))
+        kv_extent=(sum(p.kv_extent[0] for _, p in plans), max(p.kv_extent[1] for _, p in plans)),
+        kind=StepKind.VERIFY if all(p.kind is StepKind.VERIFY for _, p in plans) else None)

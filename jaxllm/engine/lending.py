@@ -87,6 +87,12 @@ class LendingAllocator:
         if seq_id in self.rmanager.requests():
             self.rmanager.finish(seq_id)
 
+    def shrink(self, seq_id: int, num_blocks_total: int) -> None:
+        """Keep the first num_blocks_total rBlocks of seq_id's table; the rest go back (lent ones to their
+        creditors)."""
+        if seq_id in self.rmanager.requests():
+            self.rmanager.shrink(seq_id, num_blocks_total)
+
     # ----- the prefix cache: this instance's own rBlocks -----
 
     def lookup(self, keys: list[bytes]) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.contract import HostCopies, LogitBias, RowPenalties, SamplingParams, StepPlan
+from jaxllm.contract import HostCopies, LogitBias, RowPenalties, SamplingParams, StepKind, StepPlan
 from jaxllm.engine.sequence import Sequence
 
 # (sequence, first position, token ids from there, samples a new token)
@@ -20,10 +20,13 @@ __all__ = ["PlanRow", "assemble_plan"]
 
 
 def assemble_plan(rows: list[PlanRow], tables: list[list[int]], block_size: int, *,
-                  kv_extent: tuple[int, int] | None = None, host_copies: HostCopies | None = None) -> StepPlan:
+                  kv_extent: tuple[int, int] | None = None, host_copies: HostCopies | None = None,
+                  kind: StepKind | None = None, targets: np.ndarray | None = None) -> StepPlan:
     """The StepPlan of `rows` (each (sequence, first position, token ids from there, samples a new token)) over
     their rBlock tables (`tables`, global ids, one per row); kv_extent: the plan's (total, longest) KV where the
-    caller knows it (else the plan computes it); host_copies: the host tier's copies to run first."""
+    caller knows it (else the plan computes it); host_copies: the host tier's copies to run first. kind and
+    targets: a verify step's (its kind, each token's draft after it); by default the plan derives its kind and
+    its targets are the prompt-scoring ones."""
     bs = block_size
     block_tables = np.zeros((len(rows), max(len(t) for t in tables)), np.int32)
     for i, t in enumerate(tables):
@@ -50,11 +53,13 @@ def assemble_plan(rows: list[PlanRow], tables: list[list[int]], block_size: int,
         top_p=np.fromiter((p.top_p for p in params), np.float32, len(rows)),
         seed=np.fromiter((p.seed for p in params), np.int32, len(rows)),
         logprobs=np.fromiter((-1 if p.logprobs is None else p.logprobs for p in params), np.int32, len(rows)),
-        targets=_targets(rows, cu) if any(p.prompt_logprobs is not None for p in params) else None,
+        targets=targets if kind is StepKind.VERIFY else (_targets(rows, cu) if any(p.prompt_logprobs is not None
+                                                                                 for p in params) else None),
         penalties=_penalties(rows) if any(r[0].penalty_slot >= 0 for r in rows) else None,
         logit_bias=_logit_bias(params) if any(p.logit_bias for p in params) else None,
         kv_extent=kv_extent,
         host_copies=host_copies,
+        kind=kind,
     )
 
 

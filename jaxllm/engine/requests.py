@@ -15,6 +15,8 @@ The rules, the same everywhere:
   started without penalties (`penalties` False) refuses all four;
 - text (a prompt, each stop string) is valid Unicode: a lone surrogate is refused naming the field
   (`check_unicode`; chat contents follow the same rule in jaxllm.model.chat);
+- num_speculative_tokens: at most the engine's k (`max_speculative_tokens`; 0: the engine does not speculate,
+  and a request asking for draft tokens is refused); 0 turns speculation off for the request;
 - a server request without a seed gets a fresh random one (`random_seed`); a given seed reproduces.
 Every check raises ValueError naming the value and the limit (servers answer INVALID_ARGUMENT / 400).
 """
@@ -42,9 +44,10 @@ class RequestLimits:
     max_logprobs: int = 0  # top tokens a request may ask log-probabilities of (0: logprobs are off)
     penalties: bool = True  # frequency / presence / repetition penalties and logit_bias are served
     max_logit_bias: int = 64  # logit_bias entries one request may give
+    max_speculative_tokens: int = 0  # draft tokens a step a request may ask for (0: the engine does not speculate)
 
     def __post_init__(self):
-        for name in ("max_logprobs", "max_logit_bias"):
+        for name in ("max_logprobs", "max_logit_bias", "max_speculative_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -129,7 +132,19 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: Request
     check_logprobs(params.logprobs, limits, logprobs_name)
     check_logprobs(params.prompt_logprobs, limits, "prompt_logprobs")
     check_penalties(params, limits)
+    check_speculative(params.num_speculative_tokens, limits)
     return params
+
+
+def check_speculative(k: int | None, limits: RequestLimits) -> int | None:
+    """k (SamplingParams.num_speculative_tokens), if None, 0 or within limits.max_speculative_tokens."""
+    if not k or k <= limits.max_speculative_tokens:
+        return k
+    if limits.max_speculative_tokens == 0:
+        raise ValueError(f"num_speculative_tokens {k} is not served: this engine was started without speculative "
+                         "decoding (EngineOptions.speculative, --speculative ngram:K)")
+    raise ValueError(f"num_speculative_tokens {k} is over the limit {limits.max_speculative_tokens} (the engine's "
+                     "number of speculative tokens)")
 
 
 def check_penalties(params: SamplingParams, limits: RequestLimits) -> SamplingParams:
@@ -188,7 +203,7 @@ def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens
                     stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                     ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None,
                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                    logit_bias=None, max_tokens_name: str = "max_tokens",
+                    logit_bias=None, num_speculative_tokens: int | None = None, max_tokens_name: str = "max_tokens",
                     logprobs_name: str = "logprobs") -> SamplingParams:
     """Build and check one request's SamplingParams; max_tokens None means the default, capped at the room.
 
@@ -207,6 +222,6 @@ def sampling_params(limits: RequestLimits, num_prompt_tokens: int, *, max_tokens
                             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                             logprobs=logprobs, prompt_logprobs=prompt_logprobs, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
-                            logit_bias=logit_bias)
+                            logit_bias=logit_bias, num_speculative_tokens=num_speculative_tokens)
     return check_params(params, num_prompt_tokens, limits, max_tokens_name=max_tokens_name,
                         logprobs_name=logprobs_name)

@@ -23,6 +23,15 @@ carry the slot (StepPlan.penalties), and its first step after admission clears i
 sequence's tokens by reading them as the step's inputs, so they must all be read after admission: with a
 repetition penalty (which sees the prompt) nothing comes from the prefix cache; with frequency or presence
 penalties alone (which count generated tokens) only rBlocks within the prompt do.
+
+Speculative decoding (a `Speculation`: jaxllm.engine.speculative): a step whose rows are all decodes (no prompt
+chunk, no penalties, no prompt scoring) becomes a verify step when the proposer drafts tokens for some row, every
+row then holding Q = k + 1 tokens (its last token, its drafts, fillers: `verify`), at most max_tokens_per_step of
+them; the row's rBlocks grow to hold them. Recording it (`update`) keeps the accepted drafts and the token drawn
+after them, rolls each sequence's computed KV back to them and returns the rBlocks that held only rejected tokens;
+a rejected token's KV is never registered in the prefix cache (only full rBlocks of computed, accepted tokens are).
+A speculating sequence's decode step is never continued before its tokens are read (`plan_continuation`): the next
+step's draft depends on them.
 """
 
 from __future__ import annotations
@@ -34,11 +43,13 @@ from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from jaxllm.contract import PENDING_TOKEN, HostTierStats, SamplingParams, SchedulerStats, StepKind, StepPlan
+from jaxllm.contract import (PENDING_TOKEN, HostTierStats, SamplingParams, SchedulerStats, SpeculativeStats, StepKind,
+                             StepPlan)
 from jaxllm.engine.allocator import BlockPool, OutOfBlocks
 from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.plan_rows import PlanRow, assemble_plan
 from jaxllm.engine.sequence import Sequence, Status
+from jaxllm.engine.speculative import Speculation
 
 
 def block_key(previous: bytes, tokens: list[int]) -> bytes:
@@ -54,12 +65,13 @@ class Scheduler:
 
     def __init__(self, allocator: BlockPool, block_size: int, *, max_tokens_per_step: int, max_seqs: int,
                  prefix_caching: bool = True, seq_ids: Iterator[int] | None = None, host_tier: HostTier | None = None,
-                 takes_host_copies: bool = True):
+                 takes_host_copies: bool = True, speculation: Speculation | None = None):
         """seq_ids: where sequence ids come from (default 0, 1, 2, ...); several schedulers of one engine
         (one per instance) draw from disjoint ranges, so a plan's ids name one sequence engine-wide.
         host_tier: where preempted sequences swap to (and, if the allocator spills to it, the host prefix
         cache); None: preemption recomputes. takes_host_copies: its plans carry the tier's copies (False: the
-        caller takes them once every scheduler of its step has planned: InstanceSchedulers)."""
+        caller takes them once every scheduler of its step has planned: InstanceSchedulers). speculation:
+        speculative decoding's proposer, k and counters (None: off)."""
         if max_tokens_per_step <= 0 or max_seqs <= 0:
             raise ValueError("max_tokens_per_step and max_seqs must be positive")
         self.allocator = allocator
@@ -69,6 +81,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.host = host_tier
         self.takes_host_copies = takes_host_copies and host_tier is not None
+        self.speculation = speculation
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # oldest first
         self.cached_tokens = 0  # tokens whose KV came from the prefix cache, all admissions together
@@ -106,12 +119,14 @@ class Scheduler:
         return SchedulerStats(waiting=len(self.waiting), running=len(self.running), preemptions=self.preemptions,
                               cached_tokens=self.cached_tokens, pool_blocks=pool.num_blocks,
                               pool_blocks_free=pool.num_free, cached_blocks=pool.num_cached,
-                              host=HostTierStats() if self.host is None else self.host.stats())
+                              host=HostTierStats() if self.host is None else self.host.stats(),
+                              speculative=SpeculativeStats() if self.speculation is None else self.speculation.stats())
 
     # ----- planning -----
 
-    def plan(self) -> StepPlan | None:
-        """The next step, or None when nothing can run."""
+    def plan(self, *, speculate: bool = True) -> StepPlan | None:
+        """The next step, or None when nothing can run. speculate: a step of decodes may become a verify step (with
+        speculative decoding on; the instance set decides for all its instances at once)."""
         budget = self.max_tokens_per_step
         chunks: list[tuple[Sequence, int]] = []
         # Running sequences first (oldest first): decodes cost one token each.
@@ -151,7 +166,53 @@ class Scheduler:
         copies = self.host.take_copies() if self.takes_host_copies else None
         if not chunks:
             return None if copies is None else StepPlan.copies_only(host_copies=copies)
-        return self._build(chunks, copies)
+        plan = self._build(chunks, copies)
+        if speculate and (requests := self.draft_requests(plan)) is not None:
+            asked = [(seq, k) for seq, k in requests if k]
+            drafted = dict(zip((seq.seq_id for seq, _ in asked), self.speculation.proposer.propose(asked)))
+            return self.verify(plan, drafted) or plan
+        return plan
+
+    # ----- speculative decoding -----
+
+    def draft_requests(self, plan: StepPlan) -> list[tuple[Sequence, int]] | None:
+        """For a plan of this scheduler's that may become a verify step, each row's (sequence, the most drafts it
+        may take: Speculation.tokens_for, 0 for none); None when it may not: speculation off, a row that is no
+        decode (a prompt chunk, penalties, prompt scoring), more rows than a verify step holds, a row whose Q tokens
+        would pass its context limit, or no row that speculates."""
+        spec = self.speculation
+        if spec is None or plan.kind is not StepKind.DECODE or plan.penalties is not None or plan.scores_prompt:
+            return None
+        q = spec.queries
+        if len(plan) * q > self.max_tokens_per_step:
+            return None
+        seqs = [self.sequence(i) for i in plan.seq_ids]
+        if any(seq.num_computed != seq.num_tokens - 1 or seq.num_computed + q > seq.max_len for seq in seqs):
+            return None
+        requests = [(seq, spec.tokens_for(seq)) for seq in seqs]
+        return requests if any(k for _, k in requests) else None
+
+    def verify(self, plan: StepPlan, drafts: dict[int, list[int]], *, force: bool = False) -> StepPlan | None:
+        """The verify step of `plan` (draft_requests' plan) with these drafts (seq_id -> its tokens; absent: none):
+        every row its last token, its drafts and fillers (its last token again), Q tokens in all, its rBlocks grown
+        to hold them. None, growing nothing, when no row has a draft (unless force: the instance set's other
+        instances have some) or the rBlocks are not free without preempting anyone."""
+        q = self.speculation.queries
+        if not force and not any(drafts.get(int(i)) for i in plan.seq_ids):
+            return None
+        seqs = [self.sequence(i) for i in plan.seq_ids]
+        need = [self._blocks_for(seq.num_computed + q) - len(self.allocator.blocks(seq.seq_id)) for seq in seqs]
+        if sum(max(n, 0) for n in need) > self.allocator.num_free:
+            return None
+        rows, targets = [], np.full(len(seqs) * q, -1, np.int32)
+        for i, seq in enumerate(seqs):
+            if need[i] > 0:
+                self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + q))
+            last = seq.token_slice(seq.num_tokens - 1, seq.num_tokens)
+            draft = [int(t) for t in drafts.get(seq.seq_id, ())][:q - 1]
+            rows.append((seq, seq.num_computed, last + draft + last * (q - 1 - len(draft)), True))
+            targets[i * q:i * q + len(draft)] = draft  # the draft after each token
+        return self._assemble(rows, host_copies=plan.host_copies, kind=StepKind.VERIFY, targets=targets)
 
     def plan_continuation(self, prev: StepPlan) -> StepPlan | None:
         """The decode step that follows `prev` while prev's sampled tokens are still on the device.
@@ -176,6 +237,8 @@ class Scheduler:
                 return None  # finished, or prev's result is already recorded: not the step to continue
             if len(seq.output_ids) + 1 >= seq.params.max_new_tokens or seq.num_tokens + 1 >= seq.max_len:
                 return None  # prev's token ends it: a step after it would be wasted
+            if self.speculation is not None and self.speculation.tokens_for(seq):
+                return None  # it speculates: its next step's draft follows prev's token, which plan() must read
         # The new step writes position num_tokens, so it needs num_tokens + 1 slots.
         need = [self._blocks_for(seq.num_tokens + 1) - len(self.allocator.blocks(seq.seq_id)) for seq in seqs]
         if sum(max(n, 0) for n in need) > self.allocator.num_free:
@@ -292,6 +355,7 @@ class Scheduler:
             seq.block_keys[:seq.num_registered])
         self.allocator.free(seq.seq_id)
         self._release_slot(seq)
+        self._forget_draft(seq)
         self.running.remove(seq)
         seq.num_swapped = seq.num_computed if swapped else 0
         seq.num_computed = seq.num_registered = 0
@@ -308,10 +372,10 @@ class Scheduler:
         return self._assemble(rows, host_copies=host_copies)
 
     def _assemble(self, rows: list[PlanRow], kv_extent: tuple[int, int] | None = None,
-                  host_copies=None) -> StepPlan:
-        """The plan of `rows` over their rBlock tables (plan_rows.assemble_plan)."""
+                  host_copies=None, **verify) -> StepPlan:
+        """The plan of `rows` over their rBlock tables (plan_rows.assemble_plan; verify: its kind and targets)."""
         tables = [self.allocator.blocks(seq.seq_id) for seq, _, _, _ in rows]
-        return assemble_plan(rows, tables, self.block_size, kv_extent=kv_extent, host_copies=host_copies)
+        return assemble_plan(rows, tables, self.block_size, kv_extent=kv_extent, host_copies=host_copies, **verify)
 
     # ----- results -----
 
@@ -324,8 +388,11 @@ class Scheduler:
         logprobs: (sampled token's logprob [S], top ids [S, K], top logprobs [S, K]) when the step computed
         them (plan.wants_logprobs); each sequence that asked keeps its own top k with its new token.
         prompt_logprobs: the same per token of the step [T], for the prompt token each one's logits give
-        (plan.targets); each sequence scoring its prompt keeps them, once per position."""
+        (plan.targets); each sequence scoring its prompt keeps them, once per position.
+        A verify step's sampled and logprobs are [S, Q] (and [S, Q, K]): each row's kept tokens, -1 after them."""
         eos_ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else frozenset(eos_id)
+        if plan.kind is StepKind.VERIFY:
+            return self._update_verify(plan, sampled, eos_ids, logprobs)
         advanced = []
         for i, seq_id in enumerate(plan.seq_ids):
             seq = self.sequence(seq_id)
@@ -347,20 +414,55 @@ class Scheduler:
             if seq.params.max_new_tokens == 0:  # the prompt was scored, nothing is generated
                 self._finish(seq, "length")
                 continue
-            token = int(sampled[i])
-            if (token in eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
-                self._finish(seq, "stop")
-                continue
-            seq.output_ids.append(token)
-            if seq.params.logprobs is not None:
-                if logprobs is None:
-                    raise ValueError(f"sequence {seq.seq_id} wants logprobs but the step computed none")
-                chosen, top_ids, top = logprobs
-                k = seq.params.logprobs
-                seq.output_logprobs.append((float(chosen[i]), tuple(zip(top_ids[i, :k].tolist(), top[i, :k].tolist()))))
-            advanced.append(seq)
-            if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_len:
-                self._finish(seq, "length")
+            taken, _ = self._take(seq, int(sampled[i]), eos_ids, logprobs, (i,))
+            if taken:
+                advanced.append(seq)
+        return advanced
+
+    def _take(self, seq: Sequence, token: int, eos_ids, logprobs, at: tuple) -> tuple[bool, bool]:
+        """seq's next token (its logprobs at index `at` of the step's arrays): (appended, seq runs on). EOS (unless
+        ignored) and stop token ids finish it unappended, max_new_tokens and the context limit after it."""
+        if (token in eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            self._finish(seq, "stop")
+            return False, False
+        seq.output_ids.append(token)
+        if seq.params.logprobs is not None:
+            if logprobs is None:
+                raise ValueError(f"sequence {seq.seq_id} wants logprobs but the step computed none")
+            chosen, top_ids, top = (x[at] for x in logprobs)
+            k = seq.params.logprobs
+            seq.output_logprobs.append((float(chosen), tuple(zip(top_ids[:k].tolist(), top[:k].tolist()))))
+        if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= seq.max_len:
+            self._finish(seq, "length")
+            return True, False
+        return True, True
+
+    def _update_verify(self, plan: StepPlan, kept: np.ndarray, eos_ids, logprobs) -> list[Sequence]:
+        """Record a verify step (update's docstring): per row its accepted drafts and the token drawn after them,
+        in order, until one ends it; its computed KV rolled back to them, the rBlocks past its tokens returned."""
+        q = plan.verify_queries
+        drafted = plan.draft_lens
+        advanced = []
+        for i, seq_id in enumerate(plan.seq_ids):
+            seq = self.sequence(seq_id)
+            if seq is None or seq.status is not Status.RUNNING:
+                continue  # finished while the step ran: its result is dropped (see update)
+            tokens = kept[i][kept[i] >= 0]
+            accepted = len(tokens) - 1
+            self.speculation.record(int(drafted[i]), accepted)
+            # KV is right for the last token and the accepted drafts: the step's other rows hold rejected tokens.
+            seq.num_computed = int(plan.kv_lens[i]) - q + 1 + accepted
+            self._register_full_blocks(seq)
+            appended = False
+            for j, token in enumerate(tokens.tolist()):
+                taken, runs = self._take(seq, token, eos_ids, logprobs, (i, j))
+                appended |= taken
+                if not runs:
+                    break
+            if seq.status is Status.RUNNING:
+                self.allocator.shrink(seq.seq_id, self._blocks_for(seq.num_tokens))
+            if appended:
+                advanced.append(seq)
         return advanced
 
     @staticmethod
@@ -403,6 +505,11 @@ class Scheduler:
             self.host.discard(seq.seq_id)
             seq.num_swapped = 0
         self._release_slot(seq)
+        self._forget_draft(seq)
         self._live.pop(seq.seq_id, None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    def _forget_draft(self, seq: Sequence) -> None:
+        if self.speculation is not None:
+            self.speculation.proposer.forget(seq.seq_id)

@@ -53,6 +53,13 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def truncate_output(self, length: int) -> None:
+        """Keep the first `length` output tokens (and their log-probabilities): a stop string ended the output
+        inside the tokens one verify step kept. Only as the sequence finishes (a proposer's copy of its tokens
+        only grows)."""
+        del self.output_ids[length:]
+        del self.output_logprobs[length:]
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list (a step's chunk of a long context)."""
         split = len(self.prompt_ids)

@@ -37,7 +37,8 @@ def build_executor(model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens
                    backend: str = "auto", min_tokens: int = 8, kernels: Kernels | None = None, mesh=None,
                    instances: int = 1, borrowing: bool = False, max_logprobs: int = 0,
                    tuner: StepTuner | None = None, penalties: bool = True, max_logit_bias: int = 64,
-                   host_tier: int = 0, host_transfer: HostTransfer | None = None) -> ModelRunner:
+                   host_tier: int = 0, host_transfer: HostTransfer | None = None,
+                   verify_queries: int = 0) -> ModelRunner:
     """The executor of `model` over the KV pool `kv_cache`, as its ModelRunner (the Worker is its `worker`).
 
     mesh: the `instance x tensor` mesh the state and the pool are placed on (sharding.rules.shard_params /
@@ -53,7 +54,8 @@ def build_executor(model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens
     them, and plans must carry none.
     host_tier: the slots of each instance's host tier (0: none): plans may carry host copies (one process), so
     the HostStore is built and its copy programs compiled at warm-up; host_transfer: how its runs cross the host
-    link (default AsyncHostTransfer: JAX's host memory kinds).
+    link (default AsyncHostTransfer: JAX's host memory kinds). verify_queries: tokens a sequence has in a verify step
+    (speculative decoding's k + 1; 0: off, no verify programs).
     ValueError for limits that cannot hold (logprobs past the vocabulary, a negative bias width, a pool that does
     not split among the instances).
     """
@@ -65,7 +67,7 @@ def build_executor(model: Llama, kv_cache: KVCache, *, max_seqs: int, max_tokens
         raise ValueError(f"the KV pool's {kv_cache.num_blocks} rBlocks do not split among {instances} instances")
     mesh = mesh if mesh is not None else make_mesh(1, 1)
     buckets = Buckets(max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step, table_width=table_width,
-                      min_tokens=min_tokens)
+                      min_tokens=min_tokens, verify_queries=verify_queries)
     # Resolved once, here: inside the trace no backend name is read and no device is asked.
     base = kernels or default_kernels(backend, head_dim=model.config.head_dim)
     tuner = tuner if tuner is not None else FixedTuner(base)

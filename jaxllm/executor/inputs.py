@@ -32,7 +32,7 @@ class StepBatch:
     """A plan's stacked inputs, and what the executor needs beside them.
 
     inputs: StepInputs [I, ...] (host arrays). rows: per plan row, its flat index in the step's [I * S]
-    outputs. size: the bucket (StepKind.size_unit: sequences for decode, tokens for prefill). borrowed: some
+    outputs. size: the bucket (StepKind.size_unit: sequences for decode and verify, tokens for prefill). borrowed: some
     sequence has rBlocks on another instance (inputs.parts set). plan, busiest: the plan and the instance with the
     most work.
     """
@@ -76,10 +76,11 @@ class InputLayout:
         for every step, in the time the devices run the previous one). ValueError when it exceeds the limits."""
         kind, bs, nb, n = plan.kind, self.block_size, self.blocks_per_instance, self.instances
         decode = kind is StepKind.DECODE
+        by_seqs = kind is not StepKind.PREFILL  # a decode or verify bucket counts sequences (Buckets.padded)
         bounds = plan.instance_bounds(n)
         first_token = plan.cu_q_lens[bounds].astype(np.int64)
         counts, token_counts = np.diff(bounds), np.diff(first_token)
-        size = int(counts.max() if decode else token_counts.max())
+        size = int(counts.max() if by_seqs else token_counts.max())
         t_pad, s_pad = self.buckets.padded(kind, size)
         width = plan.block_tables.shape[1]
         if int(counts.max()) > s_pad or width > self.table_width:
@@ -104,7 +105,9 @@ class InputLayout:
                 getattr(out.penalties, f.name)[homes, local_row] = getattr(rows, f.name)
         if not decode:
             # Padding sequences have no query tokens; a decode step keeps cu == arange for the decode kernel's
-            # contract (each padding sequence one padding token, kv_len 0: it attends to nothing).
+            # contract (each padding sequence one padding token, kv_len 0: it attends to nothing). A verify step's
+            # real rows have Q tokens each, so its tokens lie at s * Q + j as its attention reads them
+            # (pallas_kernels.verify_attention), and its padding rows' Q tokens (kv_len 0) attend to nothing.
             out.cu_q_lens[:] = token_counts[:, None]
             out.cu_q_lens[:, 0] = 0
             out.cu_q_lens[homes, local_row + 1] = plan.cu_q_lens[1:] - first_token[homes]
@@ -118,12 +121,12 @@ class InputLayout:
             out.block_tables[homes, local_row, :width] = np.where(used, plan.block_tables - (homes * nb)[:, None], 0)
             out.slot_mapping[token_home, local_token] = plan.slot_mapping - token_home * (nb * bs)
         rows = homes * s_pad + local_row
-        work = plan.kv_lens if decode else q_lens
+        work = plan.kv_lens if by_seqs else q_lens  # a decode or verify step reads its KV, a prefill computes
         busiest = int(np.argmax(np.bincount(homes, weights=work, minlength=n)))
-        return StepBatch(out, rows, s_pad if decode else t_pad, borrowed, plan, busiest)
+        return StepBatch(out, rows, s_pad if by_seqs else t_pad, borrowed, plan, busiest)
 
     def inert(self, kind: StepKind, size: int, borrowed: bool = False) -> StepInputs:
-        """Warm-up inputs of one bucket (`size`: sequences for decode, tokens for prefill): real shapes,
+        """Warm-up inputs of one bucket (`size`: sequences for decode and verify, tokens for prefill): real shapes,
         nothing written, nothing attended."""
         t_pad, s_pad = self.buckets.padded(kind, size)
         return inert_inputs(kind, t_pad, s_pad, self.table_width, self.instances, borrowed, self.bias_width,
@@ -249,7 +252,7 @@ def inert_inputs(kind: StepKind, num_tokens: int, num_seqs: int, table_width: in
     parts = DistParts(write_slots=np.full((instances, instances * num_tokens), -1, np.int32),
                       row_tables=np.zeros((instances, rows, table_width), np.int32),
                       row_lens=np.zeros((instances, rows), np.int32))
-    if kind is StepKind.PREFILL:
+    if kind is not StepKind.DECODE:  # prefill and verify steps attend through the prefill parts
         if block_size is None:
             raise ValueError("a borrowed prefill step's inputs need the pool's block_size (its chunk tables)")
         none = np.zeros(0, np.int64)

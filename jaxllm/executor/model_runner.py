@@ -138,7 +138,7 @@ class ModelRunner:
                 raise ValueError("the plan's token ids are placeholders (a continuation step): pass token_source")
             call = self._call(plan, batch, variant)
         launched = worker.launch(call, batch.inputs, token_source)
-        scored = None if plan.targets is None else token_rows(plan, self.layout.instances, batch.inputs.num_tokens)
+        scored = token_rows(plan, self.layout.instances, batch.inputs.num_tokens) if plan.scores_prompt else None
         worker.last = InFlight(plan, launched, batch.rows, greedy=call.greedy, token_rows=scored)
         return worker.last
 
@@ -194,11 +194,11 @@ class ModelRunner:
     # ----- warm-up and memory -----
 
     def bucket_shapes(self) -> list[tuple[StepKind, int, bool, bool]]:
-        """Every (kind, size, greedy, logprobs) a step can take: sequences for decode, tokens for prefill
-        (Buckets.shapes); decode steps in both variants (greedy only, or with the sampler); every shape also
-        in its logprob variant when max_logprobs > 0."""
+        """Every (kind, size, greedy, logprobs) a step can take: sequences for decode, tokens for prefill and
+        verify (Buckets.shapes); decode and verify steps in both variants (greedy only, or with the sampler); every
+        shape also in its logprob variant when max_logprobs > 0."""
         shapes = [(shape.kind, shape.size, greedy) for shape in self.buckets.shapes()
-                  for greedy in ((False, True) if shape.kind is StepKind.DECODE else (False,))]
+                  for greedy in ((False, True) if shape.kind is not StepKind.PREFILL else (False,))]
         return [shape + (logprobs,) for logprobs in ((False, True) if self.worker.max_logprobs else (False,))
                 for shape in shapes]
 
@@ -226,13 +226,14 @@ class ModelRunner:
         copies = 1 if self.borrowing else 0
         runs = [] if store is None else store.run_lengths()
         if progress:
-            buckets = len(self.buckets.decode_sizes), len(self.buckets.prefill_sizes)
+            buckets = len(self.buckets.decode_sizes), len(self.buckets.prefill_sizes), len(self.buckets.verify_sizes)
             borrowed = ", each also with borrowed rBlocks, and the recall copy" if copies else ""
             host = (f", and the host tier's gather and scatter of {len(runs)} run lengths, then its "
                     f"{store.reserve_blocks * worker.block_bytes / (1 << 30):.1f} GiB of host memory an "
                     f"instance reserved" if runs else "")
+            verify = f" + {buckets[2]} verify" if buckets[2] else ""
             print(f"[jaxllm] warm-up: {len(plan) + copies + 2 * len(runs)} compiles ({buckets[0]} decode + "
-                  f"{buckets[1]} prefill buckets x tuner variants x greedy/logprob variants{borrowed}{host})",
+                  f"{buckets[1]} prefill{verify} buckets x tuner variants x greedy/logprob variants{borrowed}{host})",
                   file=sys.stderr, flush=True)
         with Progress(len(plan) + copies + 2 * len(runs), "warm-up compiles", enabled=progress) as bar:
             for call, size in plan:
@@ -257,6 +258,8 @@ class ModelRunner:
         abstract, so an engine sizes its pool from what is left after them (jaxllm.memory_plan)."""
         needs = {}
         for kind in kinds:
+            if not self.buckets.sizes(kind):
+                continue  # no verify buckets: speculative decoding is off
             size = self.buckets.sizes(kind)[-1]
             for logprobs in ((False, True) if self.worker.max_logprobs else (False,)):
                 for borrowed in ((False, True) if self.borrowing else (False,)):
@@ -268,9 +271,12 @@ class ModelRunner:
 
 
 def _greedy(plan: StepPlan) -> bool:
-    """Whether a step runs the argmax-only decode variant. Padding rows are greedy, so "no row samples" is "every
-    sequence is greedy"; a penalty or a bias moves even a greedy row's argmax, and only the sampling variant
-    applies them."""
+    """Whether a step runs the argmax-only variant of its kind (decode or verify). Padding rows are greedy, so "no
+    row samples" is "every sequence is greedy"; a penalty or a bias moves even a greedy row's argmax, and only the
+    decode step's sampling variant applies them (a verify step applies a bias in both variants and has no
+    penalties)."""
+    if plan.kind is StepKind.VERIFY:
+        return not np.any(plan.temperature > 0)
     return (plan.kind is StepKind.DECODE and not np.any(plan.temperature > 0) and plan.penalties is None
             and plan.logit_bias is None)
 

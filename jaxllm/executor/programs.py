@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.executor.packed_inputs import pack, unpack
-from jaxllm.executor.step import StepInputs, decode_step, logits_step, prefill_step
+from jaxllm.executor.step import StepInputs, decode_step, logits_step, prefill_step, verify_step
 from jaxllm.tuner.compile_cache import compile_events
 from sharding.mesh import INSTANCE
 
@@ -99,6 +99,7 @@ class StepPrograms:
                                 out_shardings=(self.io_sharding, self.pool_shardings, penalty_shardings))
         self._decode = jit(self._per_instance(decode_step), static_argnames=("kernels", "greedy", "logprobs"))
         self._prefill = jit(self._per_instance(prefill_step), static_argnames=("kernels", "logprobs"))
+        self._verify = jit(self._per_instance(verify_step), static_argnames=("kernels", "greedy", "logprobs"))
         self._logits = jit(self._per_instance(logits_step), static_argnames=("kernels",))
         self._copy = None if instances == 1 else _jit_on_mesh(
             self._counted(self._copy_local), static_argnames=(),
@@ -118,6 +119,10 @@ class StepPrograms:
                                      out_shardings=self.pool_shardings, donate=(0,))
 
     # ----- the steps -----
+
+    @property
+    def _programs(self) -> dict:
+        return {"decode": self._decode, "prefill": self._prefill, "verify": self._verify, "logits": self._logits}
 
     def _counted(self, fn):
         """fn, counting its traces (each a cache miss, hence a compile) in compile_count."""
@@ -150,11 +155,11 @@ class StepPrograms:
         return self._counted(functools.wraps(fn)(per_instance))
 
     def run(self, op: str, state_leaves: list, pool, inputs: StepInputs, penalty_state, **statics):
-        """Run program `op` ("decode", "prefill" or "logits") on the state's leaves (jax.tree.leaves of the state
+        """Run program `op` ("decode", "prefill", "verify" or "logits") on the state's leaves (jax.tree.leaves of the state
         the programs were built for) with its statics (kernels, greedy, logprobs); returns (outputs [I, ...],
         pool, penalty state). The inputs' integer host arrays travel packed in one array a step
         (jaxllm.executor.packed_inputs). Counts the XLA compiles behind the call."""
-        program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
+        program = self._programs[op]
         before = compile_events()
         out = program(state_leaves, pool, pack(inputs), penalty_state, **statics)
         self._count(before)
@@ -165,7 +170,7 @@ class StepPrograms:
         (runs nothing): its `as_text()` is XLA's optimized HLO (profiling scripts: which collectives and copies the
         partitioner put in), its `memory_analysis()` the device memory it needs. The pool may be abstract
         (jax.ShapeDtypeStruct leaves with their shardings): memory planning compiles before a pool exists."""
-        program = {"decode": self._decode, "prefill": self._prefill, "logits": self._logits}[op]
+        program = self._programs[op]
         return program.compiled(state_leaves, pool, pack(inputs), penalty_state, **statics)
 
     def _count(self, before) -> None:

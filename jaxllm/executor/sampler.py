@@ -52,8 +52,21 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     Returns:
       [rows] int32 token ids.
     """
-    vocab = logits.shape[-1]
     greedy = greedy_tokens(logits)
+    masked = filtered_logits(logits, temperature, top_k, top_p)
+
+    def draw(row_logits, seed, position):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
+        return jax.random.categorical(key, row_logits)
+
+    sampled = jax.vmap(draw)(masked, seeds, positions).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[rows, vocab] logits scaled by each row's temperature (1 where it is 0) with the tokens top-k and top-p leave
+    out at -inf, in vocabulary order: the distribution a sampled row draws from (its softmax)."""
+    vocab = logits.shape[-1]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     order = jnp.argsort(-scaled, axis=-1)  # [rows, vocab], most likely first
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -68,11 +81,4 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     # noise drawn per rank then moves to another token: the sample would depend on the batch.
     rows = jnp.arange(logits.shape[0])[:, None]
     keep = jnp.zeros(keep.shape, bool).at[rows, order].set(keep)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-
-    def draw(row_logits, seed, position):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), position)
-        return jax.random.categorical(key, row_logits)
-
-    sampled = jax.vmap(draw)(masked, seeds, positions).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.where(keep, scaled, -jnp.inf)

@@ -1,5 +1,5 @@
 """One engine step as plain values: `StepInputs` (one pytree of arrays) and the step as free functions, one per
-StepKind (`decode_step`, `prefill_step`) beside the teacher-forced `logits_step`.
+StepKind (`decode_step`, `prefill_step`, `verify_step`) beside the teacher-forced `logits_step`.
 
 A step is `(graphdef, state, kv_pool, inputs, penalty_state, *, kernels)`: `inputs` is what a mesh shards
 (in_specs) and what process 0 sends each step on a multi-host run (the step channel); `kernels` (pallas_kernels.dispatch.Kernels)
@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxllm.contract import StepKind
 from jaxllm.executor import penalties
+from jaxllm.executor.acceptance import accept_drafts
 from jaxllm.executor.penalties import PenaltyInputs, PenaltyState
 from jaxllm.executor.sampler import greedy_tokens, sample_tokens, token_logprobs
 from jaxllm.model.kv_cache import KVCache
@@ -36,7 +37,8 @@ class StepInputs:
     block_tables [S, W], kv_lens [S], cu_q_lens [S+1] int32 (padding sequences: kv_len 0, no query
     tokens; on a decode step cu_q_lens == arange(S + 1), each padding sequence owning one padding
     token); temperature, top_p [S] float32, top_k, seed [S] int32 (padding rows greedy); targets [T] int32: the
-    prompt token each token precedes where its sequence scores its prompt, -1 elsewhere (StepPlan.targets).
+    prompt token each token precedes where its sequence scores its prompt, in a verify step the draft after it, -1
+    elsewhere (StepPlan.targets).
     penalties: each row's penalties and logit bias (jaxllm.executor.penalties.PenaltyInputs) on an engine with
     penalties on (inert rows where none), None on one with them off. Leaves are numpy arrays on the host or jax
     arrays on the device. packed: None, or on the way into a program the integer fields in one array
@@ -87,8 +89,9 @@ def inert_step_inputs(kind: StepKind, num_tokens: int, num_seqs: int, table_widt
 
 def _forward(graphdef, state, kv_pool: KVCache, inputs: StepInputs, kind: StepKind, kernels: Kernels):
     model = nnx.merge(graphdef, state)
+    verify = inputs.num_tokens // inputs.num_seqs if kind is StepKind.VERIFY else 0  # Q tokens every sequence
     batch = AttentionBatch(inputs.block_tables, inputs.kv_lens, inputs.cu_q_lens, inputs.slot_mapping, inputs.parts,
-                           single_query=kind.queries_per_seq == 1)
+                           single_query=kind.queries_per_seq == 1, verify_queries=verify)
     hidden, kv_pool = model(inputs.tokens, inputs.positions, kv_pool, batch, kernels=kernels)
     return model, hidden, kv_pool
 
@@ -153,6 +156,31 @@ def prefill_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_
     tokens, penalty_state = _sample(logits, inputs, False, penalty_state)
     prompt = token_logprobs(every, jnp.maximum(inputs.targets, 0), logprobs)
     return (tokens, token_logprobs(logits, tokens, logprobs), prompt), kv_pool, penalty_state
+
+
+def verify_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_state: PenaltyState | None = None, *,
+                kernels: Kernels, greedy: bool = False, logprobs: int | None = None):
+    """Q = k + 1 tokens a sequence (its last token, its drafts, fillers; T == S x Q) -> (the tokens each keeps [S, Q]
+    int32, -1 after them: jaxllm.executor.acceptance, KV pool, penalty state unchanged: no row of a verify step has
+    penalties). inputs.targets holds the drafts (the one after each token, -1 past them); each row's logit bias
+    applies at every position. greedy (static): every row has temperature 0. logprobs (static): None, or k: ((tokens,
+    sampled, None), KV pool, penalty state) with sampled the raw logits' (token logprob [S, Q], top ids [S, Q, k],
+    top logprobs [S, Q, k]) of each kept token (meaningless past them)."""
+    model, hidden, kv_pool = _forward(graphdef, state, kv_pool, inputs, StepKind.VERIFY, kernels)
+    num_seqs = inputs.num_seqs
+    queries = inputs.num_tokens // num_seqs
+    raw = model.logits(hidden)  # [T, vocab]: a verify step is a few tokens a sequence
+    logits = raw
+    if inputs.penalties is not None:  # a logit bias, per row, at every position (no row has penalties)
+        row = jnp.arange(raw.shape[0]) // queries
+        logits = penalties.apply_logit_bias(raw, inputs.penalties.bias_ids[row], inputs.penalties.bias[row])
+    shaped = lambda x: x.reshape((num_seqs, queries) + x.shape[1:])  # noqa: E731  [T, ...] -> [S, Q, ...]
+    tokens = accept_drafts(shaped(logits), shaped(inputs.targets), inputs.kv_lens, inputs.temperature, inputs.top_k,
+                           inputs.top_p, inputs.seed, greedy=greedy)
+    if logprobs is None:
+        return tokens, kv_pool, penalty_state
+    sampled = token_logprobs(raw, jnp.maximum(tokens, 0).reshape(-1), logprobs)
+    return (tokens, tuple(shaped(x) for x in sampled), None), kv_pool, penalty_state
 
 
 def logits_step(graphdef, state, kv_pool: KVCache, inputs: StepInputs, penalty_state: PenaltyState | None = None, *,

@@ -128,14 +128,14 @@ class Worker:
 
     def statics(self, call: StepCall, inputs: StepInputs) -> dict:
         """The static arguments of the program that runs `call` on these inputs: its variant's Kernels (a logits
-        call's are its prefill bucket's), and for a step its greedy and logprob variants."""
+        call's are its prefill bucket's), and for a step its logprob variant and (decode, verify) its greedy one."""
         kind = call.kind if call.op is Op.STEP else StepKind.PREFILL
-        size = inputs.num_seqs if kind is StepKind.DECODE else inputs.num_tokens
+        size = inputs.num_tokens if kind is StepKind.PREFILL else inputs.num_seqs
         statics = dict(kernels=self.variants.kernels_for(kind, size, call.variant, borrowed=call.borrowed))
         if call.op is Op.STEP:
             if call.logprobs:  # absent: the plain variant
                 statics["logprobs"] = self.max_logprobs
-            if kind is StepKind.DECODE:
+            if kind is not StepKind.PREFILL:
                 statics["greedy"] = call.greedy
         return statics
 

@@ -7,6 +7,9 @@ A jitted step is compiled once per input shape, so serving must meet only shapes
 - prefill / mixed steps: T tokens, a power of two from pow2(min_tokens) up to the first >=
   max_tokens_per_step; their sequence axis is padded to min(T, pow2(max_seqs)), which holds every
   sequence a step of T tokens can have (each has at least one token);
+- verify steps (speculative decoding, only when it is on): S sequences of Q = k + 1 tokens each, S a power of
+  two from 1 up to pow2 of the most sequences whose S x Q tokens fit max_tokens_per_step (the scheduler
+  verifies no more: `verify_seqs`), T = S x Q;
 - the rBlock-table width W: one value, table_width (the longest sequence the pool and the context
   limit allow). The kernels read a sequence's rBlocks only up to its kv_len, so a wide table costs
   a [S, W] int32 copy per step, not KV reads: one width is cheaper than a bucket per width (which
@@ -41,16 +44,23 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def pad_to_bucket(kind: StepKind, size: int, *, min_tokens: int, seq_cap: int) -> tuple[int, int]:
-    """(tokens, sequences) a step of `kind` is padded to: `size` is its sequence count (decode) or token count.
+def pad_to_bucket(kind: StepKind, size: int, *, min_tokens: int, seq_cap: int, verify_queries: int = 0
+                  ) -> tuple[int, int]:
+    """(tokens, sequences) a step of `kind` is padded to: `size` is its sequence count (decode, verify) or token
+    count (prefill).
 
-    The one bucket rule: a decode step is shaped by its sequence count alone (a power of two), a
-    prefill step by its token count alone (a power of two >= min_tokens; its sequence axis padded to
-    the same size, capped at seq_cap).
+    The one bucket rule: a decode step is shaped by its sequence count alone (a power of two), a verify step
+    likewise with verify_queries tokens a sequence, a prefill step by its token count alone (a power of two >=
+    min_tokens; its sequence axis padded to the same size, capped at seq_cap).
     """
     if kind is StepKind.DECODE:
         s_pad = pow2_at_least(size)
         return s_pad, s_pad
+    if kind is StepKind.VERIFY:
+        if verify_queries < 2:
+            raise ValueError(f"a verify step has k + 1 >= 2 tokens a sequence, got {verify_queries}")
+        s_pad = pow2_at_least(size)
+        return s_pad * verify_queries, s_pad
     t_pad = pow2_at_least(size, min_tokens)
     return t_pad, min(t_pad, seq_cap)
 
@@ -58,7 +68,7 @@ def pad_to_bucket(kind: StepKind, size: int, *, min_tokens: int, seq_cap: int) -
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """One compiled step shape: its kind, tokens [T], sequences [S], rBlock-table width [W]; `size` is the
-    bucket's key (S for decode, T for prefill)."""
+    bucket's key (S for decode and verify, T for prefill)."""
 
     kind: StepKind
     tokens: int
@@ -67,7 +77,7 @@ class Shape:
 
     @property
     def size(self) -> int:
-        return self.seqs if self.kind is StepKind.DECODE else self.tokens
+        return self.tokens if self.kind is StepKind.PREFILL else self.seqs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,19 +85,28 @@ class Buckets:
     """Every bucket of an engine with these limits (see the module docstring for the rule and its waste).
 
     max_seqs: sequences a step may hold; max_tokens_per_step: tokens a step may hold; min_tokens: the
-    smallest prefill bucket (rounded up to a power of two); table_width: rBlocks in a sequence's table.
+    smallest prefill bucket (rounded up to a power of two); table_width: rBlocks in a sequence's table;
+    verify_queries: tokens a sequence has in a verify step, Q = k + 1 (0: no speculative decoding, no verify
+    buckets).
     """
 
     max_seqs: int
     max_tokens_per_step: int
     table_width: int
     min_tokens: int = 8
+    verify_queries: int = 0
 
     def __post_init__(self):
         for name in ("max_seqs", "max_tokens_per_step", "table_width", "min_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Buckets.{name} must be a positive integer, got {value!r}")
+        q = self.verify_queries
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0 or q == 1:
+            raise ValueError(f"Buckets.verify_queries must be 0 (off) or k + 1 >= 2, got {q!r}")
+        if q > self.max_tokens_per_step:
+            raise ValueError(f"a verify step's {q} tokens a sequence exceed max_tokens_per_step "
+                             f"{self.max_tokens_per_step}")
 
     @property
     def seq_cap(self) -> int:
@@ -107,20 +126,42 @@ class Buckets:
             sizes.append(sizes[-1] * 2)
         return tuple(sizes)
 
+    @property
+    def verify_seqs(self) -> int:
+        """The most sequences a verify step holds: max_seqs, or fewer where their k + 1 tokens each would exceed
+        max_tokens_per_step (the scheduler counts a verify step's tokens in the step's budget); 0 without
+        speculative decoding."""
+        if not self.verify_queries:
+            return 0
+        return min(self.max_seqs, self.max_tokens_per_step // self.verify_queries)
+
+    @functools.cached_property
+    def verify_sizes(self) -> tuple[int, ...]:
+        """Verify buckets (sequences), ascending: 1, 2, 4, ..., pow2(verify_seqs); () without speculative
+        decoding."""
+        if not self.verify_queries:
+            return ()
+        return tuple(1 << i for i in range(pow2_at_least(self.verify_seqs).bit_length()))
+
     def sizes(self, kind: StepKind) -> tuple[int, ...]:
-        """The buckets of a kind, ascending (decode_sizes or prefill_sizes)."""
-        return self.decode_sizes if kind is StepKind.DECODE else self.prefill_sizes
+        """The buckets of a kind, ascending (decode_sizes, prefill_sizes or verify_sizes)."""
+        if kind is StepKind.DECODE:
+            return self.decode_sizes
+        return self.verify_sizes if kind is StepKind.VERIFY else self.prefill_sizes
 
     def padded(self, kind: StepKind, size: int) -> tuple[int, int]:
-        """(tokens, sequences) a step of `size` (sequences for decode, tokens for prefill) is padded to.
+        """(tokens, sequences) a step of `size` (sequences for decode and verify, tokens for prefill) is padded to.
         Raises ValueError past the largest bucket: that shape was never compiled; TypeError for a kind that is no
         StepKind (a boolean from before the kinds would pad by the wrong rule)."""
         if not isinstance(kind, StepKind):
             raise TypeError(f"a step's kind is a StepKind, got {kind!r}")
+        if not self.sizes(kind):
+            raise ValueError(f"this engine has no {kind.label} buckets (speculative decoding is off)")
         limit = self.sizes(kind)[-1]
         if not 0 < size <= limit:
             raise ValueError(f"a {kind.label} step of {size} {kind.size_unit} is outside the buckets (1..{limit})")
-        return pad_to_bucket(kind, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap)
+        return pad_to_bucket(kind, size, min_tokens=self.min_tokens, seq_cap=self.seq_cap,
+                             verify_queries=self.verify_queries)
 
     def shape(self, kind: StepKind, size: int) -> Shape:
         """The compiled shape a step of `size` runs at."""
@@ -128,7 +169,7 @@ class Buckets:
         return Shape(kind, tokens, seqs, self.table_width)
 
     def shapes(self) -> tuple[Shape, ...]:
-        """Every shape warm-up compiles: decode buckets ascending, then prefill buckets ascending."""
+        """Every shape warm-up compiles: decode buckets ascending, then prefill buckets, then verify buckets."""
         return tuple(self.shape(kind, size) for kind in StepKind for size in self.sizes(kind))
 
     def waste_bound(self, kind: StepKind, bucket: int) -> float:

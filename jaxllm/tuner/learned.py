@@ -9,6 +9,7 @@ much on a narrow range of lengths (a 128-token tile at 65..128 tokens) is kept o
 little on many; the rest are never compiled. `choose` computes the step's cache key (from the plan's
 kv_extent: no pass over its arrays), returns the cached index on a hit, and otherwise ranks the bucket's
 variants in one batched NumPy pass (shape, schedule and interaction features) and caches the result.
+A verify step's bucket (speculative decoding) has the base Kernels alone: no verify schedules are learned yet.
 Nothing here touches a device.
 """
 
@@ -20,7 +21,7 @@ import math
 import numpy as np
 
 from jaxllm.contract import StepKind
-from jaxllm.tuner.candidates import NUM_INTERACTIONS, all_schedules, candidates, interaction_features
+from jaxllm.tuner.candidates import NUM_INTERACTIONS, OPS, all_schedules, candidates, interaction_features
 from jaxllm.tuner.cost_model import CostModel, OpRanker
 from jaxllm.tuner.features import NUM_SHAPE_FEATURES, StepFeatures, length_stats, plan_key, shape_features
 from jaxllm.tuner.train import schedule_matrix
@@ -173,6 +174,8 @@ class LearnedTuner:
 
     def _build(self, kind: StepKind, padded_size: int) -> _Bucket:
         op = kind.label
+        if op not in OPS:  # a verify step: no learned schedules of its own yet, it runs the base Kernels
+            return _Bucket((self.base,), ("base",), None)
         known = set(self.model.names.get(op, ()))
         scheds = [s for s in candidates(op, self.base, padded_size, block_size=self.block_size) if s.name in known]
         default = candidates(op, self.base, padded_size, block_size=self.block_size)[0]

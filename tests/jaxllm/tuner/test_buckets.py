@@ -13,29 +13,38 @@ from jaxllm.model.llama import Llama
 from jaxllm.tuner.buckets import Buckets, Shape
 
 LIMITS = [dict(max_seqs=1, max_tokens_per_step=8, table_width=3),
-          dict(max_seqs=5, max_tokens_per_step=100, table_width=7, min_tokens=3),
-          dict(max_seqs=256, max_tokens_per_step=4096, table_width=2049),
-          dict(max_seqs=48, max_tokens_per_step=512, table_width=33, min_tokens=16)]
+          dict(max_seqs=5, max_tokens_per_step=100, table_width=7, min_tokens=3, verify_queries=3),
+          dict(max_seqs=256, max_tokens_per_step=4096, table_width=2049, verify_queries=5),
+          dict(max_seqs=48, max_tokens_per_step=512, table_width=33, min_tokens=16, verify_queries=16)]
 
 
 @pytest.mark.parametrize("limits", LIMITS)
 def test_every_size_pads_to_the_smallest_bucket_holding_it(limits):
     b = Buckets(**limits)
     for kind in StepKind:
-        decode = kind is StepKind.DECODE
+        by_seqs = kind is not StepKind.PREFILL
         sizes = b.sizes(kind)
         assert list(sizes) == sorted(set(sizes)) and all(s & (s - 1) == 0 for s in sizes)
+        if not sizes:  # no speculative decoding: no verify buckets, and no verify step pads
+            assert kind is StepKind.VERIFY and not b.verify_queries
+            with pytest.raises(ValueError, match="no verify buckets"):
+                b.padded(kind, 1)
+            continue
         for size in range(1, sizes[-1] + 1):
             tokens, seqs = b.padded(kind, size)
-            key = seqs if decode else tokens
+            key = seqs if by_seqs else tokens
             assert key in sizes and key >= size
             assert key == min(s for s in sizes if s >= size)  # the smallest that holds it
-            if decode:
+            if kind is StepKind.DECODE:
                 assert tokens == seqs
+            elif kind is StepKind.VERIFY:
+                assert tokens == seqs * b.verify_queries  # k + 1 tokens a sequence, each at s * Q + j
             else:
                 assert seqs == min(tokens, b.seq_cap)
     assert b.decode_sizes[-1] >= b.max_seqs and b.prefill_sizes[-1] >= b.max_tokens_per_step
     assert b.prefill_sizes[0] >= b.min_tokens
+    if b.verify_queries:  # every verify step the scheduler plans (its rows x Q within the token budget) has a bucket
+        assert b.verify_sizes[-1] >= b.verify_seqs and b.verify_seqs * b.verify_queries <= b.max_tokens_per_step
 
 
 @pytest.mark.parametrize("limits", LIMITS)
@@ -43,9 +52,11 @@ def test_waste_bound_holds_and_is_reached(limits):
     b = Buckets(**limits)
     for kind in StepKind:
         worst = {}
+        if not b.sizes(kind):
+            continue
         for size in range(1, b.sizes(kind)[-1] + 1):
             tokens, seqs = b.padded(kind, size)
-            key = seqs if kind is StepKind.DECODE else tokens
+            key = tokens if kind is StepKind.PREFILL else seqs
             waste = (key - size) / key
             assert waste <= b.waste_bound(kind, key) + 1e-12
             worst[key] = max(worst.get(key, 0.0), waste)
@@ -67,6 +78,11 @@ def test_batch_one_decode_keeps_its_shape_and_limits_are_enforced():
         b.padded(True, 1)
     with pytest.raises(ValueError, match="max_seqs"):
         Buckets(max_seqs=0, max_tokens_per_step=8, table_width=1)
+    for bad in (1, -2, True, 33):  # k + 1 >= 2 tokens a sequence, at most a step's budget
+        with pytest.raises(ValueError, match="verify"):
+            Buckets(max_seqs=8, max_tokens_per_step=32, table_width=5, verify_queries=bad)
+    v = Buckets(max_seqs=8, max_tokens_per_step=32, table_width=5, verify_queries=5)
+    assert v.verify_seqs == 6 and v.verify_sizes == (1, 2, 4, 8) and v.padded(StepKind.VERIFY, 3) == (20, 4)
     with pytest.raises(ValueError, match="not a decode bucket"):
         b.waste_bound(D, 3)
 

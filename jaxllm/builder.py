@@ -26,7 +26,7 @@ from jaxllm.engine.instances import InstanceSchedulers
 from jaxllm.engine.requests import RequestLimits
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.scheduling import StepScheduler
-from jaxllm.engine.speculative import NgramProposer, Proposer, Speculation
+from jaxllm.engine.speculative import DraftModelProposer, NgramProposer, Proposer, Speculation
 from jaxllm.engine_config import EngineConfig, EngineOptions
 from jaxllm.executor.executor import build_executor
 from jaxllm.executor.model_runner import ModelRunner
@@ -58,6 +58,7 @@ class BuiltEngine:
     max_context: the longest sequence accepted (EngineConfig.max_context, resolved against the window).
     num_blocks: rBlocks of every instance's pool together; host_blocks: each instance's host tier (0: none).
     memory_plan: how the pool was planned (GPU with the default options), else None.
+    draft: the draft model's own engine (EngineOptions.speculative_model), else None.
     compile_cache_dir: the persistent compilation cache in use, else None.
     """
 
@@ -77,10 +78,17 @@ class BuiltEngine:
     scheduler: StepScheduler
     limits: RequestLimits
     core: EngineCore
+    draft: "BuiltEngine | None" = None
 
     @property
     def options(self) -> EngineOptions:
         return self.config.options
+
+    @property
+    def compile_count(self) -> int:
+        """Step functions compiled so far, the draft model's included (the metric that must stay flat after
+        warm-up)."""
+        return self.executor.compile_count + (self.draft.compile_count if self.draft is not None else 0)
 
     def info(self) -> EngineInfo:
         """A frozen description of the loaded model and engine."""
@@ -97,6 +105,8 @@ class BuiltEngine:
     def warm_up(self, progress: bool = True) -> None:
         """Compile every step shape up front (servers do this before reporting ready; followers compile as process
         0's warm-up calls reach them)."""
+        if self.draft is not None:
+            self.draft.warm_up(progress=progress)
         self.executor.warm_up(progress=progress)
 
     def follow(self) -> int:
@@ -142,6 +152,11 @@ def build_engine(config: EngineConfig, *, progress: bool = True, proposer: Propo
     block_size = options.block_size or (256 if on_gpu else 16)
     pool_dtype = jnp.dtype(kv_dtype(options.kv_dtype or jnp.dtype(model.embedding[...].dtype).name)).name
     max_step = options.max_tokens_per_step or (4096 if on_gpu else 512)
+    draft = None
+    if options.speculative_model is not None:
+        # Before the memory plan, so the target's pool is planned in what the draft leaves.
+        draft = _draft_engine(config, max_context, block_size, max_step, progress)
+        proposer = DraftModelProposer(draft.core, vocab_size=model_config.vocab_size)
     base = default_kernels(options.attention_backend, head_dim=step_model.config.head_dim)
     per_block = kv_bytes_per_block(step_model.config, block_size, pool_dtype)
     host_blocks = host_tier_blocks(options.host_kv_bytes or 0, per_block, instances)
@@ -177,12 +192,42 @@ def build_engine(config: EngineConfig, *, progress: bool = True, proposer: Propo
                            max_logit_bias=options.max_logit_bias,
                            max_speculative_tokens=options.speculative_tokens if proposer is not None else 0)
     tokenizer = load_tokenizer(tokenizer_dir)
+    if draft is not None and draft.tokenizer.vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"speculative_model {options.speculative_model!r} has a tokenizer of "
+                         f"{draft.tokenizer.vocab_size} tokens, the model {config.model!r} one of "
+                         f"{tokenizer.vocab_size}: a draft model must share the target's tokenizer")
     core = EngineCore(scheduler, runner, tokenizer, limits, pipeline=options.pipeline)
     return BuiltEngine(config=config, model_config=model_config, model=step_model, mesh=mesh, tokenizer=tokenizer,
                        generation_defaults=load_generation_defaults(tokenizer_dir), max_context=max_context,
                        pool_dtype=pool_dtype, num_blocks=num_blocks * instances, host_blocks=host_blocks,
                        memory_plan=memory_plan, compile_cache_dir=compile_cache_dir, executor=runner,
-                       scheduler=scheduler, limits=limits, core=core)
+                       scheduler=scheduler, limits=limits, core=core, draft=draft)
+
+
+def _draft_engine(config: EngineConfig, max_context: int, block_size: int, max_step: int,
+                  progress: bool) -> BuiltEngine:
+    """The draft model's engine (EngineOptions.speculative_model): one device (the mesh's first), the target's
+    context limit, rBlock size and step budget, a pool of draft_pool_seqs sequences of max_context, greedy only
+    (no penalties, no logprobs, no speculation of its own)."""
+    options = config.options
+    if jax.process_count() > 1:
+        raise ValueError(f"speculative_model {options.speculative_model!r} runs in one process; this run has "
+                         f"{jax.process_count()} (use speculative 'ngram:K' there)")
+    per_seq = -(-(max_context + 1) // block_size)
+    draft_options = EngineOptions(
+        block_size=block_size, num_blocks=options.draft_pool_seqs * per_seq, max_seqs=options.draft_pool_seqs,
+        max_tokens_per_step=max_step, attention_backend=options.attention_backend, tuner=options.tuner,
+        compile_cache_dir=options.compile_cache_dir, penalties=False, max_logit_bias=0, pipeline=options.pipeline)
+    draft_config = EngineConfig(model=options.speculative_model, dtype=config.dtype, max_context=max_context,
+                                allow_long_context=config.allow_long_context, options=draft_options)
+    if progress:
+        print(f"[jaxllm] draft model {options.speculative_model!r}: {draft_options.num_blocks} rBlocks of "
+              f"{block_size} tokens ({options.draft_pool_seqs} sequences of {max_context})", file=sys.stderr,
+              flush=True)
+    try:
+        return build_engine(draft_config, progress=progress)
+    except ValueError as err:
+        raise ValueError(f"speculative_model {options.speculative_model!r}: {err}") from err
 
 
 def _max_context(config: EngineConfig, model_config: LlamaConfig) -> int:
@@ -249,7 +294,7 @@ def _proposer(options: EngineOptions, given: Proposer | None) -> Proposer | None
         return given
     if options.speculative is not None:
         return NgramProposer()
-    if options.num_speculative_tokens is not None:
+    if options.num_speculative_tokens is not None and options.speculative_model is None:
         raise ValueError(f"num_speculative_tokens {options.num_speculative_tokens} needs a draft source: "
                          "EngineOptions.speculative ('ngram') or a proposer handed to the builder")
     return None

@@ -81,8 +81,14 @@ class EngineOptions:
     # sampled: the same distribution). num_speculative_tokens: K for a proposer handed to the builder
     # (build_engine(..., proposer=): benchmarks, tests), or the same as "ngram:K" with speculative "ngram". A
     # request may ask for fewer (SamplingParams.num_speculative_tokens; 0: off for it). None: off.
+    # speculative_model: a draft model instead (a preset or a checkpoint directory with the target's tokenizer),
+    # drafting num_speculative_tokens tokens greedily; it runs in the same process on the first device of the mesh,
+    # with its own engine and KV pool (draft_pool_seqs sequences of max_context: more speculating sequences take
+    # turns, its prefix cache keeping what fits). One process (a multi-process run: refused).
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    speculative_model: str | None = None
+    draft_pool_seqs: int = 4
 
     def __post_init__(self):
         for name in ("tensor_parallel", "instances", "default_max_tokens", "max_stop_strings", "max_stop_length"):
@@ -121,6 +127,19 @@ class EngineOptions:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)
                               or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if isinstance(self.draft_pool_seqs, bool) or not isinstance(self.draft_pool_seqs, int) \
+                or self.draft_pool_seqs < 1:
+            raise ValueError(f"draft_pool_seqs must be a positive integer, got {self.draft_pool_seqs!r}")
+        if self.speculative_model is not None:
+            if not isinstance(self.speculative_model, str) or not self.speculative_model:
+                raise ValueError(f"speculative_model must be a preset name or a checkpoint directory, got "
+                                 f"{self.speculative_model!r}")
+            if self.speculative is not None:
+                raise ValueError(f"speculative {self.speculative!r} and speculative_model {self.speculative_model!r}"
+                                 " are two draft sources: choose one")
+            if k is None:
+                raise ValueError(f"speculative_model {self.speculative_model!r} needs num_speculative_tokens (the "
+                                 f"tokens it drafts a step, 1...{MAX_SPECULATIVE_TOKENS})")
         if self.speculative is None:
             return
         method, _, count = self.speculative.partition(":") if isinstance(self.speculative, str) else ("", "", "")

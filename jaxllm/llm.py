@@ -86,8 +86,8 @@ class LLM:
 
     @property
     def compile_count(self) -> int:
-        """Step functions compiled so far (the metric that must stay flat after warm-up)."""
-        return self.executor.compile_count
+        """Step functions compiled so far, a draft model's included (the metric that must stay flat after warm-up)."""
+        return self.engine.compile_count
 
     @property
     def pool_tokens(self) -> int:

@@ -189,6 +189,21 @@ class LlamaConfig:
         return cls(**{**base, **overrides})
 
     @classmethod
+    def tiny_draft(cls, **overrides: Any) -> "LlamaConfig":
+        """A draft model for `tiny` (speculative decoding's tests): its vocabulary and tokenizer, one narrow layer."""
+        base = dict(vocab_size=259, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
+                    intermediate_size=344, max_position_embeddings=2048, name="tiny-draft")
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama_68m(cls, **overrides: Any) -> "LlamaConfig":
+        """JackFram/llama-68m's shape (the draft model vLLM's speculative-decoding tests pair with Llama-2): the
+        Llama-2 vocabulary, 2 layers of 768, 12 heads of 64."""
+        base = dict(vocab_size=32000, hidden_size=768, num_layers=2, num_heads=12, num_kv_heads=12,
+                    intermediate_size=3072, max_position_embeddings=2048, name="llama-68m")
+        return cls(**{**base, **overrides})
+
+    @classmethod
     def llama2_7b(cls, **overrides: Any) -> "LlamaConfig":
         base = dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
                     intermediate_size=11008, name="llama2-7b")
@@ -466,6 +481,8 @@ def _from_hf(cls, raw: dict) -> LlamaConfig:
 
 PRESETS = {
     "tiny": LlamaConfig.tiny,
+    "tiny-draft": LlamaConfig.tiny_draft,
+    "llama-68m": LlamaConfig.llama_68m,
     "llama2-7b": LlamaConfig.llama2_7b,
     "llama2-13b": LlamaConfig.llama2_13b,
     "llama2-70b": LlamaConfig.llama2_70b,

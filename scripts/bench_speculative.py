@@ -14,6 +14,11 @@ back; prompt lookup (n-gram) on a copy-heavy prompt (a random passage twice: acc
 copy nothing on their own); (c) derived, not measured: the speedup the measured verify and decode times give at
 acceptance rates 0.5, 0.7 and 0.9 (a verify step keeps (1 - a^(k+1)) / (1 - a) tokens on average when each draft is
 accepted with probability a). --model tiny --contexts 64 200 runs it all on the CPU (interpret mode for (a)).
+
+(d) --draft-model NAME (a run of its own: one engine with EngineOptions.speculative_model NAME): plain decoding
+against drafts from that model, its cost included (a verify step's gap holds the draft's proposal), the tokens
+checked equal; acceptance as measured (random weights: a random draft is rejected), and the speedups the measured
+gaps give at acceptance rates 0.5, 0.7 and 0.9 (derived).
 """
 
 from __future__ import annotations
@@ -161,6 +166,15 @@ def _drive(llm, prompt: list[int], new_tokens: int, k: int | None) -> dict:
     return dict(tokens=tokens, gaps=gaps, plans=plans, decode_wall_s=marks["last"] - marks["first"], moved=moved)
 
 
+def _warm(llm, prompt: list[int], proposer: BenchProposer | None = None, new_tokens: int = 8) -> None:
+    """Untimed: this context's shapes compiled (a plain run, then a speculative one) before the timed runs, which
+    then find the prompt's KV in the prefix cache."""
+    plain = _drive(llm, prompt, new_tokens, 0)
+    if proposer is not None:
+        proposer.expect(prompt, plain["tokens"])
+    _drive(llm, prompt, new_tokens, None)
+
+
 def device_step_ms(llm, plans: dict, calls: int = 20, rounds: int = 5) -> dict:
     """Each captured plan dispatched `calls` times back to back (one wait at the end), kinds in turns: ms a step."""
     times = {kind: [] for kind in plans}
@@ -192,6 +206,7 @@ def engine_rows(llm, proposer: BenchProposer, contexts: list[int], new_tokens: i
         rng = np.random.default_rng(context)
         prompt = rng.integers(3, vocab, size=context).tolist()
         t0 = time.perf_counter()
+        _warm(llm, prompt, proposer)
         plain = _drive(llm, prompt, new_tokens, 0)
         proposer.expect(prompt, plain["tokens"])
         replay = _drive(llm, prompt, new_tokens, None)
@@ -223,6 +238,34 @@ def engine_rows(llm, proposer: BenchProposer, contexts: list[int], new_tokens: i
     return rows
 
 
+def draft_model_rows(llm, contexts: list[int], new_tokens: int, k: int) -> list[dict]:
+    """(d): at each context, plain decoding then the draft model's drafts, the same prompt."""
+    rows = []
+    vocab = llm.config.vocab_size
+    for context in contexts:
+        rng = np.random.default_rng(context)
+        prompt = rng.integers(3, vocab, size=context).tolist()
+        t0 = time.perf_counter()
+        _warm(llm, prompt)
+        plain = _drive(llm, prompt, new_tokens, 0)
+        drafted = _drive(llm, prompt, new_tokens, None)
+        decode_ms = float(np.median(plain["gaps"]["decode"][2:])) * 1e3
+        verify_ms = float(np.median(drafted["gaps"]["verify"][1:])) * 1e3  # the draft's proposal included
+        moved = drafted["moved"]
+        row = dict(context=context, k=k, new_tokens=new_tokens, same_tokens=plain["tokens"] == drafted["tokens"],
+                   plain_ms_per_token=decode_ms, plain_tokens_per_s=(len(plain["tokens"]) - 1) / plain["decode_wall_s"],
+                   draft_verify_gap_ms=verify_ms,
+                   draft_tokens_per_s=(len(drafted["tokens"]) - 1) / drafted["decode_wall_s"], **moved,
+                   acceptance_rate=moved["accepted_tokens_total"] / max(moved["draft_tokens_total"], 1),
+                   verify_steps=len(drafted["gaps"]["verify"]), decode_steps=len(drafted["gaps"]["decode"]))
+        row["draft_speedup"] = row["draft_tokens_per_s"] / row["plain_tokens_per_s"]
+        row["derived"] = derived_speedups(decode_ms, verify_ms, k)
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        _log(f"[draft-model] {json.dumps(row)}")
+    return rows
+
+
 def build_llm(model: str, k: int, max_context: int, tuner: str):
     from jaxllm import LLM, EngineOptions
 
@@ -245,6 +288,8 @@ def main(argv=None) -> int:
                    help="contexts of the copy-heavy prompt-lookup run (default: every context)")
     p.add_argument("--tuner", choices=("auto", "fixed"), default="fixed",
                    help="the steps' kernels (fixed: the same defaults for decode and verify)")
+    p.add_argument("--draft-model", default=None,
+                   help="(d) only: drafts from this preset or checkpoint (e.g. llama-68m), its cost included")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
 
@@ -254,7 +299,8 @@ def main(argv=None) -> int:
     result = {"script": "scripts/bench_speculative.py", "argv": sys.argv[1:], "date": harness.today(),
               "device": device, "jax": jax.__version__, "model": args.model, "k": args.k, "batch": 1,
               "tuner": args.tuner}
-    path = os.path.join(args.out, harness.result_stem(device, "speculative.json", result["date"]))
+    name = "speculative-draft-model.json" if args.draft_model else "speculative.json"
+    path = os.path.join(args.out, harness.result_stem(device, name, result["date"]))
 
     def save():
         harness.write_json(path, result)
@@ -265,7 +311,20 @@ def main(argv=None) -> int:
         result["attention"] = attention_rows(args.contexts, args.k, heads=heads,
                                              block_size=16 if interpret else 256, interpret=interpret)
         save()
-    if not args.attention_only:
+    if args.draft_model:
+        from jaxllm import LLM, EngineOptions
+
+        result["draft_model"] = args.draft_model
+        options = EngineOptions(speculative_model=args.draft_model, num_speculative_tokens=args.k, max_seqs=1,
+                                tuner=args.tuner, draft_pool_seqs=1)
+        llm = LLM(args.model, dtype="bfloat16", max_context=max(args.contexts) + args.new_tokens + 64,
+                  allow_long_context=True, options=options)
+        llm.engine.draft.warm_up()  # every bucket of the draft's: its prompts grow by a few tokens a proposal
+        compiles = llm.compile_count
+        result["draft_rows"] = draft_model_rows(llm, args.contexts, args.new_tokens, args.k)
+        result["compiles_in_run"] = llm.compile_count - compiles
+        save()
+    elif not args.attention_only:
         llm, proposer = build_llm(args.model, args.k, max(args.contexts) + args.new_tokens + 64, args.tuner)
         result["pool_tokens"] = llm.pool_tokens
         ngram = args.contexts if args.ngram_contexts is None else args.ngram_contexts
@@ -284,6 +343,11 @@ def main(argv=None) -> int:
               f"({r['replay_speedup']:.2f}x), same tokens {r['same_tokens']}"
               + (f"; ngram {r['ngram']['speedup']:.2f}x at acceptance {r['ngram']['acceptance_rate']:.2f}"
                  if "ngram" in r else ""))
+    for r in result.get("draft_rows", []):
+        print(f"draft {args.draft_model} {r['context']:>7}: plain {r['plain_tokens_per_s']:.1f} tok/s, with drafts "
+              f"{r['draft_tokens_per_s']:.1f} tok/s ({r['draft_speedup']:.2f}x) at acceptance "
+              f"{r['acceptance_rate']:.2f}; verify + draft {r['draft_verify_gap_ms']:.2f} ms against decode "
+              f"{r['plain_ms_per_token']:.2f} ms; same tokens {r['same_tokens']}")
     save()
     print(f"wrote {path}")
     return 0

@@ -18,8 +18,8 @@ import sys
 import time
 
 from jaxllm import console
-from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, host_kv_bytes, is_leader,
-                               start_processes)
+from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, add_speculative_flags,
+                               host_kv_bytes, is_leader, speculative_options, start_processes)
 from sharding.xla_flags import add_tensor_parallel_flags
 
 _STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a writer whose reader left
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU: the KV pool's share of the memory left after the weights (default: planned)")
     add_compile_flags(p)
     add_host_tier_flag(p)
+    add_speculative_flags(p)
     add_mesh_flags(p)
     return p
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                                 lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks,
                                 kv_memory_fraction=args.kv_memory_fraction,
                                 tuner=args.tuner, compile_cache_dir=args.compile_cache,
-                                host_kv_bytes=host_kv_bytes(args))
+                                host_kv_bytes=host_kv_bytes(args), **speculative_options(args))
         config = EngineConfig(args.model, dtype=args.dtype, max_context=args.max_context,
                               allow_long_context=args.allow_long_context, options=options)
         if not is_leader():  # the same steps as process 0, on this process's devices; no output
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if queue.host.blocks:
             lending += (f", host tier: {queue.host.swap_outs_total} swaps out / {queue.host.swap_ins_total} in, "
                         f"{queue.host.hit_blocks_total} host-cache rBlocks hit")
+        spec = queue.speculative
+        if spec.drafts_total:
+            lending += (f", speculative: {spec.accepted_tokens_total} of {spec.draft_tokens_total} draft tokens "
+                        f"accepted ({spec.mean_acceptance_length:.2f} tokens a verify step)")
         print(f"[{time.perf_counter() - start:.2f} s, model {args.model}, {llm.compile_count} step compiles, "
               f"{llm.executor.xla_compiles} by XLA{lending}]",
               file=sys.stderr)

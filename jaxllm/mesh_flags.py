@@ -11,7 +11,8 @@
 
 `start_processes` must run before anything touches a device (jax.distributed.initialize's rule). Beside them
 the other engine flags both entry points share: --compile-cache and --tuner (add_compile_flags), --host-kv-gib
-(add_host_tier_flag; `host_kv_bytes` reads it).
+(add_host_tier_flag; `host_kv_bytes` reads it), and speculative decoding's --speculative, --speculative-model and
+--num-speculative-tokens (add_speculative_flags; `speculative_options` reads them).
 """
 
 from __future__ import annotations
@@ -91,3 +92,22 @@ def host_kv_bytes(args: argparse.Namespace) -> int | None:
     if not gib >= 0 or gib == float("inf"):  # also refuses NaN
         raise ValueError(f"--host-kv-gib must be a finite number >= 0 (0 turns the host tier off), got {gib}")
     return int(gib * (1 << 30))
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (EngineOptions.speculative, speculative_model, num_speculative_tokens)."""
+    g = parser.add_argument_group("speculative decoding (the same tokens greedily, the same distribution sampled)")
+    g.add_argument("--speculative", default=None, metavar="ngram:K",
+                   help="prompt lookup: each step drafts up to K tokens that followed the latest match of the "
+                        "sequence's last tokens in its own prompt and output, checked in one verify step")
+    g.add_argument("--speculative-model", default=None, metavar="MODEL",
+                   help="a draft model instead (a preset or checkpoint directory with the target's tokenizer), run "
+                        "on the first device beside the target with its own KV pool (one process)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens a step (with --speculative-model; with --speculative ngram the same as ngram:K)")
+
+
+def speculative_options(args: argparse.Namespace) -> dict:
+    """EngineOptions' speculative fields from add_speculative_flags' flags (EngineOptions checks them)."""
+    return dict(speculative=args.speculative, speculative_model=args.speculative_model,
+                num_speculative_tokens=args.num_speculative_tokens)

@@ -34,8 +34,8 @@ from jaxllm.engine.threaded import Engine
 from jaxllm.model.kv_cache import KV_DTYPES
 from jaxllm.builder import BuiltEngine, build_engine
 from jaxllm.engine_config import EngineConfig, EngineOptions
-from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, host_kv_bytes, is_leader,
-                               start_processes)
+from jaxllm.mesh_flags import (add_compile_flags, add_host_tier_flag, add_mesh_flags, add_speculative_flags,
+                               host_kv_bytes, is_leader, speculative_options, start_processes)
 from jaxllm.model.checkpoints import MODEL_DTYPES
 from jaxllm.model.config import PRESETS
 from sharding import multihost
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "unset: no key)")
     add_compile_flags(p)
     add_host_tier_flag(p)
+    add_speculative_flags(p)
     add_mesh_flags(p)
     return p
 
@@ -117,7 +118,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          tuner=args.tuner, compile_cache_dir=args.compile_cache, penalties=not args.no_penalties,
                          max_logit_bias=args.max_logit_bias, host_kv_bytes=host_kv_bytes(args),
                          default_max_tokens=args.default_max_tokens, max_stop_strings=args.max_stop_strings,
-                         max_stop_length=args.max_stop_length)
+                         max_stop_length=args.max_stop_length, **speculative_options(args))
 
 
 def engine_config(args: argparse.Namespace, options: EngineOptions) -> EngineConfig:

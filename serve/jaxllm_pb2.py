@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12serve/jaxllm.proto\x12\tjaxllm.v1\"\x97\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).jaxllm.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.jaxllm.v1.TopLogprobB\n\n\x08_logprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.jaxllm.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.jaxllm.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.jaxllm.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.jaxllm.v1.TokenLogprob\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"\xeb\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x11\n\tnum_heads\x18\x07 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\x05\x12\x13\n\x0bmax_context\x18\t \x01(\x05\x12\x15\n\rkv_block_size\x18\n \x01(\x05\x12\x15\n\rkv_num_blocks\x18\x0b \x01(\x05\x12\x10\n\x08kv_dtype\x18\x0c \x01(\t\x12\x13\n\x0bmax_running\x18\r \x01(\x05\x12\x11\n\tmax_queue\x18\x0e \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x0f \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x10 \x01(\x05\x12\x17\n\x0fmax_stop_length\x18\x11 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x12 \x01(\t\x12\x0f\n\x07version\x18\x13 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x14 \x01(\x05\x12\x11\n\tinstances\x18\x15 \x01(\x05\x12\x11\n\tprocesses\x18\x16 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x17 \x01(\x05*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xe0\x01\n\nLLMService\x12\x45\n\x08Generate\x12\x1a.jaxllm.v1.GenerateRequest\x1a\x1b.jaxllm.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.jaxllm.v1.TokenizeRequest\x1a\x1b.jaxllm.v1.TokenizeResponse\x12\x46\n\tModelInfo\x12\x1b.jaxllm.v1.ModelInfoRequest\x1a\x1c.jaxllm.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12serve/jaxllm.proto\x12\tjaxllm.v1\"\xd7\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).jaxllm.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x05\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x10 \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x19\n\x17_num_speculative_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.jaxllm.v1.TopLogprobB\n\n\x08_logprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.jaxllm.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.jaxllm.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.jaxllm.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.jaxllm.v1.TokenLogprob\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x12\n\x10ModelInfoRequest\"\xeb\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x11\n\tnum_heads\x18\x07 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\x05\x12\x13\n\x0bmax_context\x18\t \x01(\x05\x12\x15\n\rkv_block_size\x18\n \x01(\x05\x12\x15\n\rkv_num_blocks\x18\x0b \x01(\x05\x12\x10\n\x08kv_dtype\x18\x0c \x01(\t\x12\x13\n\x0bmax_running\x18\r \x01(\x05\x12\x11\n\tmax_queue\x18\x0e \x01(\x05\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x0f \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x10 \x01(\x05\x12\x17\n\x0fmax_stop_length\x18\x11 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x12 \x01(\t\x12\x0f\n\x07version\x18\x13 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x14 \x01(\x05\x12\x11\n\tinstances\x18\x15 \x01(\x05\x12\x11\n\tprocesses\x18\x16 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x17 \x01(\x05*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xe0\x01\n\nLLMService\x12\x45\n\x08Generate\x12\x1a.jaxllm.v1.GenerateRequest\x1a\x1b.jaxllm.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.jaxllm.v1.TokenizeRequest\x1a\x1b.jaxllm.v1.TokenizeResponse\x12\x46\n\tModelInfo\x12\x1b.jaxllm.v1.ModelInfoRequest\x1a\x1c.jaxllm.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -23,28 +23,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1597
-  _globals['_FINISHREASON']._serialized_end=1721
+  _globals['_FINISHREASON']._serialized_start=1661
+  _globals['_FINISHREASON']._serialized_end=1785
   _globals['_GENERATEREQUEST']._serialized_start=34
-  _globals['_GENERATEREQUEST']._serialized_end=569
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=431
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=479
-  _globals['_USAGE']._serialized_start=571
-  _globals['_USAGE']._serialized_end=628
-  _globals['_TOKENLOGPROB']._serialized_start=630
-  _globals['_TOKENLOGPROB']._serialized_end=732
-  _globals['_TOPLOGPROB']._serialized_start=734
-  _globals['_TOPLOGPROB']._serialized_end=781
-  _globals['_GENERATERESPONSE']._serialized_start=784
-  _globals['_GENERATERESPONSE']._serialized_end=1009
-  _globals['_TOKENIZEREQUEST']._serialized_start=1011
-  _globals['_TOKENIZEREQUEST']._serialized_end=1042
-  _globals['_TOKENIZERESPONSE']._serialized_start=1044
-  _globals['_TOKENIZERESPONSE']._serialized_end=1081
-  _globals['_MODELINFOREQUEST']._serialized_start=1083
-  _globals['_MODELINFOREQUEST']._serialized_end=1101
-  _globals['_MODELINFORESPONSE']._serialized_start=1104
-  _globals['_MODELINFORESPONSE']._serialized_end=1595
-  _globals['_LLMSERVICE']._serialized_start=1724
-  _globals['_LLMSERVICE']._serialized_end=1948
+  _globals['_GENERATEREQUEST']._serialized_end=633
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=468
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=516
+  _globals['_USAGE']._serialized_start=635
+  _globals['_USAGE']._serialized_end=692
+  _globals['_TOKENLOGPROB']._serialized_start=694
+  _globals['_TOKENLOGPROB']._serialized_end=796
+  _globals['_TOPLOGPROB']._serialized_start=798
+  _globals['_TOPLOGPROB']._serialized_end=845
+  _globals['_GENERATERESPONSE']._serialized_start=848
+  _globals['_GENERATERESPONSE']._serialized_end=1073
+  _globals['_TOKENIZEREQUEST']._serialized_start=1075
+  _globals['_TOKENIZEREQUEST']._serialized_end=1106
+  _globals['_TOKENIZERESPONSE']._serialized_start=1108
+  _globals['_TOKENIZERESPONSE']._serialized_end=1145
+  _globals['_MODELINFOREQUEST']._serialized_start=1147
+  _globals['_MODELINFOREQUEST']._serialized_end=1165
+  _globals['_MODELINFORESPONSE']._serialized_start=1168
+  _globals['_MODELINFORESPONSE']._serialized_end=1659
+  _globals['_LLMSERVICE']._serialized_start=1788
+  _globals['_LLMSERVICE']._serialized_end=2012
 # @@protoc_insertion_point(module_scope)

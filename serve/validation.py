@@ -36,7 +36,9 @@ def to_engine_request(request, tokenizer, limits: RequestLimits) -> tuple[list[i
         repetition_penalty=float(request.repetition_penalty) if request.HasField("repetition_penalty") else 1.0,
         logit_bias={int(token): float(bias) for token, bias in request.logit_bias.items()},
         logprobs=int(request.logprobs) if request.HasField("logprobs") else None,
-        prompt_logprobs=int(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None)
+        prompt_logprobs=int(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None,
+        num_speculative_tokens=(int(request.num_speculative_tokens) if request.HasField("num_speculative_tokens")
+                                else None))
     return ids, params
 
 

@@ -211,7 +211,8 @@ def _check(state: ApiState, adapter: EngineAdapter, body: object, chat: bool) ->
             seed = base if j == 0 else (base + j) % SEED_LIMIT  # choice 0 carries the seed as sent (checked)
             sampling = Sampling(max_tokens=req.output_limit(), temperature=temperature, top_p=req.top_p,
                                 top_k=req.top_k, seed=seed, stop=req.stops(), ignore_eos=req.ignore_eos,
-                                logprobs=logprobs, logprobs_name=logprobs_name, prompt_logprobs=scored, **penalties)
+                                logprobs=logprobs, logprobs_name=logprobs_name, prompt_logprobs=scored,
+                                num_speculative_tokens=req.num_speculative_tokens, **penalties)
             try:
                 ids, params = adapter.check(prompt, sampling)
             except ValueError as e:

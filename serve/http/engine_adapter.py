@@ -39,6 +39,7 @@ class Sampling:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    num_speculative_tokens: int | None = None  # None: the engine's k; 0: off for this request
 
 
 class EngineAdapter:
@@ -77,7 +78,8 @@ class EngineAdapter:
                                  prompt_logprobs=sampling.prompt_logprobs, logprobs_name=sampling.logprobs_name,
                                  frequency_penalty=sampling.frequency_penalty,
                                  presence_penalty=sampling.presence_penalty,
-                                 repetition_penalty=sampling.repetition_penalty, logit_bias=sampling.logit_bias)
+                                 repetition_penalty=sampling.repetition_penalty, logit_bias=sampling.logit_bias,
+                                 num_speculative_tokens=sampling.num_speculative_tokens)
         return ids, params
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -6,7 +6,8 @@ cannot honour yet are refused with a 400 rather than silently ignored (see `unsu
 Log-probabilities: completions' `logprobs: k`, chat's `logprobs: true` with `top_logprobs: k`
 (`logprobs_wanted` turns either into the engine's k and the field that named it). Penalties: OpenAI's
 `frequency_penalty`, `presence_penalty` and `logit_bias` (token ids as strings), vLLM's `repetition_penalty`
-(`penalties` turns them into the engine's). jaxllm's own extras: `top_k` and `ignore_eos`. The prompt, stop and content fields have validators of
+(`penalties` turns them into the engine's). jaxllm's own extras: `top_k`, `ignore_eos` and
+`num_speculative_tokens` (0: no speculative decoding for this request). The prompt, stop and content fields have validators of
 their own, so a bad one is named down to the element at fault ("prompt[0]: 1.5 is not a token id").
 Also vLLM's /tokenize and /detokenize bodies.
 """
@@ -131,6 +132,9 @@ class _Common(BaseModel):
     top_k: int = 0
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    # On a server with speculative decoding: the most draft tokens a step for this request (null: the server's
+    # --num-speculative-tokens; 0: off for it). The output is the same either way.
+    num_speculative_tokens: int | None = None
 
     @field_validator("stop", mode="plain")
     @classmethod

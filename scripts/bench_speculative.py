@@ -143,6 +143,7 @@ def _drive(llm, prompt: list[int], new_tokens: int, k: int | None) -> dict:
     gaps = {"decode": [], "verify": [], "prefill": []}
     plans, marks = {}, {}
     before = llm.stats().scheduler.speculative
+    compiles = llm.compile_count
     last = time.perf_counter()
 
     def on_step(outputs) -> None:
@@ -163,7 +164,24 @@ def _drive(llm, prompt: list[int], new_tokens: int, k: int | None) -> dict:
     after = llm.stats().scheduler.speculative
     moved = {f: getattr(after, f) - getattr(before, f) for f in ("draft_tokens_total", "accepted_tokens_total",
                                                                     "drafts_total")}
-    return dict(tokens=tokens, gaps=gaps, plans=plans, decode_wall_s=marks["last"] - marks["first"], moved=moved)
+    return dict(tokens=tokens, gaps=gaps, plans=plans, decode_wall_s=marks["last"] - marks["first"], moved=moved,
+                compiles=llm.compile_count - compiles)
+
+
+def _replay_to_fixed_point(llm, proposer: BenchProposer, prompt: list[int], tokens: list[int], new_tokens: int,
+                           max_passes: int = 6) -> tuple[dict, int]:
+    """The replay run whose drafts are its own greedy tokens. In float32 (the CPU) those are the plain run's; in
+    bfloat16 a verify step's logits (k + 1 rows a matmul) round unlike a decode step's (one row), so at a near tie
+    its argmax may differ: from there the replay of the plain run is off track and decodes without drafts. Each pass
+    replays the last pass's tokens, which the verify steps agree with up to their next such tie: a few passes reach
+    the tokens every verify step accepts (the mechanism's ceiling). Returns the last pass and the passes run."""
+    for passes in range(1, max_passes + 1):
+        proposer.expect(prompt, tokens)
+        run = _drive(llm, prompt, new_tokens, None)
+        if run["tokens"] == tokens:
+            break
+        tokens = run["tokens"]
+    return run, passes
 
 
 def _warm(llm, prompt: list[int], proposer: BenchProposer | None = None, new_tokens: int = 8) -> None:
@@ -208,13 +226,16 @@ def engine_rows(llm, proposer: BenchProposer, contexts: list[int], new_tokens: i
         t0 = time.perf_counter()
         _warm(llm, prompt, proposer)
         plain = _drive(llm, prompt, new_tokens, 0)
-        proposer.expect(prompt, plain["tokens"])
-        replay = _drive(llm, prompt, new_tokens, None)
+        replay, passes = _replay_to_fixed_point(llm, proposer, prompt, plain["tokens"], new_tokens)
         plans = {"decode": plain["plans"]["decode"], "verify": replay["plans"]["verify"]}
         device = device_step_ms(llm, plans)
         decode_ms = float(np.median(plain["gaps"]["decode"][2:])) * 1e3
         verify_ms = float(np.median(replay["gaps"]["verify"][1:])) * 1e3
+        first_difference = next((i for i, (a, b) in enumerate(zip(plain["tokens"], replay["tokens"])) if a != b),
+                                None)
         row = dict(context=context, k=k, new_tokens=new_tokens, same_tokens=plain["tokens"] == replay["tokens"],
+                   first_difference=first_difference, replay_passes=passes,
+                   compiles_timed=dict(plain=plain["compiles"], replay=replay["compiles"]),
                    plain_ms_per_token=decode_ms, plain_tokens_per_s=(len(plain["tokens"]) - 1) / plain["decode_wall_s"],
                    replay_verify_step_ms=verify_ms,
                    replay_tokens_per_s=(len(replay["tokens"]) - 1) / replay["decode_wall_s"],
@@ -249,10 +270,14 @@ def draft_model_rows(llm, contexts: list[int], new_tokens: int, k: int) -> list[
         _warm(llm, prompt)
         plain = _drive(llm, prompt, new_tokens, 0)
         drafted = _drive(llm, prompt, new_tokens, None)
+        first_difference = next((i for i, (a, b) in enumerate(zip(plain["tokens"], drafted["tokens"])) if a != b),
+                                None)
         decode_ms = float(np.median(plain["gaps"]["decode"][2:])) * 1e3
         verify_ms = float(np.median(drafted["gaps"]["verify"][1:])) * 1e3  # the draft's proposal included
         moved = drafted["moved"]
         row = dict(context=context, k=k, new_tokens=new_tokens, same_tokens=plain["tokens"] == drafted["tokens"],
+                   first_difference=first_difference,
+                   compiles_timed=dict(plain=plain["compiles"], drafted=drafted["compiles"]),
                    plain_ms_per_token=decode_ms, plain_tokens_per_s=(len(plain["tokens"]) - 1) / plain["decode_wall_s"],
                    draft_verify_gap_ms=verify_ms,
                    draft_tokens_per_s=(len(drafted["tokens"]) - 1) / drafted["decode_wall_s"], **moved,

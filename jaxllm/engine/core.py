@@ -47,7 +47,9 @@ class Request:
     checked: RequestLimits | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        ids = self.prompt_ids
+        if not (type(ids) is tuple and all(type(t) is int for t in ids)):  # a long prompt's ids: no copy
+            object.__setattr__(self, "prompt_ids", tuple(int(t) for t in ids))
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(self.params).__name__}")
 

@@ -75,6 +75,8 @@ def check_token_ids(ids: Sequence[int], limits: RequestLimits, what: str = "prom
     ids = list(ids)
     if not ids:
         raise ValueError(f"{what} is empty")
+    if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < limits.vocab_size:
+        return check_length(ids, limits, what, max_tokens=max_tokens)  # the common case at C speed (128K ids: ms)
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < limits.vocab_size:
             raise ValueError(f"{what}[{i}]: token id {t!r} is outside the vocabulary [0, {limits.vocab_size})")

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from jaxllm.contract import SamplingParams
 from jaxllm.engine.core import Request, RequestOutput
+from jaxllm.engine.requests import RequestLimits
 from jaxllm.engine.sequence import Sequence
 
 __all__ = ["DraftCore", "DraftModelProposer"]
@@ -23,6 +24,8 @@ __all__ = ["DraftCore", "DraftModelProposer"]
 
 class DraftCore(Protocol):
     """What the proposer drives: an EngineCore (jaxllm.engine.core) of the draft model."""
+
+    limits: RequestLimits  # what a request may be: the proposer's are built within them (Request.checked)
 
     def add(self, request: Request) -> int: ...
 
@@ -47,10 +50,17 @@ class DraftModelProposer:
         self.vocab_size = vocab_size
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
-        params = {k: SamplingParams(max_new_tokens=k, temperature=0.0, ignore_eos=True) for _, k in requests}
+        limits = self.core.limits
         rows: dict[int, int] = {}  # the draft's request id -> the row it drafts for
         for row, (seq, k) in enumerate(requests):
-            rows[self.core.add(Request((*seq.prompt_ids, *seq.output_ids), params[k]))] = row
+            tokens = (*seq.prompt_ids, *seq.output_ids)
+            k = min(k, limits.room(len(tokens)))
+            if k < 1 or not tokens:
+                continue
+            # Token ids the target accepted are in the shared vocabulary and within the draft's context (the
+            # target's max_context), so the core's check (O(tokens) a proposal) is skipped: `checked`.
+            params = SamplingParams(max_new_tokens=k, temperature=0.0, ignore_eos=True)
+            rows[self.core.add(Request(tokens, params, checked=limits))] = row
         drafts: list[list[int]] = [[] for _ in requests]
         pending = set(rows)
         try:

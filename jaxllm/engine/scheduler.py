@@ -32,6 +32,10 @@ after them, rolls each sequence's computed KV back to them and returns the rBloc
 a rejected token's KV is never registered in the prefix cache (only full rBlocks of computed, accepted tokens are).
 A speculating sequence's decode step is never continued before its tokens are read (`plan_continuation`): the next
 step's draft depends on them.
+
+Held sequences (`held`): the instance set plans a long prompt it spreads over every instance itself
+(jaxllm.engine.spread), admitting it through `admit` (the admission `plan` does for the others); `plan` skips them.
+Their results are recorded here as any sequence's.
 """
 
 from __future__ import annotations

@@ -184,19 +184,19 @@ def _prefill_report(llm):
 
 
 def _one_instance_prefill(args, options: dict, prompt: list[int]) -> dict:
-    """The same prompt prefilled chunk by chunk on its home instance (spreading off): its steps, its balance and its
-    prefill time (one token generated)."""
+    """The same prompt prefilled chunk by chunk on its home instance (spreading off; one token generated): its steps
+    and its balance."""
     from jaxllm.contract import SamplingParams
     from jaxllm.engine.core import Request
 
     llm = _engine(args.model, spread_prompts=False, **options)
-    _, prefill, _ = _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))])
+    _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))])
     alone = _prefill_report(llm)
     llm.close()
     del llm
     gc.collect()
     return dict(steps_one_instance=alone.steps, one_instance_attention=alone.attention_balance,
-                one_instance_matmul_tokens=alone.matmul_balance, one_instance_prefill_s=sum(prefill))
+                one_instance_matmul_tokens=alone.matmul_balance)
 
 
 def _splits(config, n: int) -> bool:
@@ -411,6 +411,7 @@ def main(argv=None) -> int:
     p.add_argument("--spread-baseline", action=argparse.BooleanOptionalAction, default=None,
                    help="(a): prefill the prompt again chunk by chunk on one instance, for prefill_balance's "
                         "steps_one_instance (default: on with --dry-run)")
+    p.add_argument("--note", default=None, help="a note the result records (e.g. that the machine was shared)")
     p.add_argument("--name", default=None, help="the result file's name after its date (default: mesh-x<devices>...)")
     p.add_argument("--tp-contexts", type=int, nargs="+", default=[4096, 131072])
     p.add_argument("--tp-sweep-model", default=None, help="(b)'s sweep model (default: llama2-13b; tiny with --dry-run)")
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
     device = harness.device_kind()
     floor = None if args.dry_run else harness.hbm_floor_tb_s(device)
     result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model, tuner=args.tuner,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""))
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), **({"note": args.note} if args.note else {}))
     name = (f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "")
             + (f"-tp{args.longest_tp}" if args.longest_tp > 1 and "longest" in args.parts else "")
             + ("-dry-run" if args.dry_run else ""))

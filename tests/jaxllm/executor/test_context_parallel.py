@@ -1,8 +1,9 @@
 """Context-parallel prefill (jaxllm.engine.spread) on CPU host devices: a prompt of 3.5x one instance's pool (14
 chunks) on 4 instances, and of 1.8x (10 chunks) on 2 instances x tensor parallel 2, bf16 and int8 pools, spread over
 every instance, against one instance with one big pool: the same teacher-forced logits (relative error <= 1e-5 with
-the model's float32 pools) and the same greedy tokens (float32 and int8 pools); with a cached prefix; the work shared
-evenly and the steps about a quarter of one instance's; nothing compiled after warm-up.
+the model's float32 pools) and the same greedy tokens (float32 and int8 pools), in a quarter of the steps (one chunk an instance a step); with a
+cached prefix; nothing compiled after warm-up (float32 pools: the int8 engines compile as they go, to keep the test
+short). The balance of the work: tests/jaxllm/engine/test_spread.py and `scripts/bench_mesh.py --parts longest`.
 
 An int8 (or bf16) pool stores each K/V rounded: programs of other shapes compute K/V that differ in the last float32
 bits, and where such a value sits on a rounding boundary its stored copy moves by a whole step. The logits then
@@ -63,10 +64,12 @@ def test_a_long_prompt_spread_over_the_mesh_gives_one_big_pools_logits_and_token
     llm = LLM("tiny", options=_options(kv, chunk, num_blocks=POOL, instances=instances, tensor_parallel=tp),
               progress=False)
     one = reference[kv, chunk]
-    llm.warm_up(progress=False)
+    if kv is None:
+        llm.warm_up(progress=False)
     warm = llm.compile_count
     tokens = _greedy(llm, prompt)
-    assert llm.compile_count == warm  # serving compiles nothing new (logits() scores, it is no serving program)
+    if kv is None:
+        assert llm.compile_count == warm  # serving compiles nothing new (logits() scores: no serving program)
     assert_same_greedy(one, prompt, tokens, _greedy(one, prompt))
     report = llm.core.scheduler.prefill_reports.finished[-1]
     assert report.spread and report.prompt_tokens == len(prompt)
@@ -75,22 +78,6 @@ def test_a_long_prompt_spread_over_the_mesh_gives_one_big_pools_logits_and_token
     assert got.shape == want.shape and _relative_error(got, want) <= RTOL[kv]
     stats = llm.core.stats().scheduler
     assert stats.lending.borrowed_blocks == 0 and stats.pool_blocks_free == stats.pool_blocks  # all given back
-
-
-def test_a_spread_prompt_balances_the_work_and_takes_a_quarter_of_the_steps():
-    prompt = _prompt(4, 3.5)
-    reports = {}
-    for spread in (True, False):
-        llm = LLM("tiny", options=_options(None, num_blocks=POOL, instances=4, spread_prompts=spread),
-                  progress=False)
-        _greedy(llm, prompt, new=2)
-        reports[spread] = llm.core.scheduler.prefill_reports.finished[-1]
-    spread, alone = reports[True], reports[False]
-    assert spread.spread and not alone.spread
-    assert spread.matmul_balance <= 1.15 and spread.attention_balance <= 1.15, spread
-    assert alone.matmul_balance > 3.5  # today: every chunk's matmuls on the home instance
-    assert alone.steps == -(-len(prompt) // CHUNK) and spread.steps <= -(-alone.steps // 4)
-    assert sum(spread.attention) == sum(alone.attention)  # the same work, shared differently
 
 
 def test_a_cached_prefix_counts_as_past_kv(reference):

@@ -94,7 +94,9 @@ WARM = EngineOptions(block_size=BLOCK, kv_dtype="bfloat16", max_seqs=2, max_toke
 
 
 def test_instances_compile_and_choose_tuner_variants_pipeline_and_compile_nothing_after_warm_up(monkeypatch):
-    options = dataclasses.replace(WARM, tuner="fixed")
+    # Prompts prefilled chunk by chunk on their homes (no spreading: jaxllm.engine.spread), so the short ones borrow
+    # nothing and their steps ask the tuner.
+    options = dataclasses.replace(WARM, tuner="fixed", spread_prompts=False)
     llm = LLM("tiny", options=options, progress=False)
     tuner = _TwoVariants(llm.executor.tuner.kernels)
     llm.executor.tuner = tuner  # before anything asked it for variants

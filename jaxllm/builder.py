@@ -308,7 +308,8 @@ def _scheduler(options: EngineOptions, mesh, num_blocks: int, block_size: int, m
         return InstanceSchedulers(options.instances, num_blocks, block_size, max_tokens_per_step=max_step,
                                   max_seqs=options.max_seqs, lending=options.lending,
                                   prefix_caching=options.prefix_caching, hosts=instance_hosts(mesh),
-                                  host_blocks=host_blocks, proposer=proposer, speculative_tokens=k)
+                                  host_blocks=host_blocks, proposer=proposer, speculative_tokens=k,
+                                  spread_prompts=options.spread_prompts)
     host = HostTier(host_blocks) if host_blocks else None
     # The device prefix cache spills what it evicts to the host tier (kept there, least recently spilled evicted
     # first); a sequence swapped out keeps its slots until it resumes.

@@ -47,6 +47,9 @@ class EngineOptions:
     # from the others and its attention runs where its KV lives (DistAttention). False: each instance lives
     # within its own pool (preempting or queueing), for comparison.
     lending: bool = True
+    # A long prompt (more than one step's tokens) is prefilled by every instance at once (context parallel:
+    # jaxllm.engine.spread; with lending and several instances). False: chunk by chunk on its home instance.
+    spread_prompts: bool = True
     # Top tokens a request may ask log-probabilities of (SamplingParams.logprobs); 0: none, and no
     # logprob step variants are compiled.
     max_logprobs: int = 0

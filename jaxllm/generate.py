@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = None
     try:
         options = EngineOptions(tensor_parallel=args.tensor_parallel, instances=args.instances,
-                                lending=not args.no_lending, block_size=args.block_size, num_blocks=args.num_blocks,
+                                lending=not args.no_lending, spread_prompts=not args.no_spread_prompts,
+                                block_size=args.block_size, num_blocks=args.num_blocks,
                                 kv_memory_fraction=args.kv_memory_fraction,
                                 tuner=args.tuner, compile_cache_dir=args.compile_cache,
                                 host_kv_bytes=host_kv_bytes(args), **speculative_options(args))

@@ -29,6 +29,9 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-lending", action="store_true",
                    help="instances do not lend each other KV rBlocks (each lives within its own pool; default: "
                         "they lend, so one sequence may use every instance's pool)")
+    g.add_argument("--no-spread-prompts", action="store_true",
+                   help="a long prompt is prefilled chunk by chunk on its home instance (default: by every instance "
+                        "at once, its rBlocks striped across them: context-parallel prefill)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address, the same on every process of a multi-process run "
                         "(default: $JAX_COORDINATOR_ADDRESS, else the one jax derives under srun or mpirun; "

@@ -109,9 +109,10 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
     if devices % tp:
         return dict(skipped=f"tensor parallel {tp} does not divide {devices} devices")
     instances = devices // tp
-    llm = _engine(args.model, dry_run=args.dry_run, tuner=args.tuner, max_context=args.max_context,
-                  instances=instances, tensor_parallel=tp, max_seqs=1, max_tokens_per_step=args.chunk,
-                  num_blocks=args.num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype)
+    options = dict(dry_run=args.dry_run, tuner=args.tuner, max_context=args.max_context, instances=instances,
+                   tensor_parallel=tp, max_seqs=1, max_tokens_per_step=args.chunk, num_blocks=args.num_blocks,
+                   block_size=args.block_size, kv_dtype=args.kv_dtype)
+    llm = _engine(args.model, **options)
     info = llm.info()
     per_instance_tokens = info.num_blocks // instances * info.block_size
     length = llm.context_limit - args.new_tokens
@@ -162,10 +163,40 @@ def longest(args, devices: int, floor_tb_s: float | None) -> dict:
         result["decode_trace"] = {name: dict(device_summary(events, args.trace_decode),
                                              attention_kernels=_attention_kernels(events, args.trace_decode))
                                   for name, events in sorted(traced.items())}
+    spread = _prefill_report(llm)
     llm.close()
     del llm
     gc.collect()
+    if spread is not None:
+        result["prefill_balance"] = dict(attention=spread.attention_balance, matmul_tokens=spread.matmul_balance,
+                                         steps=spread.steps, spread=spread.spread,
+                                         attention_by_instance=list(spread.attention),
+                                         matmul_tokens_by_instance=list(spread.matmul_tokens))
+        if args.spread_baseline:
+            result["prefill_balance"].update(_one_instance_prefill(args, options, prompt))
     return result
+
+
+def _prefill_report(llm):
+    """The engine's report of its last finished prefill (jaxllm.engine.spread.PrefillReport), None on one instance."""
+    reports = getattr(llm.core.scheduler, "prefill_reports", None)
+    return reports.finished[-1] if reports is not None and reports.finished else None
+
+
+def _one_instance_prefill(args, options: dict, prompt: list[int]) -> dict:
+    """The same prompt prefilled chunk by chunk on its home instance (spreading off; one token generated): its steps
+    and its balance."""
+    from jaxllm.contract import SamplingParams
+    from jaxllm.engine.core import Request
+
+    llm = _engine(args.model, spread_prompts=False, **options)
+    _drive(llm, [Request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))])
+    alone = _prefill_report(llm)
+    llm.close()
+    del llm
+    gc.collect()
+    return dict(steps_one_instance=alone.steps, one_instance_attention=alone.attention_balance,
+                one_instance_matmul_tokens=alone.matmul_balance)
 
 
 def _splits(config, n: int) -> bool:
@@ -377,6 +408,11 @@ def main(argv=None) -> int:
                    "devices / this)")
     p.add_argument("--trace-decode", type=int, default=0, help=f"(a): trace this many decode steps (after the first "
                    f"{_TRACE_AFTER}) and record each GPU's kernels, idle time and attention kernels")
+    p.add_argument("--spread-baseline", action=argparse.BooleanOptionalAction, default=None,
+                   help="(a): prefill the prompt again chunk by chunk on one instance, for prefill_balance's "
+                        "steps_one_instance (default: on with --dry-run)")
+    p.add_argument("--note", default=None, help="a note the result records (e.g. that the machine was shared)")
+    p.add_argument("--name", default=None, help="the result file's name after its date (default: mesh-x<devices>...)")
     p.add_argument("--tp-contexts", type=int, nargs="+", default=[4096, 131072])
     p.add_argument("--tp-sweep-model", default=None, help="(b)'s sweep model (default: llama2-13b; tiny with --dry-run)")
     p.add_argument("--tp-sizes", type=int, nargs="*", default=[1, 2, 4], help="(b)'s sweep: tensor-parallel sizes "
@@ -443,6 +479,8 @@ def main(argv=None) -> int:
         args.step_context, args.step_new_tokens, args.step_blocks = 40, 8, 8
     if args.skew_warm is None:
         args.skew_warm = not args.dry_run
+    if args.spread_baseline is None:
+        args.spread_baseline = args.dry_run
     args.model = args.model or "llama2-7b"
     args.tp_model = args.tp_model or "llama2-70b"
     args.tp_sweep_model = args.tp_sweep_model or "llama2-13b"
@@ -458,11 +496,11 @@ def main(argv=None) -> int:
     device = harness.device_kind()
     floor = None if args.dry_run else harness.hbm_floor_tb_s(device)
     result = dict(devices=devices, device=device, dry_run=args.dry_run, model=args.model, tuner=args.tuner,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""))
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), **({"note": args.note} if args.note else {}))
     name = (f"mesh-x{devices}" + (f"-{args.kv_dtype}" if args.kv_dtype else "")
             + (f"-tp{args.longest_tp}" if args.longest_tp > 1 and "longest" in args.parts else "")
             + ("-dry-run" if args.dry_run else ""))
-    path = os.path.join(args.out, harness.result_stem(device, name) + ".json")
+    path = os.path.join(args.out, harness.result_stem(device, args.name or name) + ".json")
 
     def save(part: str, partial: dict) -> None:  # each row as it is measured: a run cut short keeps what it got
         harness.write_json(path, dict(result, **{part: dict(partial, unfinished=True)}))

@@ -18,6 +18,11 @@ creditors. The rules:
   while rBlocks are free anywhere is worse than a creditor dipping into its reserve. A request is
   refused (`OutOfBlocks`, nothing taken) only when the whole mesh has fewer free rBlocks than it needs.
 - Return. A request that finishes or is cancelled gives its borrowed rBlocks back to their creditors.
+- Striped requests (a long prompt prefilled by the whole mesh: jaxllm.engine.spread). `RManager.grow(..., stripe=n)`
+  puts table entry e on instance e % n (borrowing it from that instance by name, `GManager.borrow_from`; where that
+  one is full, the ordinary rules take over), so every instance holds an equal share of every stretch of the
+  sequence and does an equal share of its attention. Their loans are placement, not debt: never recalled nor
+  swapped home.
 - Recall and circular debts (`GManager.plan_recalls`). First, circular debts are broken: where A owes B
   and B owes A, loans are paired off, and each pair becomes a swap of two rBlocks' contents, so both
   requests end up at home and min(A->B, B->A) loans disappear without any free memory. Then every
@@ -184,8 +189,8 @@ class RManager:
 
     # ----- the home side -----
 
-    def allocate(self, request: int, num_blocks: int) -> Allocation:
-        """Start `request` here with `num_blocks` rBlocks (local first, then borrowed)."""
+    def allocate(self, request: int, num_blocks: int, *, stripe: int = 1) -> Allocation:
+        """Start `request` here with `num_blocks` rBlocks (local first, then borrowed; stripe: as grow's)."""
         if self._gm.home_of(request) is not None:
             raise ValueError(f"request {request} already exists (on instance {self._gm.home_of(request)})")
         if num_blocks < 0:
@@ -194,7 +199,7 @@ class RManager:
         self._tables[request] = []
         self._gm.adopt(request, self.instance)
         try:
-            return self.grow(request, num_blocks)
+            return self.grow(request, num_blocks, stripe=stripe)
         except OutOfBlocks:
             del self._tables[request]
             self._gm.forget(request)
@@ -211,9 +216,10 @@ class RManager:
         self._gm.adopt(request, self.instance)
         return self.table(request)
 
-    def grow(self, request: int, num_blocks_total: int) -> Allocation:
+    def grow(self, request: int, num_blocks_total: int, *, stripe: int = 1) -> Allocation:
         """Make `request`'s table `num_blocks_total` long; raises OutOfBlocks (nothing taken) when the
-        whole mesh has fewer free rBlocks than it needs."""
+        whole mesh has fewer free rBlocks than it needs. stripe > 1: new entry e goes on instance e % stripe (a
+        striped request: the module's rules), local first otherwise."""
         table = self._own_table(request)
         need = num_blocks_total - len(table)
         if need <= 0:
@@ -223,6 +229,9 @@ class RManager:
         if need > mesh_free:
             raise OutOfBlocks(f"request {request} on instance {self.instance} needs {need} more rBlocks; the mesh "
                               f"has {mesh_free} free ({self._gm.free_by_instance()})")
+        if stripe > 1:
+            self._grow_striped(request, table, num_blocks_total, stripe)
+            return self.table(request)
         local = min(need, self.num_free)
         if local:
             held = len(self.pool.blocks(request))
@@ -231,6 +240,23 @@ class RManager:
         if need > local:
             table.extend(self._gm.borrow(self.instance, request, need - local))
         return self.table(request)
+
+    def _grow_striped(self, request: int, table: list[Placement], num_blocks_total: int, stripe: int) -> None:
+        """grow's striped case: entry e on instance e % stripe where that instance has a free rBlock, else local
+        first, then borrowed (the mesh has them all: grow checked)."""
+        self._gm.stripe(request)
+        for e in range(len(table), num_blocks_total):
+            want = e % stripe
+            if want == self.instance and self.num_free:
+                held = len(self.pool.blocks(request))
+                table.extend(Placement(self.instance, b) for b in self.pool.grow(request, held + 1)[held:])
+            elif want != self.instance and want in self._gm.instances() and self._gm.rmanager(want).num_free:
+                table.extend(self._gm.borrow_from(self.instance, request, want, 1))
+            elif self.num_free:
+                held = len(self.pool.blocks(request))
+                table.extend(Placement(self.instance, b) for b in self.pool.grow(request, held + 1)[held:])
+            else:
+                table.extend(self._gm.borrow(self.instance, request, 1))
 
     def shrink(self, request: int, num_blocks_total: int) -> None:
         """Keep the first num_blocks_total entries of `request`'s table; the others go back to their pools (lent
@@ -316,6 +342,7 @@ class GManager:
         self._reported: dict[int, int] = {}
         self._loans: dict[Placement, Loan] = {}  # keyed by the lent rBlock
         self._homes: dict[int, int] = {}  # request -> home instance
+        self._striped: set[int] = set()  # requests placed across instances on purpose: their loans stay
         self._plan: RecallPlan | None = None
         self._serial = 0
         self.counters = dict(loans=0, returned=0, recalled=0, swapped=0, finished=0, cancelled=0, last_resort=0)
@@ -359,6 +386,14 @@ class GManager:
 
     def forget(self, request: int) -> None:
         self._homes.pop(request, None)
+        self._striped.discard(request)
+
+    def stripe(self, request: int) -> None:
+        """`request`'s table is striped across instances (RManager.grow's stripe): its loans are never recalled."""
+        self._striped.add(request)
+
+    def striped(self, request: int) -> bool:
+        return request in self._striped
 
     def loans(self) -> tuple[Loan, ...]:
         return tuple(self._loans.values())
@@ -403,6 +438,18 @@ class GManager:
         raise OutOfBlocks(f"request {request} on instance {debtor}: lent {len(got)} of {count} rBlocks; "
                           f"free: {self.free_by_instance()}")  # the caller's check makes this unreachable
 
+    def borrow_from(self, debtor: int, request: int, creditor: int, count: int) -> list[Placement]:
+        """Lend `count` rBlocks of `creditor`'s pool to `debtor`'s `request` (a striped table names where each
+        entry goes); the caller has checked that creditor has them free."""
+        if creditor == debtor:
+            raise ValueError(f"request {request}: instance {debtor} cannot borrow from itself")
+        got = [Placement(creditor, block) for block in self._rms[creditor].give(count)]
+        for p in got:
+            self._loans[p] = Loan(creditor, debtor, request, p.block)
+        self._reported[creditor] = max(0, self._reported[creditor] - count)
+        self.counters["loans"] += count
+        return got
+
     def repay(self, request: int, placements: list[Placement], how: str) -> None:
         """`request` ended ("finished" or "cancelled"): its borrowed rBlocks go back to their creditors."""
         self.give_back(request, placements)
@@ -434,7 +481,8 @@ class GManager:
         moves: list[Move] = []
         used: set[Placement] = set()
         by_pair: dict[tuple[int, int], list[Loan]] = {}
-        for p, loan in sorted(self._loans.items()):
+        kept = {p: loan for p, loan in self._loans.items() if loan.request not in self._striped}  # placed, not owed
+        for p, loan in sorted(kept.items()):
             by_pair.setdefault((loan.debtor, loan.creditor), []).append(loan)
         swaps = 0
         for (a, b), owed in sorted(by_pair.items()):
@@ -449,7 +497,7 @@ class GManager:
         for debtor in self.instances():
             rm = self._rms[debtor]
             room = rm.num_free - rm.spec.reserve
-            owed = [loan for p, loan in sorted(self._loans.items()) if loan.debtor == debtor and p not in used]
+            owed = [loan for p, loan in sorted(kept.items()) if loan.debtor == debtor and p not in used]
             if room <= 0 or not owed:
                 continue
             owed.sort(key=lambda loan: (self._rms[loan.creditor].num_free, loan.creditor, loan.block))

@@ -21,6 +21,11 @@ before the recall copies (a spill reads an evicted rBlock that a recall may be a
 rBlock at its source (`HostTier.moved`), the copies in after them. A spill caused by another instance's loan
 (the creditor's pool evicts) rides on the same step: every tier's copies are taken after every instance planned.
 
+Context-parallel prefill (jaxllm.engine.spread; `spread_prompts`, lending on, several instances): a long prompt is
+spread, one piece of it an instance per step, its rBlocks striped across the instances; fewer long prompts than
+instances: the oldest is spread, as many or more: each instance prefills its own. Spread steps and ordinary steps
+alternate while other requests have work. `prefill_reports` keeps each prefill's per-instance work and steps.
+
 Speculative decoding: one step runs one program, so a step verifies on every instance or on none. Each instance
 plans its rows without speculating; when every instance's plan may become a verify step (Scheduler.draft_requests)
 the proposer drafts for all of their rows at once (one batch: a draft model's step serves every instance) and each
@@ -43,6 +48,7 @@ from jaxllm.engine.host_tier import HostTier
 from jaxllm.engine.lending import LendingAllocator
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence
+from jaxllm.engine.spread import PrefillReports, PromptSpread
 from jaxllm.engine.speculative import Proposer, Speculation
 
 __all__ = ["InstanceSchedulers", "join_plans"]
@@ -54,12 +60,14 @@ class InstanceSchedulers:
     def __init__(self, instances: int, blocks_per_instance: int, block_size: int, *, max_tokens_per_step: int,
                  max_seqs: int, lending: bool = True, prefix_caching: bool = True, hosts: list[int] | None = None,
                  reserve: int = 0, host_blocks: int = 0, proposer: Proposer | None = None,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, spread_prompts: bool = True):
         """instances: the mesh's instance axis; blocks_per_instance: each instance's pool; max_tokens_per_step
         and max_seqs: each instance's step budget (a step runs every instance's rows side by side);
         hosts: each instance's host (lending prefers the same host); reserve: rBlocks an instance keeps from
         lending; host_blocks: the slots of each instance's host tier (0: none); proposer and speculative_tokens:
-        speculative decoding's draft source and k (None: off), each instance counting its own verify rows."""
+        speculative decoding's draft source and k (None: off), each instance counting its own verify rows;
+        spread_prompts: a long prompt is prefilled by every instance at once (jaxllm.engine.spread; with lending on
+        and several instances), else chunk by chunk on its home."""
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances}")
         hosts = hosts or [0] * instances
@@ -91,6 +99,10 @@ class InstanceSchedulers:
                                                                                            speculative_tokens))
                            for i, a in enumerate(self.allocators)]
         self._last: tuple[StepPlan, list[tuple[int, StepPlan]]] | None = None  # the last joined plan, its parts
+        self.spread = PromptSpread(self.schedulers, max_tokens_per_step) \
+            if spread_prompts and lending and instances > 1 else None
+        self._spread_ran = False  # the last plan was a spread step (the next one is the others', if they have work)
+        self.prefill_reports = PrefillReports(instances, blocks_per_instance, block_size)
 
     # ----- requests -----
 
@@ -137,7 +149,9 @@ class InstanceSchedulers:
         for tier in self.host_tiers:
             tier.moved = moved
         try:
-            plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan(speculate=False)) is not None]
+            plans = self._spread_step()
+            if plans is None:
+                plans = [(i, p) for i, s in enumerate(self.schedulers) if (p := s.plan(speculate=False)) is not None]
         finally:
             for tier in self.host_tiers:
                 tier.moved = {}
@@ -147,6 +161,16 @@ class InstanceSchedulers:
         if not plans and copies is None and host is None:
             return None
         return self._joined(plans, copies, host)
+
+    def _spread_step(self) -> list[tuple[int, StepPlan]] | None:
+        """The spread prompt's step (jaxllm.engine.spread), unless the last step was one and other requests have
+        work (they alternate), or none can run."""
+        if self.spread is None or self.spread.choose() is None:
+            self._spread_ran = False
+            return None
+        plans = None if self._spread_ran and self.spread.others_have_work() else self.spread.step()
+        self._spread_ran = plans is not None
+        return plans
 
     def _verified(self, plans: list[tuple[int, StepPlan]]) -> list[tuple[int, StepPlan]] | None:
         """Every instance's plan as its verify rows (the module docstring), or None when some instance's may not
@@ -230,14 +254,24 @@ class InstanceSchedulers:
                logprobs=None, prompt_logprobs=None) -> list[Sequence]:
         """Each instance records its own rows (a scheduler skips ids that are not its own); then the
         heartbeat: every instance reports its free rBlocks to the GManager."""
+        self._report(plan)
         advanced = [seq for s in self.schedulers for seq in s.update(plan, sampled, eos_id, logprobs, prompt_logprobs)]
         self._heartbeat()
         return advanced
 
     def record_computed(self, plan: StepPlan) -> None:
+        self._report(plan)
         for s in self.schedulers:
             s.record_computed(plan)
         self._heartbeat()
+
+    def _report(self, plan: StepPlan) -> None:
+        """The step's prompt rows into the prefill reports (before the schedulers record it: a sequence may end)."""
+        def prompt_len(seq_id: int) -> int | None:
+            seq = self.sequence(seq_id)
+            return None if seq is None else len(seq.prompt_ids)
+
+        self.prefill_reports.record(plan, prompt_len)
 
     def _heartbeat(self) -> None:
         for a in self.allocators:

@@ -12,6 +12,10 @@ OutOfBlocks (the scheduler then preempts, or keeps a request waiting) only when 
 rBlocks than needed, and `num_free` is the mesh's. With lending off, an instance is on its own: the same
 engine with every instance limited to its pool (the comparison `scripts/bench_mesh.py` draws).
 
+A sequence marked `stripe` (a long prompt the whole mesh prefills: jaxllm.engine.spread) grows striped instead:
+its table's entry e on instance e % instances (distkv's striped requests), so each instance holds an equal share
+of it and does an equal share of its attention, in prefill and in decode.
+
 Prefix caching is the one-instance cache (allocator.BlockAllocator) of each instance's own pool: a sequence
 shares the cached rBlocks of its home instance, and registers the full rBlocks it computes there. A borrowed
 rBlock is not cached: when its sequence ends it goes back to its creditor, which may hand it to anyone at
@@ -37,6 +41,7 @@ class LendingAllocator:
         self.blocks_per_instance = rmanager.spec.num_blocks
         self.instance = rmanager.instance
         self._first = self.instance * self.blocks_per_instance  # this pool's first global id
+        self._striped: set[int] = set()  # sequences whose tables grow striped across the instances
 
     # ----- what the scheduler reads -----
 
@@ -67,6 +72,12 @@ class LendingAllocator:
 
     # ----- what the scheduler changes -----
 
+    def stripe(self, seq_id: int) -> None:
+        """From now on seq_id's table grows striped across every instance (the module docstring); lending only."""
+        if not self.lending:
+            raise ValueError(f"sequence {seq_id}: a striped table borrows by design; lending is off")
+        self._striped.add(seq_id)
+
     def grow(self, seq_id: int, num_blocks_total: int) -> list[int]:
         """Make seq_id hold num_blocks_total rBlocks (local first, then borrowed); raises OutOfBlocks,
         taking nothing, when they are not free (in the mesh with lending, in this pool without)."""
@@ -75,15 +86,17 @@ class LendingAllocator:
         if not self.lending and need > self.rmanager.num_free:
             raise OutOfBlocks(f"instance {self.instance}: sequence {seq_id} needs {need} more rBlocks, its pool has "
                               f"{self.rmanager.num_free} free (lending is off)")
+        stripe = len(self.gmanager.instances()) if seq_id in self._striped else 1
         if seq_id not in self.rmanager.requests():
-            self.rmanager.allocate(seq_id, num_blocks_total)
+            self.rmanager.allocate(seq_id, num_blocks_total, stripe=stripe)
         else:
-            self.rmanager.grow(seq_id, num_blocks_total)
+            self.rmanager.grow(seq_id, num_blocks_total, stripe=stripe)
         return self.blocks(seq_id)
 
     def free(self, seq_id: int) -> None:
         """seq_id's rBlocks go back: local ones to this pool (registered ones stay cached), lent ones to their
         creditors."""
+        self._striped.discard(seq_id)
         if seq_id in self.rmanager.requests():
             self.rmanager.finish(seq_id)
 

@@ -32,6 +32,10 @@ after them, rolls each sequence's computed KV back to them and returns the rBloc
 a rejected token's KV is never registered in the prefix cache (only full rBlocks of computed, accepted tokens are).
 A speculating sequence's decode step is never continued before its tokens are read (`plan_continuation`): the next
 step's draft depends on them.
+
+Held sequences (`held`): the instance set plans a long prompt it spreads over every instance itself
+(jaxllm.engine.spread), admitting it through `admit` (the admission `plan` does for the others); `plan` skips them.
+Their results are recorded here as any sequence's.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class Scheduler:
         self._ids = seq_ids if seq_ids is not None else itertools.count()
         self._live: dict[int, Sequence] = {}  # waiting or running, by seq_id: what a plan's ids name
         self._free_slots = list(range(max_seqs))  # rows of the penalty state no running sequence holds (a heap)
+        # Sequences another part plans (the instance set's spread prompt: jaxllm.engine.spread): plan() skips them.
+        self.held: set[int] = set()
 
     # ----- requests -----
 
@@ -133,34 +139,18 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted while making room for an older one
+            if seq.status is not Status.RUNNING or seq.seq_id in self.held:  # preempted making room; spread
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if self._reserve(seq, seq.num_computed + n, chunks):
                 chunks.append((seq, n))
                 budget -= n
         # Then admit waiting sequences while budget, slots and rBlocks allow (no preemption for them).
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            seq = self.waiting[0]
-            slots = self._share_cached_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            try:
-                self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + n))
-            except OutOfBlocks:
-                self.allocator.free(seq.seq_id)  # the shared prefix goes back to the cache
-                if slots and not seq.num_swapped:
-                    self.host.unclaim(slots)  # and so do the host cache's rBlocks
-                seq.num_computed = seq.num_cached_prompt = seq.num_registered = 0
+        while budget > 0 and len(self.running) < self.max_seqs:
+            seq = next((s for s in self.waiting if s.seq_id not in self.held), None)
+            n = None if seq is None else self.admit(seq, budget)
+            if n is None:
                 break
-            if slots:
-                self._copy_in(seq, slots)
-            self.cached_tokens += seq.num_cached_prompt
-            self.waiting.pop(0)
-            seq.status = Status.RUNNING
-            if seq.params.penalized:  # running < max_seqs, and each running sequence holds at most one slot
-                seq.penalty_slot = heapq.heappop(self._free_slots)
-                seq.penalty_start, seq.penalty_recount_end = seq.num_computed, seq.num_tokens
-            self.running.append(seq)
             chunks.append((seq, n))
             budget -= n
         copies = self.host.take_copies() if self.takes_host_copies else None
@@ -172,6 +162,31 @@ class Scheduler:
             drafted = dict(zip((seq.seq_id for seq, _ in asked), self.speculation.proposer.propose(asked)))
             return self.verify(plan, drafted) or plan
         return plan
+
+    def admit(self, seq: Sequence, max_tokens: int) -> int | None:
+        """Admit waiting `seq` with up to max_tokens of its tokens planned (its cached prefix shared first, its
+        rBlocks grown to hold them, its host slots' copies planned): the tokens planned, or None, changing nothing,
+        when its rBlocks are not free (no preemption for an admission). The caller checks running < max_seqs."""
+        slots = self._share_cached_prefix(seq)
+        n = min(seq.num_tokens - seq.num_computed, max_tokens)
+        try:
+            self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_computed + n))
+        except OutOfBlocks:
+            self.allocator.free(seq.seq_id)  # the shared prefix goes back to the cache
+            if slots and not seq.num_swapped:
+                self.host.unclaim(slots)  # and so do the host cache's rBlocks
+            seq.num_computed = seq.num_cached_prompt = seq.num_registered = 0
+            return None
+        if slots:
+            self._copy_in(seq, slots)
+        self.cached_tokens += seq.num_cached_prompt
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        if seq.params.penalized:  # running < max_seqs, and each running sequence holds at most one slot
+            seq.penalty_slot = heapq.heappop(self._free_slots)
+            seq.penalty_start, seq.penalty_recount_end = seq.num_computed, seq.num_tokens
+        self.running.append(seq)
+        return n
 
     # ----- speculative decoding -----
 

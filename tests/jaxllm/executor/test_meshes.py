@@ -94,7 +94,9 @@ WARM = EngineOptions(block_size=BLOCK, kv_dtype="bfloat16", max_seqs=2, max_toke
 
 
 def test_instances_compile_and_choose_tuner_variants_pipeline_and_compile_nothing_after_warm_up(monkeypatch):
-    options = dataclasses.replace(WARM, tuner="fixed")
+    # Prompts prefilled chunk by chunk on their homes (no spreading: jaxllm.engine.spread), so the short ones borrow
+    # nothing and their steps ask the tuner.
+    options = dataclasses.replace(WARM, tuner="fixed", spread_prompts=False)
     llm = LLM("tiny", options=options, progress=False)
     tuner = _TwoVariants(llm.executor.tuner.kernels)
     llm.executor.tuner = tuner  # before anything asked it for variants
@@ -126,7 +128,7 @@ def test_instances_compile_and_choose_tuner_variants_pipeline_and_compile_nothin
 
 def test_nothing_compiles_after_warm_up_borrowed_steps_included():
     """The default tuner (one variant a bucket): warm-up compiles every bucket plain and borrowed, and the recall
-    copy; a run that borrows compiles nothing more."""
+    copy; a run that borrows compiles nothing more, its long prompt spread over both instances (jaxllm.engine.spread)."""
     rng = np.random.default_rng([20261127, 200])
     llm = LLM("tiny", options=WARM, progress=False)
     llm.warm_up(progress=False)
@@ -136,6 +138,7 @@ def test_nothing_compiles_after_warm_up_borrowed_steps_included():
     _tokens(llm, [Request([int(t) for t in rng.integers(3, 250, int(rng.integers(200, 260)))], params[0]),
                   Request([int(t) for t in rng.integers(3, 250, int(rng.integers(5, 40)))], params[1])])
     assert llm.core.stats().executor.dist_steps_total > 0  # the run borrowed
+    assert any(r.spread for r in llm.core.scheduler.prefill_reports.finished)  # the long prompt ran on both instances
     assert llm.compile_count == warm
 
 

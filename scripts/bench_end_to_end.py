@@ -8,8 +8,8 @@ and `EngineOptions(tensor_parallel=4)` with one (--layouts), `generate(..., max_
 ignore_eos=True)`. Each arm is a fresh run of this script as its worker: one process with N host devices, or P
 processes of N/P devices started by scripts/launch.py. A worker runs one untimed call (its compiles), then the
 issue's own measurement, a second call without warm-up (`second_call_unwarmed`: its prompts now hit the prefix
-cache, so its prefill runs a smaller bucket that this call compiles, on every process), then `LLM.warm_up()` (every
-bucket, as a server does) and --passes timed calls, which compile nothing (`compiles_while_timed`); an arm's time a token is the whole call's wall time over max_new_tokens (one decode step of every
+cache, so its prefill runs a smaller bucket that this call compiles, on every process), then --passes timed calls,
+which compile nothing (`compiles_while_timed`: every shape of the load is compiled by then); an arm's time a token is the whole call's wall time over max_new_tokens (one decode step of every
 sequence: what the issue calls a token). The arms alternate for --rounds rounds; reported are the best and the
 median over every timed call of an arm kind, and the greedy tokens must be the same in every arm (`same_tokens`).
 
@@ -191,8 +191,7 @@ def _lead(args, config) -> dict:
         llm.generate(prompts, **generate)
         unwarmed = dict(ms_per_token=1e3 * (time.perf_counter() - start) / args.new_tokens,
                         compiles=llm.compile_count - compiles)
-        llm.warm_up(progress=False)  # every bucket, as a server does before it serves: what follows compiles nothing
-        compiles = llm.compile_count
+        compiles = llm.compile_count  # every shape of this load is compiled now: what follows compiles nothing
         probe = Probe()
         _probe_leader(llm, probe)
         passes, tokens = [], None

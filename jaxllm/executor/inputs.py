@@ -6,7 +6,8 @@ ids (a plan's ids are global: instance * blocks_per_instance + local). One insta
 same function (decision 11: one GPU is no separate path). A step in which every sequence's rBlocks are at
 home needs nothing more. Otherwise it carries `DistParts` (sharding.dist_attention) for every instance:
 where each gathered token's K/V is written, and the rows of attention each instance computes over the
-rBlocks it holds. Host-side NumPy only.
+rBlocks it holds. A decode continuation (StepPlan.next_decode: the same rows one token on) is not laid out anew:
+`InputLayout.advance` writes the rows' moved values into copies of its source's arrays. Host-side NumPy only.
 """
 
 from __future__ import annotations

@@ -28,8 +28,11 @@ timed calls a worker times the step program alone (`step_ms`: the same decode bu
 context, launched and waited for one at a time), so one process's time a token is read against its step.
 
 `serve`: `python -m jaxllm.serve --http-only` with `--instances N` on one process and on P processes (through
-scripts/launch.py), driven by the `openai` package's client: --concurrency streamed chat completions at a time,
-the same prompts in every arm, greedy, ignore_eos, exactly --max-tokens tokens each; TTFT (request to the first
+scripts/launch.py), its buckets cut to the load (`--max-running` --requests, `--max-tokens-per-step`
+--serve-tokens-per-step, `--max-logprobs 0`) so that its warm-up, every bucket compiled before it serves, takes
+seconds, not minutes, on the CPU (and one persistent compile cache for every arm), driven by the `openai` package's
+client: --concurrency streamed chat completions at a time, the same prompts in every arm, greedy, ignore_eos,
+exactly --max-tokens tokens each, two untimed batches first (as generate's untimed calls); TTFT (request to the first
 content chunk) and TPOT (the gaps after it, over the tokens after the first) of every request, medians and best
 per arm, the arms alternating for --rounds rounds.
 
@@ -47,6 +50,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -54,7 +58,7 @@ import urllib.request
 
 import numpy as np
 
-from scripts.common import harness
+from scripts.common import harness, load_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RESULT = "RESULT "  # a worker's result line on stdout
@@ -387,24 +391,27 @@ def chat_messages(count: int) -> list[list[dict]]:
             for i in range(count)]
 
 
-def stream_timings(start: float, chunk_times: list[float]) -> tuple[float, float | None]:
-    """(TTFT s, TPOT s or None) of one stream: `chunk_times` are the arrival times of its content chunks."""
-    ttft = chunk_times[0] - start
-    tpot = (chunk_times[-1] - chunk_times[0]) / (len(chunk_times) - 1) if len(chunk_times) > 1 else None
-    return ttft, tpot
+def stream_timings(start: float, arrivals: list[tuple[float, int]]) -> tuple[float, float | None]:
+    """(TTFT s, TPOT s or None) of one stream: `arrivals` are (time, completion tokens so far) of its chunks, from
+    the server's continuous usage stats (a random-weight model's first tokens may be bytes of no text yet, so a
+    content chunk would come late). TTFT: to the first chunk with a token; TPOT: the time after it over the tokens
+    after it."""
+    counted = [(t, n) for t, n in arrivals if n > 0]
+    (t0, n0), (t1, n1) = counted[0], counted[-1]
+    return t0 - start, ((t1 - t0) / (n1 - n0) if n1 > n0 else None)
 
 
 def _one_chat(client, messages, max_tokens: int) -> dict:
     start = time.perf_counter()
-    chunks, tokens = [], 0
+    arrivals = []
+    usage = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: every chunk counts the tokens so far
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0.0,
-                                            stream=True, extra_body={"ignore_eos": True})
+                                            stream=True, extra_body={"ignore_eos": True, "stream_options": usage})
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks.append(time.perf_counter())
-            tokens += 1
-    ttft, tpot = stream_timings(start, chunks)
-    return dict(ttft_s=ttft, tpot_s=tpot, chunks=tokens)
+        if chunk.usage is not None:
+            arrivals.append((time.perf_counter(), chunk.usage.completion_tokens))
+    ttft, tpot = stream_timings(start, arrivals)
+    return dict(ttft_s=ttft, tpot_s=tpot, chunks=max(n for _, n in arrivals))
 
 
 def _drive(url: str, args) -> dict:
@@ -412,18 +419,25 @@ def _drive(url: str, args) -> dict:
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     prompts = chat_messages(args.requests)
-    _one_chat(client, prompts[0], 4)  # a first request: the client's connection and the server's first step
+    for _ in range(2):  # untimed, as generate's: the load's shapes compiled (the second: its prompts' cached prefix)
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            list(pool.map(lambda m: _one_chat(client, m, args.max_tokens), prompts))
+    compiles = load_report.read_metric(url + "/metrics", "jaxllm_compiles_total")
     runs = []
     for _ in range(args.passes):
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
             runs.append(list(pool.map(lambda m: _one_chat(client, m, args.max_tokens), prompts)))
-    return serve_figures(runs)
+    figures = serve_figures(runs)
+    figures["compiles_while_timed"] = load_report.read_metric(url + "/metrics", "jaxllm_compiles_total") - compiles
+    return figures
 
 
 def serve_figures(runs: list[list[dict]]) -> dict:
     """A serve arm's figures over its passes: TTFT and TPOT medians (ms), and each pass's medians."""
     per_pass = [dict(ttft_ms=1e3 * float(np.median([r["ttft_s"] for r in run])),
-                     tpot_ms=1e3 * float(np.median([r["tpot_s"] for r in run if r["tpot_s"] is not None])))
+                     tpot_ms=1e3 * float(np.median([r["tpot_s"] for r in run if r["tpot_s"] is not None])),
+                     requests_ttft_tpot_ms=[(1e3 * r["ttft_s"], None if r["tpot_s"] is None else 1e3 * r["tpot_s"])
+                                            for r in run])
                 for run in runs]
     return dict(passes=per_pass, ttft_ms=float(np.median([p["ttft_ms"] for p in per_pass])),
                 tpot_ms=float(np.median([p["tpot_ms"] for p in per_pass])),
@@ -435,7 +449,9 @@ def _run_serve_arm(args, layout: str, processes: int) -> dict:
     mesh = ["--instances", str(args.cpu_devices)] if layout == "instances" else ["--tensor-parallel",
                                                                                  str(args.cpu_devices)]
     cmd = [sys.executable, "-m", "jaxllm.serve", "--model", args.model, "--max-context", str(args.max_context),
-           "--http-only", "--http-port", str(port), "--quiet", *mesh]
+           "--http-only", "--http-port", str(port), "--quiet", "--max-running", str(args.requests),
+           "--max-tokens-per-step", str(args.serve_tokens_per_step), "--max-logprobs", "0",
+           "--compile-cache", args.compile_cache, *mesh]
     cmd, env = _launched(args, cmd, processes, flags=True)
     start = time.monotonic()
     log = open(os.devnull, "w")
@@ -466,7 +482,7 @@ def _run_serve_arm(args, layout: str, processes: int) -> dict:
 def serve_summary(arms: dict[int, list[dict]]) -> dict:
     one, many = arms[1], arms[max(arms)]
     pick = lambda rows, k: [p[k] for r in rows for p in r["passes"]]  # noqa: E731
-    out = {}
+    out = dict(compiles_while_timed=sum(r.get("compiles_while_timed", 0) for r in one + many))
     for k in ("ttft_ms", "tpot_ms"):
         out[f"one_process_{k}_best"], out[f"processes_{k}_best"] = min(pick(one, k)), min(pick(many, k))
         out[f"one_process_{k}_median"] = float(np.median(pick(one, k)))
@@ -555,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4, help="serve: chat completions a batch (default: 4)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96, help="serve: tokens a completion (default: 96)")
+    p.add_argument("--serve-tokens-per-step", type=int, default=128,
+                   help="serve: the server's --max-tokens-per-step (default: 128)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="serve: the servers' persistent compile cache (default: a new temporary directory)")
     p.add_argument("--arm-timeout", type=int, default=900)
     p.add_argument("--out", default=harness.RESULTS_DIR)
     p.add_argument("--dry-run", action="store_true", help="made-up runs through the arithmetic; writes nothing")
@@ -584,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             result["generate"][layout] = dict(arms={str(k): v for k, v in arms.items()},
                                               summary=generate_summary(arms))
     if "serve" in args.modes:
+        args.compile_cache = args.compile_cache or tempfile.mkdtemp(prefix="jaxllm-e2e-cache-")
         result["serve"] = {}
         for layout in args.serve_layouts:
             arms = {1: [], args.processes: []}

@@ -45,8 +45,9 @@ def test_different_greedy_tokens_are_reported():
 
 
 def test_stream_timings_and_serve_ratios():
-    assert bench.stream_timings(1.0, [1.5, 1.7, 1.9]) == pytest.approx((0.5, 0.2))
-    assert bench.stream_timings(1.0, [1.5]) == (pytest.approx(0.5), None)
+    # a role chunk before any token, then tokens 1, 2 and 4 (two in one chunk)
+    assert bench.stream_timings(1.0, [(1.2, 0), (1.5, 1), (1.7, 2), (2.1, 4)]) == pytest.approx((0.5, 0.2))
+    assert bench.stream_timings(1.0, [(1.5, 1)]) == (pytest.approx(0.5), None)
     one = [dict(ttft_s=0.10, tpot_s=0.002, chunks=3)]
     two = [dict(ttft_s=0.12, tpot_s=0.003, chunks=3)]
     summary = bench.serve_summary({1: [bench.serve_figures([one])], 2: [bench.serve_figures([two])]})

@@ -160,16 +160,18 @@ def _prompts(layout: str, n: int, prompt_tokens: int) -> list[list[int]]:
 
 
 def _step_ms(llm, seqs: int, context: int, repeats: int) -> float:
-    """The decode step program alone: the bucket of `seqs` sequences, every row at `context` tokens, launched and
-    waited for one at a time (median ms)."""
+    """The decode step program alone: the bucket the load's decode steps run (`seqs` sequences spread over the
+    instances, so an instance's rows), every row at `context` tokens, launched and waited for one at a time (median
+    ms)."""
     import jax
 
     from jaxllm.contract import StepKind
     from jaxllm.executor.calls import Op, StepCall
 
     runner = llm.executor
-    inputs = runner.layout.inert(StepKind.DECODE, seqs)
-    inputs.kv_lens[:, :seqs] = context  # each row's table points at rBlock 0: the same reads as a real context
+    rows = -(-seqs // runner.layout.instances)  # the busiest instance's rows: the bucket's size
+    inputs = runner.layout.inert(StepKind.DECODE, rows)
+    inputs.kv_lens[:, :rows] = context  # each row's table points at rBlock 0: the same reads as a real context
     call = StepCall(Op.STEP, StepKind.DECODE, True, False, 0)
     times = []
     for _ in range(repeats):
@@ -214,9 +216,10 @@ def _lead(args, config) -> dict:
             seconds = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             passes.append(dict(window_ns=[t0, t1], ms_per_token=1e3 * wall / args.new_tokens,
                                parts=leader_parts(seconds, wall, args.new_tokens)))
+        compiles = llm.compile_count - compiles
         step_ms = _step_ms(llm, len(prompts), args.prompt_tokens + args.new_tokens // 2, args.step_repeats)
         return dict(role="leader", passes=passes, tokens=tokens, step_ms=step_ms, second_call_unwarmed=unwarmed,
-                    compiles_while_timed=llm.compile_count - compiles)
+                    compiles_while_timed=compiles)
     finally:
         llm.close()
 

@@ -15,7 +15,8 @@ median over every timed call of an arm kind, and the greedy tokens must be the s
 
 Each side's time a token is split into its parts by this script's own perf_counter probes on the objects the
 worker holds (no engine code is changed for it). Process 0's engine thread: `scheduler` (plan, plan_continuation,
-update), `layout` (InputLayout.build: the plan padded and stacked, the penalty rows with it), `send` (the step call
+update), `layout` (InputLayout.build or, for a continuation, advance: the plan padded and stacked, the penalty rows with it;
+the runs before 2026-12-08 01:00 timed build alone, so a continuation's advance fell in dispatch_rest), `send` (the step call
 and its inputs handed to the followers), `dispatch_rest` (the rest of ModelRunner.dispatch: the tuner's choice, the
 call, the submission), `wait_tokens` (InFlight.tokens: the engine thread waiting for the step's tokens; of it,
 `results_read`: the host read of the tokens, with the followers' rows from the results channel), `output` (the
@@ -98,10 +99,11 @@ class Probe:
 
 
 class _TimedLayout:
-    """An InputLayout whose build is timed (the layout is a frozen dataclass: proxied, not patched)."""
+    """An InputLayout whose build and advance are timed (the layout is a frozen dataclass: proxied, not patched)."""
 
     def __init__(self, layout, probe: Probe):
-        self._layout, self.build = layout, probe.timed(layout.build, "layout")
+        self._layout = layout
+        self.build, self.advance = probe.timed(layout.build, "layout"), probe.timed(layout.advance, "layout")
 
     def __getattr__(self, name):
         return getattr(self._layout, name)

@@ -9,35 +9,37 @@ ignore_eos=True)`. Each arm is a fresh run of this script as its worker: one pro
 processes of N/P devices started by scripts/launch.py. A worker runs one untimed call (its compiles), then the
 issue's own measurement, a second call without warm-up (`second_call_unwarmed`: its prompts now hit the prefix
 cache, so its prefill runs a smaller bucket that this call compiles, on every process), then --passes timed calls,
-which compile nothing (`compiles_while_timed`: every shape of the load is compiled by then); an arm's time a token is the whole call's wall time over max_new_tokens (one decode step of every
-sequence: what the issue calls a token). The arms alternate for --rounds rounds; reported are the best and the
-median over every timed call of an arm kind, and the greedy tokens must be the same in every arm (`same_tokens`).
+which compile nothing (`compiles_while_timed`: every shape of the load is compiled by then); an arm's time a token
+is the whole call's wall time over max_new_tokens (one decode step of every sequence: what the issue calls a token).
+The arms alternate for --rounds rounds; reported are the best and the median over every timed call of an arm kind,
+and the greedy tokens must be the same in every arm (`same_tokens`).
 
-Each side's time a token is split into its parts by this script's own perf_counter probes on the objects the
-worker holds (no engine code is changed for it). Process 0's engine thread: `scheduler` (plan, plan_continuation,
-update), `layout` (InputLayout.build or, for a continuation, advance: the plan padded and stacked, the penalty rows with it;
-the runs before 2026-12-08 01:00 timed build alone, so a continuation's advance fell in dispatch_rest), `send` (the step call
-and its inputs handed to the followers), `dispatch_rest` (the rest of ModelRunner.dispatch: the tuner's choice, the
-call, the submission), `wait_tokens` (InFlight.tokens: the engine thread waiting for the step's tokens; of it,
-`results_read`: the host read of the tokens, with the followers' rows from the results channel), `output` (the
-rest of EngineCore.step: detokenising, stop checks, RequestOutputs) and `outside_step` (the generate call beyond
-its steps: request checks, Completions). Beside it, on process 0's launcher thread, `launch` (inputs placed and the
-jitted step enqueued: Worker.place + Worker.run). A follower: `receive` (waiting for and reading the next call),
-`place`, `launch` (Worker.run) and `return_send` (the rows process 0 lacks handed to the results channel's thread).
-Sampling and penalties run inside the step program (on the devices); their host share is the layout's. After the
-timed calls a worker times the step program alone (`step_ms`: the same decode bucket, its rows at the run's mean
-context, launched and waited for one at a time), so one process's time a token is read against its step.
+Each side's time a token is split into its parts by this script's own perf_counter probes on the objects the worker
+holds (no engine code is changed for it). Process 0's engine thread: `scheduler` (plan, plan_continuation, update),
+`layout` (InputLayout.build or, for a continuation, advance: the plan padded and stacked, the penalty rows with it;
+the runs up to cpu-2026-12-08-0027 timed build alone, so a continuation's advance fell in dispatch_rest), `send`
+(the step call and its inputs handed to the followers), `dispatch_rest` (the rest of ModelRunner.dispatch: the
+tuner's choice, the call, the submission), `wait_tokens` (InFlight.tokens: the engine thread waiting for the step's
+tokens; of it, `results_read`: the host read of the tokens, with the followers' rows from the results channel),
+`output` (the rest of EngineCore.step: detokenising, stop checks, RequestOutputs) and `outside_step` (the generate
+call beyond its steps: request checks, Completions). Beside it, on process 0's launcher thread, `launch` (inputs
+placed and the jitted step enqueued: Worker.place + Worker.run). A follower: `receive` (waiting for and reading the
+next call), `place`, `launch` (Worker.run) and `return_send` (the rows process 0 lacks handed to the results
+channel's thread). Sampling and penalties run inside the step program (on the devices); their host share is the
+layout's. After the timed calls a worker times the step program alone (`step_ms`: the same decode bucket, its rows
+at the run's mean context, launched and waited for one at a time), so one process's time a token is read against its
+step.
 
 `serve`: `python -m jaxllm.serve --http-only` with `--instances N` on one process and on P processes (through
 scripts/launch.py), its buckets cut to the load (`--max-running` --requests, `--max-tokens-per-step`
 --serve-tokens-per-step, `--max-logprobs 0`) so that its warm-up, every bucket compiled before it serves, takes
 seconds, not minutes, on the CPU (and one persistent compile cache for every arm), driven by the `openai` package's
 client: --concurrency streamed chat completions at a time, the same prompts in every arm, greedy, ignore_eos,
-exactly --max-tokens tokens each, two untimed batches first (as generate's untimed calls); TTFT (request to the first chunk
-whose continuous usage stats count a token) and TPOT (the time after it over the tokens after it) of every request, medians and best
-per arm, the arms alternating for --rounds rounds; then each prompt alone, one stream at a time, --passes times
-(`single_ttft_ms`: in a concurrent batch the first request to arrive is often admitted alone and the others wait for
-its step, so a batch's TTFT is bimodal, on one process and on several alike).
+exactly --max-tokens tokens each, two untimed batches first (as generate's untimed calls); TTFT (request to the
+first chunk whose continuous usage stats count a token) and TPOT (the time after it over the tokens after it) of
+every request, medians and best per arm, the arms alternating for --rounds rounds; then each prompt alone, one
+stream at a time, --passes times (`single_ttft_ms`: in a concurrent batch the first request to arrive is often
+admitted alone and the others wait for its step, so a batch's TTFT is bimodal, on one process and on several alike).
 
 Writes `<device>-<date>-<HHMM>-end-to-end.json` and a Markdown table under benchmarks/results/ and prints it.
 """
@@ -49,6 +51,7 @@ import concurrent.futures
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,7 +67,6 @@ import numpy as np
 from scripts.common import harness, load_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_RESULT = "RESULT "  # a worker's result line on stdout
 LEADER_PARTS = ("scheduler", "layout", "send", "dispatch_rest", "wait_tokens", "output", "outside_step")
 FOLLOWER_PARTS = ("receive", "place", "launch", "return_send")
 
@@ -105,7 +107,9 @@ class _TimedLayout:
 
     def __init__(self, layout, probe: Probe):
         self._layout = layout
-        self.build, self.advance = probe.timed(layout.build, "layout"), probe.timed(layout.advance, "layout")
+        self.build = probe.timed(layout.build, "layout")
+        if hasattr(layout, "advance"):  # an engine before issue 61's (the before figures) lays every step out anew
+            self.advance = probe.timed(layout.advance, "layout")
 
     def __getattr__(self, name):
         return getattr(self._layout, name)
@@ -276,7 +280,9 @@ def worker(args) -> int:
                           options=_options(args.layout, jax.device_count()))
     result = _lead(args, config) if multihost.is_leader() else _follow(args, config)
     result.update(process=jax.process_index(), processes=jax.process_count(), devices=jax.device_count())
-    print(_RESULT + json.dumps(result), flush=True)
+    # A file, not a stdout line: a follower's samples pass 64 KiB, past what launch.py's line pump keeps whole.
+    with open(os.path.join(args.result_dir, f"result-{jax.process_index()}.json"), "w") as f:
+        json.dump(result, f)
     return 0
 
 
@@ -304,7 +310,9 @@ def _launched(args, cmd: list[str], processes: int, flags: bool) -> tuple[list[s
 
 
 def _run_generate_arm(args, layout: str, processes: int) -> list[dict]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--layout", layout, "--model", args.model,
+    result_dir = tempfile.mkdtemp(prefix="jaxllm-e2e-arm-")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--result-dir", result_dir, "--layout", layout,
+           "--model", args.model,
            "--max-context", str(args.max_context), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
            str(args.new_tokens), "--passes", str(args.passes), "--step-repeats", str(args.step_repeats)]
     cmd, env = _launched(args, cmd, processes, flags=False)
@@ -314,10 +322,10 @@ def _run_generate_arm(args, layout: str, processes: int) -> list[dict]:
         raise RuntimeError(f"the {layout} arm with {processes} process(es) failed ({proc.returncode}):\n"
                            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     results = []
-    for line in proc.stdout.splitlines():
-        text = line.split("] ", 1)[1] if processes > 1 and line.startswith("[") else line
-        if text.startswith(_RESULT):
-            results.append(json.loads(text[len(_RESULT):]))
+    for name in sorted(os.listdir(result_dir)):
+        with open(os.path.join(result_dir, name)) as f:
+            results.append(json.load(f))
+    shutil.rmtree(result_dir, ignore_errors=True)
     if len(results) != processes:
         raise RuntimeError(f"the {layout} arm gave {len(results)} results of {processes}:\n{proc.stdout[-2000:]}")
     results.sort(key=lambda r: r["process"])
@@ -598,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="made-up runs through the arithmetic; writes nothing")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", default="instances", help=argparse.SUPPRESS)
+    p.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)

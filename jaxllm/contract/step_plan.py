@@ -244,6 +244,30 @@ class StepPlan:
                         top_p=np.zeros(0, np.float32), seed=empty, instances=empty if instances else None,
                         block_copies=block_copies, host_copies=host_copies)
 
+    def next_decode(self, block_size: int, block_tables: np.ndarray | None = None, *,
+                    host_copies: HostCopies | None = None) -> StepPlan:
+        """The decode step after this one, while this one's sampled tokens are still on the devices (the
+        scheduler's plan_continuation): the same rows in the same order, one PENDING_TOKEN each at the next
+        position, kv_lens one longer, each token's KV slot read from `block_tables` (this plan's unless some row's
+        table grew: then the caller passes the new tables, [S, W'] with W' >= W). The per-row values that a decode
+        step does not move (sampling, logprobs, instances, penalties, logit bias) are this plan's arrays, shared:
+        equal to what assembling the rows anew gives, without a pass over the sequences."""
+        if self.kind is not StepKind.DECODE:
+            raise ValueError(f"next_decode continues a decode step, not a {self.kind.label} step")
+        tables = self.block_tables if block_tables is None else block_tables
+        if tables.shape[0] != self.num_seqs or tables.shape[1] < self.block_tables.shape[1]:
+            raise ValueError(f"next_decode's block_tables are {tables.shape}; the plan's are "
+                             f"{self.block_tables.shape} and only grow")
+        positions = self.positions + 1  # one token a row, at kv_len - 1
+        slots = tables[np.arange(self.num_seqs), positions // block_size].astype(np.int64) * block_size + \
+            positions % block_size
+        total, longest = self.kv_extent
+        return dataclasses.replace(
+            self, token_ids=np.full(self.num_seqs, PENDING_TOKEN, np.int32), positions=positions,
+            slot_mapping=slots.astype(np.int32), kv_lens=self.kv_lens + 1, block_tables=tables,
+            targets=None if self.targets is None else np.full(self.num_seqs, -1, np.int32), block_copies=None,
+            host_copies=host_copies, kv_extent=(total + self.num_seqs, longest + 1 if self.num_seqs else 0))
+
     def rows(self, first: int, last: int, *, kv_extent: tuple[int, int] | None = None) -> StepPlan:
         """The plan of rows [first, last) alone (their tokens packed from 0; views, no copy of the tables);
         no block or host copies (they belong to the step, not to its rows)."""

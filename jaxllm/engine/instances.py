@@ -231,7 +231,14 @@ class InstanceSchedulers:
                 self._pending_copies = [] if copies is None else [copies]
                 return None
             plans.append((i, following))
-        return self._joined(plans, host=self._host_copies())
+        host = self._host_copies()
+        if all(following.block_tables is part.block_tables for (_, part), (_, following) in zip(parts, plans)):
+            # No table grew (most steps): the joined plan one token on, its tables prev's (StepPlan.next_decode),
+            # equal to joining the parts anew, and the executor advances prev's inputs instead of laying them out.
+            joined = prev.next_decode(self.block_size, host_copies=host)
+            self._last = (joined, plans)
+            return joined
+        return self._joined(plans, host=host)
 
     def _recall(self) -> np.ndarray | None:
         """The GManager's recall plan as rBlock copies [M, 2] (global source, global destination), tables and

@@ -47,7 +47,7 @@ from collections.abc import Collection, Iterator
 
 import numpy as np
 
-from jaxllm.contract import (PENDING_TOKEN, HostTierStats, SamplingParams, SchedulerStats, SpeculativeStats, StepKind,
+from jaxllm.contract import (HostTierStats, SamplingParams, SchedulerStats, SpeculativeStats, StepKind,
                              StepPlan)
 from jaxllm.engine.allocator import BlockPool, OutOfBlocks
 from jaxllm.engine.host_tier import HostTier
@@ -258,14 +258,26 @@ class Scheduler:
         need = [self._blocks_for(seq.num_tokens + 1) - len(self.allocator.blocks(seq.seq_id)) for seq in seqs]
         if sum(max(n, 0) for n in need) > self.allocator.num_free:
             return None  # checked first, so a shortage leaves every table as it was
-        for seq, more in zip(seqs, need):
-            if more > 0:  # most decode steps stay inside their last rBlock
-                self.allocator.grow(seq.seq_id, self._blocks_for(seq.num_tokens + 1))
-        total, longest = prev.kv_extent  # every sequence one token longer than in prev
+        grown = [i for i, more in enumerate(need) if more > 0]  # most decode steps stay inside their last rBlock
+        for i in grown:
+            self.allocator.grow(seqs[i].seq_id, self._blocks_for(seqs[i].num_tokens + 1))
         # A grow may have evicted cached rBlocks that the host tier keeps: copied out before this step writes them.
         copies = self.host.take_copies() if self.takes_host_copies else None
-        return self._assemble([(seq, seq.num_tokens, [PENDING_TOKEN], True) for seq in seqs],
-                              kv_extent=(total + len(seqs), longest + 1), host_copies=copies)
+        # prev's plan, one token on (StepPlan.next_decode): the same rows, so only the grown tables are new.
+        return prev.next_decode(self.block_size, self._grown_tables(prev, seqs, grown), host_copies=copies)
+
+    def _grown_tables(self, prev: StepPlan, seqs: list[Sequence], grown: list[int]) -> np.ndarray | None:
+        """prev's rBlock tables with the grown rows' new entries (widened where one outgrew them); None if none
+        grew."""
+        if not grown:
+            return None
+        rows = {i: self.allocator.blocks(seqs[i].seq_id) for i in grown}
+        width = max(prev.block_tables.shape[1], max(len(b) for b in rows.values()))
+        tables = np.zeros((len(seqs), width), np.int32)
+        tables[:, :prev.block_tables.shape[1]] = prev.block_tables
+        for i, blocks in rows.items():
+            tables[i, :len(blocks)] = blocks
+        return tables
 
     def _share_cached_prefix(self, seq: Sequence) -> list[int]:
         """Admission: take the longest run of cached full rBlocks that starts seq's tokens, leaving at

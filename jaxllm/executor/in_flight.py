@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import numpy as np
 
 from jaxllm.contract import StepPlan
 from jaxllm.executor.step import StepInputs
+
+if TYPE_CHECKING:
+    from jaxllm.executor.inputs import StepBatch
 
 __all__ = ["InFlight", "Launched", "host_array", "numbered_outputs"]
 
@@ -48,11 +51,13 @@ def numbered_outputs(launched: Launched) -> list:
 class InFlight:
     """A dispatched step. Its outputs are stacked per instance, [I, S_pad, ...]; `rows` picks each plan row's
     flat index in [I * S_pad] (jaxllm.executor.inputs.StepBatch). `launched`: the step's Launched, or the Future
-    of it while the launcher thread is still launching it (jaxllm.executor.launcher)."""
+    of it while the launcher thread is still launching it (jaxllm.executor.launcher). batch: the StepBatch it was
+    launched with (host arrays), which its continuation advances (InputLayout.advance) instead of laying out anew."""
 
     def __init__(self, plan: StepPlan, launched: Launched | concurrent.futures.Future, rows: np.ndarray, *,
-                 greedy: bool = False, token_rows: np.ndarray | None = None):
+                 greedy: bool = False, token_rows: np.ndarray | None = None, batch: StepBatch | None = None):
         self.plan = plan
+        self.batch = batch
         self.greedy = greedy  # ran the greedy-only step variant (every sequence at temperature 0)
         self.rows = rows
         self.token_rows = token_rows  # per plan token, its flat index in [I * T_pad] (where prompts are scored)

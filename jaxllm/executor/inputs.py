@@ -6,7 +6,8 @@ ids (a plan's ids are global: instance * blocks_per_instance + local). One insta
 same function (decision 11: one GPU is no separate path). A step in which every sequence's rBlocks are at
 home needs nothing more. Otherwise it carries `DistParts` (sharding.dist_attention) for every instance:
 where each gathered token's K/V is written, and the rows of attention each instance computes over the
-rBlocks it holds. Host-side NumPy only.
+rBlocks it holds. A decode continuation (StepPlan.next_decode: the same rows one token on) is not laid out anew:
+`InputLayout.advance` writes the rows' moved values into copies of its source's arrays. Host-side NumPy only.
 """
 
 from __future__ import annotations
@@ -124,6 +125,26 @@ class InputLayout:
         work = plan.kv_lens if by_seqs else q_lens  # a decode or verify step reads its KV, a prefill computes
         busiest = int(np.argmax(np.bincount(homes, weights=work, minlength=n)))
         return StepBatch(out, rows, s_pad if by_seqs else t_pad, borrowed, plan, busiest)
+
+    def advance(self, prev: StepBatch, plan: StepPlan) -> StepBatch:
+        """The batch of `plan`, a continuation of prev's plan (StepPlan.next_decode), from prev's arrays: the same
+        rows at the same places, so only the tokens, positions, kv_lens and KV slots move (each row's entry, no
+        padding laid again); equal to build(plan). A plan whose tables grew (a row entered a new rBlock, which
+        may lie on another instance), or a borrowed step, is built anew."""
+        src = prev.plan
+        if (prev.borrowed or plan.block_tables is not src.block_tables or plan.kind is not StepKind.DECODE
+                or src.kind is not StepKind.DECODE or plan.num_seqs != src.num_seqs):
+            return self.build(plan)
+        inputs, rows = prev.inputs, prev.rows
+        moved = {}
+        homes = rows // inputs.num_seqs
+        local_slots = plan.slot_mapping - homes * (self.blocks_per_instance * self.block_size)
+        for name, values in (("tokens", plan.token_ids), ("positions", plan.positions), ("kv_lens", plan.kv_lens),
+                             ("slot_mapping", local_slots)):
+            moved[name] = getattr(inputs, name).copy()
+            moved[name].reshape(-1)[rows] = values
+        busiest = int(np.argmax(np.bincount(homes, weights=plan.kv_lens, minlength=self.instances)))
+        return StepBatch(dataclasses.replace(inputs, **moved), rows, prev.size, False, plan, busiest)
 
     def inert(self, kind: StepKind, size: int, borrowed: bool = False) -> StepInputs:
         """Warm-up inputs of one bucket (`size`: sequences for decode and verify, tokens for prefill): real shapes,

@@ -121,7 +121,9 @@ class ModelRunner:
             return InFlight(plan, Launched(None, None, None), np.zeros(0, np.int64))
         if not worker.has_penalties and (plan.penalties is not None or plan.logit_bias is not None):
             raise ValueError("the plan has penalties or a logit bias; this executor was built without them")
-        batch = self.layout.build(plan)
+        # A continuation's rows sit where its source's did: its batch is the source's, advanced one token.
+        source_batch = None if token_source is None else token_source.batch
+        batch = self.layout.build(plan) if source_batch is None else self.layout.advance(source_batch, plan)
         variant = self._choose(batch)
         if token_source is not None:
             src = token_source.plan
@@ -139,7 +141,7 @@ class ModelRunner:
             call = self._call(plan, batch, variant)
         launched = worker.launch(call, batch.inputs, token_source)
         scored = token_rows(plan, self.layout.instances, batch.inputs.num_tokens) if plan.scores_prompt else None
-        worker.last = InFlight(plan, launched, batch.rows, greedy=call.greedy, token_rows=scored)
+        worker.last = InFlight(plan, launched, batch.rows, greedy=call.greedy, token_rows=scored, batch=batch)
         return worker.last
 
     def step(self, plan: StepPlan) -> np.ndarray:

@@ -293,3 +293,50 @@ def test_runner_refuses_placeholders_without_a_matching_source(llm):
     finally:
         sched.cancel(seq)
     _check_idle(llm)
+
+
+_PLAN_FIELDS = ("seq_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "block_tables", "sample",
+                "temperature", "top_k", "top_p", "seed", "logprobs", "instances", "targets")
+
+
+def test_a_continuation_equals_the_plan_assembled_anew():
+    """StepPlan.next_decode (what plan_continuation returns) against plan() after the source is recorded: the same
+    step, every field equal but the placeholder tokens, over decode steps that cross rBlocks (block_size 4) and rows
+    whose sampling, logprobs and penalties differ."""
+    rng = np.random.default_rng(seed(52304))
+    sched, alloc = _scheduler(num_blocks=40)
+    params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=30, temperature=0.7, top_k=5, seed=3),
+              SamplingParams(max_new_tokens=30, top_p=0.5, temperature=1.0, logprobs=2, frequency_penalty=0.5)]
+    seqs = [sched.add(rng.integers(1, 100, size=n).tolist(), p, max_len=100) for n, p in zip((3, 6, 9), params)]
+    n = len(seqs)
+    logprobs = (np.zeros(n, np.float32), np.zeros((n, 2), np.int32), np.zeros((n, 2), np.float32))
+    plan = sched.plan()
+    sched.update(plan, rng.integers(1, 100, size=n), eos_id=0, logprobs=logprobs)
+    prev, crossed = sched.plan(), 0
+    for _ in range(12):
+        cont = sched.plan_continuation(prev)
+        assert cont is not None and cont.token_ids.tolist() == [PENDING_TOKEN] * len(seqs)
+        crossed += cont.block_tables is not prev.block_tables
+        sched.update(prev, rng.integers(1, 100, size=n), eos_id=0, logprobs=logprobs)
+        anew = sched.plan()
+        for name in _PLAN_FIELDS:
+            a, b = getattr(cont, name), getattr(anew, name)
+            assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), name
+        assert cont.kv_extent == anew.kv_extent and cont.kind is anew.kind is StepKind.DECODE
+        for field in ("slot", "start", "prompt_len", "recount_end", "frequency", "presence", "repetition"):
+            assert np.array_equal(getattr(cont.penalties, field), getattr(anew.penalties, field)), field
+        prev = anew
+    assert crossed >= 3  # some steps grew a table: their new entries came from the allocator
+
+
+def test_next_decode_refuses_what_it_cannot_continue():
+    rng = np.random.default_rng(seed(52305))
+    sched, _ = _scheduler(num_blocks=16)
+    seqs = [sched.add([5, 6, 7], SamplingParams(max_new_tokens=10), max_len=100)]
+    prefill = sched.plan()
+    with pytest.raises(ValueError, match="continues a decode step, not a prefill step"):
+        prefill.next_decode(4)
+    sched.update(prefill, rng.integers(1, 100, size=1), eos_id=0)
+    decode = sched.plan()
+    with pytest.raises(ValueError, match="only grow"):
+        decode.next_decode(4, np.zeros((len(seqs), 0), np.int32))

@@ -184,6 +184,11 @@ def _replay_to_fixed_point(llm, proposer: BenchProposer, prompt: list[int], toke
     return run, passes
 
 
+def _first_difference(want: list[int], got: list[int]) -> int | None:
+    """The first place two runs' tokens part (bf16 near ties), None where they agree."""
+    return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+
+
 def _warm(llm, prompt: list[int], proposer: BenchProposer | None = None, new_tokens: int = 8) -> None:
     """Untimed: this context's shapes compiled (a plain run, then a speculative one) before the timed runs, which
     then find the prompt's KV in the prefix cache."""
@@ -231,8 +236,7 @@ def engine_rows(llm, proposer: BenchProposer, contexts: list[int], new_tokens: i
         device = device_step_ms(llm, plans)
         decode_ms = float(np.median(plain["gaps"]["decode"][2:])) * 1e3
         verify_ms = float(np.median(replay["gaps"]["verify"][1:])) * 1e3
-        first_difference = next((i for i, (a, b) in enumerate(zip(plain["tokens"], replay["tokens"])) if a != b),
-                                None)
+        first_difference = _first_difference(plain["tokens"], replay["tokens"])
         row = dict(context=context, k=k, new_tokens=new_tokens, same_tokens=plain["tokens"] == replay["tokens"],
                    first_difference=first_difference, replay_passes=passes,
                    compiles_timed=dict(plain=plain["compiles"], replay=replay["compiles"]),
@@ -270,8 +274,7 @@ def draft_model_rows(llm, contexts: list[int], new_tokens: int, k: int) -> list[
         _warm(llm, prompt)
         plain = _drive(llm, prompt, new_tokens, 0)
         drafted = _drive(llm, prompt, new_tokens, None)
-        first_difference = next((i for i, (a, b) in enumerate(zip(plain["tokens"], drafted["tokens"])) if a != b),
-                                None)
+        first_difference = _first_difference(plain["tokens"], drafted["tokens"])
         decode_ms = float(np.median(plain["gaps"]["decode"][2:])) * 1e3
         verify_ms = float(np.median(drafted["gaps"]["verify"][1:])) * 1e3  # the draft's proposal included
         moved = drafted["moved"]

@@ -53,18 +53,16 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 
 from scripts.common import harness, load_report
+from scripts.common.server_process import free_port, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEADER_PARTS = ("scheduler", "layout", "send", "dispatch_rest", "wait_tokens", "output", "outside_step")
@@ -378,27 +376,6 @@ def generate_summary(arms: dict[int, list[dict]]) -> dict:
 
 # ----- serve: the HTTP server on one process and on several -----
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with status {server.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
-
-
 def chat_messages(count: int) -> list[list[dict]]:
     """The same chat prompts in every arm."""
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -464,7 +441,7 @@ def serve_figures(runs: list[list[dict]]) -> dict:
 
 
 def _run_serve_arm(args, layout: str, processes: int) -> dict:
-    port = _free_port()
+    port = free_port()
     mesh = ["--instances", str(args.cpu_devices)] if layout == "instances" else ["--tensor-parallel",
                                                                                  str(args.cpu_devices)]
     cmd = [sys.executable, "-m", "jaxllm.serve", "--model", args.model, "--max-context", str(args.max_context),
@@ -477,7 +454,7 @@ def _run_serve_arm(args, layout: str, processes: int) -> dict:
     server = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/health", server, args.arm_timeout)
+        wait_healthy(f"http://127.0.0.1:{port}/health", server, args.arm_timeout)
         figures = _drive(f"http://127.0.0.1:{port}", args)
     except BaseException:
         server.send_signal(signal.SIGTERM)

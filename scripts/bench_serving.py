@@ -16,41 +16,18 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
 from scripts.common import harness
+from scripts.common.server_process import free_port, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIGURES = ("requests_per_s", "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
            "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with status {server.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
 def _load(script: str, target: list[str], args, out: str) -> dict:
@@ -90,12 +67,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=harness.RESULTS_DIR)
     args = p.parse_args(argv)
 
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     server = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--model", args.model, "--dtype", args.dtype,
                                "--port", str(grpc_port), "--http-port", str(http_port)], cwd=ROOT)
     runs = []
     try:
-        _wait_healthy(f"http://127.0.0.1:{http_port}/health", server, args.startup_timeout)
+        wait_healthy(f"http://127.0.0.1:{http_port}/health", server, args.startup_timeout, poll_s=2)
         device = harness.device_kind()
         grpc_target = ["--port", str(grpc_port), "--metrics-url", f"http://127.0.0.1:{grpc_port + 1}/metrics"]
         http_target = ["--url", f"http://127.0.0.1:{http_port}/v1"]

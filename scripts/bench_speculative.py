@@ -184,6 +184,12 @@ def _replay_to_fixed_point(llm, proposer: BenchProposer, prompt: list[int], toke
     return run, passes
 
 
+def _random_prompt(llm, context: int) -> tuple[np.random.Generator, list[int]]:
+    """The context's prompt (random ids, seeded by the context) and the generator that drew it."""
+    rng = np.random.default_rng(context)
+    return rng, rng.integers(3, llm.config.vocab_size, size=context).tolist()
+
+
 def _first_difference(want: list[int], got: list[int]) -> int | None:
     """The first place two runs' tokens part (bf16 near ties), None where they agree."""
     return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
@@ -224,10 +230,8 @@ def derived_speedups(decode_ms: float, verify_ms: float, k: int, rates=(0.5, 0.7
 def engine_rows(llm, proposer: BenchProposer, contexts: list[int], new_tokens: int, k: int,
                 ngram_contexts: list[int]) -> list[dict]:
     rows = []
-    vocab = llm.config.vocab_size
     for context in contexts:
-        rng = np.random.default_rng(context)
-        prompt = rng.integers(3, vocab, size=context).tolist()
+        rng, prompt = _random_prompt(llm, context)
         t0 = time.perf_counter()
         _warm(llm, prompt, proposer)
         plain = _drive(llm, prompt, new_tokens, 0)
@@ -249,7 +253,7 @@ def engine_rows(llm, proposer: BenchProposer, contexts: list[int], new_tokens: i
         row["replay_speedup"] = row["replay_tokens_per_s"] / row["plain_tokens_per_s"]
         row["derived"] = derived_speedups(device["decode"], device["verify"], k)
         if context in ngram_contexts:
-            passage = rng.integers(3, vocab, size=context // 2).tolist()
+            passage = rng.integers(3, llm.config.vocab_size, size=context // 2).tolist()
             copy = passage + passage[:context - len(passage)]
             lookup = _drive(llm, copy, new_tokens, None)
             moved = lookup["moved"]
@@ -266,10 +270,8 @@ def engine_rows(llm, proposer: BenchProposer, contexts: list[int], new_tokens: i
 def draft_model_rows(llm, contexts: list[int], new_tokens: int, k: int) -> list[dict]:
     """(d): at each context, plain decoding then the draft model's drafts, the same prompt."""
     rows = []
-    vocab = llm.config.vocab_size
     for context in contexts:
-        rng = np.random.default_rng(context)
-        prompt = rng.integers(3, vocab, size=context).tolist()
+        _, prompt = _random_prompt(llm, context)
         t0 = time.perf_counter()
         _warm(llm, prompt)
         plain = _drive(llm, prompt, new_tokens, 0)

@@ -62,6 +62,7 @@ import time
 import numpy as np
 
 from scripts.common import harness, load_report
+from scripts.common.arms import run_arm
 from scripts.common.server_process import free_port, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -315,10 +316,7 @@ def _run_generate_arm(args, layout: str, processes: int) -> list[dict]:
            str(args.new_tokens), "--passes", str(args.passes), "--step-repeats", str(args.step_repeats)]
     cmd, env = _launched(args, cmd, processes, flags=False)
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.arm_timeout + 60)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {layout} arm with {processes} process(es) failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    proc = run_arm(cmd, env, ROOT, args.arm_timeout + 60, f"the {layout} arm with {processes} process(es)")
     results = []
     for name in sorted(os.listdir(result_dir)):
         with open(os.path.join(result_dir, name)) as f:

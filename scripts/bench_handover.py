@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ import time
 import numpy as np
 
 from scripts.common import harness
+from scripts.common.arms import run_arm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RESULT = "RESULT "  # a worker's result line on stdout
@@ -214,10 +214,7 @@ def _run_arm(args, layout: str, processes: int) -> list[dict]:
                "--timeout", str(args.arm_timeout), "--no-flags", "--", *cmd]
     _log(f"[{layout}] {processes} process(es) x {n // processes} device(s): {shlex.join(cmd[1:4])} ...")
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.arm_timeout + 60)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {layout} arm with {processes} process(es) failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    proc = run_arm(cmd, env, ROOT, args.arm_timeout + 60, f"the {layout} arm with {processes} process(es)")
     results = []
     for line in proc.stdout.splitlines():
         text = line.split("] ", 1)[1] if processes > 1 and line.startswith("[") else line

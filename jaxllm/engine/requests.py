@@ -144,7 +144,8 @@ def check_speculative(k: int | None, limits: RequestLimits) -> int | None:
         return k
     if limits.max_speculative_tokens == 0:
         raise ValueError(f"num_speculative_tokens {k} is not served: this engine was started without speculative "
-                         "decoding (EngineOptions.speculative, --speculative ngram:K)")
+                         "decoding (EngineOptions.speculative or speculative_model; --speculative ngram:K or "
+                         "--speculative-model M)")
     raise ValueError(f"num_speculative_tokens {k} is over the limit {limits.max_speculative_tokens} (the engine's "
                      "number of speculative tokens)")
 
